@@ -1,0 +1,1 @@
+"""onnxformer runtime: load a bundle and generate with ONNX Runtime. Imports only numpy and onnxruntime."""

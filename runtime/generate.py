@@ -1,0 +1,100 @@
+"""Generation requests, shared by every engine: validate and pad inputs, run the search, report results.
+
+An engine (PyTorch in toolkit/, ONNX Runtime in runtime/) provides
+
+    engine.start(input_ids [B, S] int64, attention_mask [B, S] int64, expand: int) -> DecodeState
+
+which runs the encoder once and returns a state whose rows are the inputs, each repeated `expand`
+times (row b * expand + j), ready for `runtime.search`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Protocol, Sequence
+
+import numpy as np
+
+from runtime.errors import InputError
+from runtime.search import DecodeState, Hypothesis, SearchOptions, search
+
+
+class Engine(Protocol):
+    pad_id: int
+    bos_id: int
+    eos_id: int
+    vocab_size: int
+    max_len: int
+
+    def start(self, input_ids: np.ndarray, attention_mask: np.ndarray, expand: int) -> DecodeState: ...
+
+
+@dataclass
+class Output:
+    """One returned hypothesis of one input, as printed by `onnxformer generate --json`."""
+
+    index: int                      # position of the input in the request
+    rank: int                       # 0 = best hypothesis
+    text: str | None                # decoded text (None for models without a tokenizer)
+    ids: list[int]                  # generated token ids, EOS excluded
+    score: float                    # log-probability (beam: length-normalized)
+    finished: bool                  # ended with EOS rather than at max_new_tokens
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def pad_batch(sequences: Sequence[Sequence[int]], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """Right-pad token id lists into input_ids and attention_mask (1 = token, 0 = padding), both int64."""
+    width = max(len(s) for s in sequences)
+    ids = np.full((len(sequences), width), pad_id, dtype=np.int64)
+    mask = np.zeros((len(sequences), width), dtype=np.int64)
+    for row, seq in enumerate(sequences):
+        ids[row, : len(seq)] = seq
+        mask[row, : len(seq)] = 1
+    return ids, mask
+
+
+def check_request(sequences: Sequence[Sequence[int]], opts: SearchOptions, vocab_size: int, max_len: int) -> None:
+    """Refuse what the model cannot serve, naming the input and the fix; nothing is silently truncated."""
+    if len(sequences) == 0:
+        raise InputError("no inputs given; pass at least one text (or --ids) to generate from")
+    for i, seq in enumerate(sequences):
+        if len(seq) == 0:
+            raise InputError(f"input {i} is empty; every input needs at least one token")
+        if len(seq) > max_len:
+            raise InputError(f"input {i} has {len(seq)} tokens, more than the model's maximum source length "
+                             f"{max_len}; shorten or split it")
+        bad = [t for t in seq if not 0 <= int(t) < vocab_size]
+        if bad:
+            raise InputError(f"input {i} has token id(s) {bad[:5]} outside the vocabulary [0, {vocab_size}); "
+                             f"use ids below {vocab_size}")
+    if not 0 <= opts.max_new_tokens <= max_len:
+        raise InputError(f"max new tokens must be between 0 and the model's maximum length {max_len}, "
+                         f"got {opts.max_new_tokens}")
+    if opts.beam < 1:
+        raise InputError(f"beam width must be at least 1, got {opts.beam}")
+    if not 1 <= opts.num_return <= opts.beam:
+        raise InputError(f"number of returned hypotheses ({opts.num_return}) must be between 1 and the beam width "
+                         f"({opts.beam})")
+
+
+def generate_ids(engine: Engine, sequences: Sequence[Sequence[int]], opts: SearchOptions) -> list[list[Hypothesis]]:
+    """Hypotheses for each input, in input order, best first."""
+    check_request(sequences, opts, engine.vocab_size, engine.max_len)
+    if opts.max_new_tokens == 0:
+        return search(None, len(sequences), engine.bos_id, engine.eos_id, opts)
+    ids, mask = pad_batch(sequences, engine.pad_id)
+    state = engine.start(ids, mask, opts.beam)          # encoder runs once here
+    return search(state, len(sequences), engine.bos_id, engine.eos_id, opts)
+
+
+def to_outputs(hyps: list[list[Hypothesis]], eos_id: int, tokenizer=None) -> list[Output]:
+    """Flatten hypotheses into Output records (EOS stripped, text decoded when there is a tokenizer)."""
+    outs = []
+    for index, per_input in enumerate(hyps):
+        for rank, h in enumerate(per_input):
+            ids = h.tokens[:-1] if h.tokens and h.tokens[-1] == eos_id else list(h.tokens)
+            text = tokenizer.decode(ids) if tokenizer is not None else None
+            outs.append(Output(index, rank, text, [int(t) for t in ids], round(float(h.score), 6), h.finished))
+    return outs

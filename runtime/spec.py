@@ -1,0 +1,103 @@
+"""The graph interfaces, written down once as plain data.
+
+The exporter builds its wrappers and dynamic axes from these specs, the manifest records them,
+and the runtime feeds the graphs by them. Nothing here imports torch or onnx.
+
+Cache names follow one scheme (layer-indexed, as in Hugging Face Optimum):
+    past_key_values.{i}.decoder.key   self-attention key of decoder layer i, fed back each step
+    past_key_values.{i}.encoder.key   cross-attention key of decoder layer i, computed by the encoder
+    present.{i}.decoder.key           self-attention key after this step (past_len + new_len long)
+    present.{i}.encoder.key           cross-attention key, an output of the encoder graph
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+# symbolic dimension names
+BATCH, SRC_LEN, NEW_LEN, PAST_LEN, TOTAL_LEN = "batch", "src_len", "new_len", "past_len", "total_len"
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One graph input or output: name, element type, and shape with symbolic (str) or fixed (int) dims."""
+
+    name: str
+    dtype: str                      # "int64" | "float32" | "float16"
+    shape: tuple                    # e.g. ("batch", "src_len", 512)
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TensorSpec":
+        return cls(d["name"], d["dtype"], tuple(d["shape"]))
+
+
+@dataclass(frozen=True)
+class GraphSpec:
+    """A graph's file and interface."""
+
+    name: str                       # "encoder" | "decoder"
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+
+    @property
+    def input_names(self) -> list[str]:
+        return [t.name for t in self.inputs]
+
+    @property
+    def output_names(self) -> list[str]:
+        return [t.name for t in self.outputs]
+
+    def to_dict(self) -> dict:
+        return {"inputs": [t.to_dict() for t in self.inputs], "outputs": [t.to_dict() for t in self.outputs]}
+
+
+def cache_name(kind: str, layer: int, attn: str, kv: str) -> str:
+    """The one place cache tensor names are made: kind 'past_key_values'|'present', attn 'decoder'|'encoder'."""
+    return f"{kind}.{layer}.{attn}.{kv}"
+
+
+def encoder_spec(n_decoder_layers: int, n_heads: int, d_model: int, float_type: str = "float32") -> GraphSpec:
+    """encoder.onnx: token ids and mask in; hidden states and every decoder layer's cross-attention K/V out."""
+    head_dim = d_model // n_heads
+    kv_shape = (BATCH, n_heads, SRC_LEN, head_dim)
+    outputs = [TensorSpec("encoder_hidden_states", float_type, (BATCH, SRC_LEN, d_model))]
+    for i in range(n_decoder_layers):
+        outputs += [TensorSpec(cache_name("present", i, "encoder", kv), float_type, kv_shape) for kv in ("key", "value")]
+    return GraphSpec(
+        "encoder",
+        inputs=(TensorSpec("input_ids", "int64", (BATCH, SRC_LEN)),
+                TensorSpec("attention_mask", "int64", (BATCH, SRC_LEN))),
+        outputs=tuple(outputs),
+    )
+
+
+def decoder_spec(n_decoder_layers: int, n_heads: int, d_model: int, vocab_size: int,
+                 float_type: str = "float32") -> GraphSpec:
+    """decoder.onnx: one cached step. Per layer, past self K/V and cross K/V in; logits and present self K/V out."""
+    head_dim = d_model // n_heads
+    inputs = [TensorSpec("input_ids", "int64", (BATCH, NEW_LEN)),
+              TensorSpec("encoder_attention_mask", "int64", (BATCH, SRC_LEN))]
+    outputs = [TensorSpec("logits", float_type, (BATCH, NEW_LEN, vocab_size))]
+    for i in range(n_decoder_layers):
+        for kv in ("key", "value"):
+            inputs.append(TensorSpec(cache_name("past_key_values", i, "decoder", kv), float_type,
+                                     (BATCH, n_heads, PAST_LEN, head_dim)))
+        for kv in ("key", "value"):
+            inputs.append(TensorSpec(cache_name("past_key_values", i, "encoder", kv), float_type,
+                                     (BATCH, n_heads, SRC_LEN, head_dim)))
+        for kv in ("key", "value"):
+            outputs.append(TensorSpec(cache_name("present", i, "decoder", kv), float_type,
+                                      (BATCH, n_heads, TOTAL_LEN, head_dim)))
+    return GraphSpec("decoder", inputs=tuple(inputs), outputs=tuple(outputs))
+
+
+def graph_specs(config: dict, float_type: str = "float32") -> dict[str, GraphSpec]:
+    """Both graphs' specs from a model config given as a dict (as stored in config.json and the manifest)."""
+    L, H, D, V = config["n_decoder_layers"], config["n_heads"], config["d_model"], config["vocab_size"]
+    return {"encoder": encoder_spec(L, H, D, float_type), "decoder": decoder_spec(L, H, D, V, float_type)}
+
+
+__all__ = ["TensorSpec", "GraphSpec", "cache_name", "encoder_spec", "decoder_spec", "graph_specs", "asdict"]

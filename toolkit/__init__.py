@@ -1,0 +1,1 @@
+"""onnxformer toolkit: the PyTorch reference Transformer, checkpoints, tasks, parity, benchmarks and CLI."""

@@ -1,0 +1,125 @@
+"""Checkpoints: a directory with config.json, weights.safetensors (or weights.pt) and, for text models, tokenizer.json.
+
+Loading never executes pickled code: safetensors is plain data, and .pt files load with weights_only=True.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from runtime.errors import CheckpointError, ConfigError, TokenizerError
+from runtime.tokenizer import CharTokenizer
+from toolkit.config import ModelConfig
+from toolkit.model import Transformer
+
+CONFIG, WEIGHTS, WEIGHTS_PT, TOKENIZER, TRAINING = "config.json", "weights.safetensors", "weights.pt", "tokenizer.json", "training.json"
+
+
+@dataclass
+class Checkpoint:
+    """A loaded checkpoint: the model in eval mode, its config, and the tokenizer when it has one."""
+
+    model: Transformer
+    config: ModelConfig
+    tokenizer: CharTokenizer | None
+    path: Path
+
+
+def is_checkpoint(path: str | Path) -> bool:
+    return (Path(path) / CONFIG).is_file() and not (Path(path) / "manifest.json").exists()
+
+
+def save_checkpoint(path: str | Path, model: Transformer, tokenizer: CharTokenizer | None = None,
+                    training: dict | None = None, force: bool = False) -> Path:
+    """Write a checkpoint directory atomically (a temporary directory renamed into place)."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    if path.exists() and not force:
+        raise CheckpointError(f"{path} already exists; choose another --out or pass --force to replace it")
+    if tokenizer is not None and tokenizer.vocab_size > model.config.vocab_size:
+        raise ConfigError(f"tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is "
+                          f"{model.config.vocab_size}; make vocab_size at least {tokenizer.vocab_size}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    try:
+        model.config.save(tmp / CONFIG)
+        state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+        save_file(state, str(tmp / WEIGHTS))
+        if tokenizer is not None:
+            tokenizer.save(tmp / TOKENIZER)
+        if training is not None:
+            (tmp / TRAINING).write_text(json.dumps(training, indent=2) + "\n")
+        if path.exists():
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return path
+
+
+def load_checkpoint(path: str | Path) -> Checkpoint:
+    """Load a checkpoint directory, with a clear error for each way it can be broken."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"checkpoint {path} does not exist; create one with 'onnxformer init' or 'onnxformer train'")
+    if not path.is_dir():
+        raise CheckpointError(f"{path} is not a directory; a checkpoint is a directory holding {CONFIG} and weights")
+    if (path / "manifest.json").exists():
+        raise CheckpointError(f"{path} is an ONNX bundle, not a PyTorch checkpoint; pass the checkpoint directory")
+    try:
+        config = ModelConfig.load(path / CONFIG)
+    except ConfigError as exc:
+        raise CheckpointError(f"checkpoint {path}: {exc}") from None
+    model = Transformer(config, seed=0)
+    state = _load_state(path)
+    expected = set(model.state_dict())
+    missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
+    if missing or unexpected:
+        raise CheckpointError(
+            f"checkpoint {path}: weights do not match config.json (missing: {missing[:3]}, unexpected: {unexpected[:3]}); "
+            f"the weights belong to another model")
+    for name, tensor in model.state_dict().items():
+        if tuple(state[name].shape) != tuple(tensor.shape):
+            raise CheckpointError(f"checkpoint {path}: weight {name} has shape {tuple(state[name].shape)}, "
+                                  f"config.json implies {tuple(tensor.shape)}; the weights belong to another model")
+    model.load_state_dict(state)
+    model.eval()
+    tokenizer = None
+    if (path / TOKENIZER).exists():
+        try:
+            tokenizer = CharTokenizer.load(path / TOKENIZER)
+        except TokenizerError as exc:
+            raise CheckpointError(f"checkpoint {path}: {exc}") from None
+        if tokenizer.vocab_size > config.vocab_size:
+            raise CheckpointError(f"checkpoint {path}: tokenizer has {tokenizer.vocab_size} tokens, more than "
+                                  f"vocab_size {config.vocab_size}")
+    return Checkpoint(model, config, tokenizer, path)
+
+
+def _load_state(path: Path) -> dict[str, torch.Tensor]:
+    if (path / WEIGHTS).exists():
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+        try:
+            return load_file(str(path / WEIGHTS))
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise CheckpointError(f"checkpoint {path}: {WEIGHTS} is unreadable ({exc}); re-save the checkpoint") from None
+    if (path / WEIGHTS_PT).exists():
+        try:
+            state = torch.load(path / WEIGHTS_PT, map_location="cpu", weights_only=True)
+        except Exception as exc:  # torch raises several types for corrupt or unsafe files
+            raise CheckpointError(f"checkpoint {path}: {WEIGHTS_PT} cannot be loaded safely ({type(exc).__name__}); "
+                                  f"re-save it as a plain state dict") from None
+        if not isinstance(state, dict):
+            raise CheckpointError(f"checkpoint {path}: {WEIGHTS_PT} is not a state dict")
+        return state
+    raise CheckpointError(f"checkpoint {path} has no weights ({WEIGHTS} or {WEIGHTS_PT}); re-save the checkpoint")

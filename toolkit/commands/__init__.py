@@ -1,0 +1,1 @@
+"""One module per command; each defines `command` (a click command) and imports heavy packages lazily."""

@@ -1,0 +1,45 @@
+"""What every command shares: lazy import checks and the one-line error handling."""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import sys
+
+import click
+
+from runtime.errors import OnnxformerError
+
+
+class MissingExtra(OnnxformerError):
+    """A command needs packages (torch, onnx, onnxscript) that this install lacks."""
+
+
+def require(extra: str = "export"):
+    """Import check for commands that need PyTorch and friends: a clear message instead of a traceback."""
+    missing = []
+    for module in {"export": ("torch", "onnx", "onnxscript"), "torch": ("torch",)}[extra]:
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            missing.append(module)
+    if missing:
+        raise MissingExtra(f"this command needs {', '.join(missing)}, which is not installed; "
+                           f"install it with: pip install 'onnxformer[export]'")
+
+
+def friendly(fn):
+    """Turn user-facing errors into a one-line message and exit code (2, or 1 for failed checks)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except OnnxformerError as exc:
+            click.echo(f"error: {exc}", err=True)
+            sys.exit(exc.exit_code)
+        except KeyboardInterrupt:
+            click.echo("interrupted; nothing was left half-written", err=True)
+            sys.exit(130)
+
+    return wrapper

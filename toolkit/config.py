@@ -1,0 +1,116 @@
+"""The model configuration: one frozen dataclass, its presets, and its JSON form."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from runtime.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Sizes and choices of the encoder-decoder Transformer ("Attention Is All You Need", sec. 3)."""
+
+    vocab_size: int = 8000          # shared source/target vocabulary (the paper shares one BPE vocab)
+    d_model: int = 512              # model width, d_model in the paper
+    n_heads: int = 8                # attention heads h; d_k = d_v = d_model / h
+    n_encoder_layers: int = 6       # N encoder layers
+    n_decoder_layers: int = 6       # N decoder layers
+    d_ff: int = 2048                # inner size of the position-wise feed-forward network
+    max_len: int = 256              # longest source and longest target (positional table size)
+    dropout: float = 0.1            # P_drop, applied only in training
+    norm: str = "post"              # "post": LayerNorm(x + sublayer(x)) as in the paper; "pre": x + sublayer(LayerNorm(x))
+    activation: str = "relu"        # FFN non-linearity: "relu" (paper) or "gelu"
+    tie_embeddings: bool = True     # output projection shares the embedding matrix (sec. 3.4)
+    layer_norm_eps: float = 1e-5    # LayerNorm epsilon
+    pad_id: int = 0                 # padding token
+    bos_id: int = 1                 # decoder start token
+    eos_id: int = 2                 # end of sequence
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    def validate(self) -> None:
+        """Reject sizes the model cannot be built with, naming the fix."""
+        ints = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.type in ("int", int)}
+        for name, value in ints.items():
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ConfigError(f"config field {name!r} must be an integer, got {value!r}")
+        for name in ("vocab_size", "d_model", "n_heads", "n_encoder_layers", "n_decoder_layers", "d_ff", "max_len"):
+            if ints[name] < 1:
+                raise ConfigError(f"config field {name!r} must be at least 1, got {ints[name]}")
+        if self.d_model % self.n_heads:
+            raise ConfigError(
+                f"d_model ({self.d_model}) is not divisible by n_heads ({self.n_heads}); "
+                f"choose a head count that divides d_model")
+        if self.norm not in ("post", "pre"):
+            raise ConfigError(f"norm must be 'post' or 'pre', got {self.norm!r}")
+        if self.activation not in ("relu", "gelu"):
+            raise ConfigError(f"activation must be 'relu' or 'gelu', got {self.activation!r}")
+        if not 0.0 <= float(self.dropout) < 1.0:
+            raise ConfigError(f"dropout must be in [0, 1), got {self.dropout!r}")
+        for name in ("pad_id", "bos_id", "eos_id"):
+            if not 0 <= ints[name] < self.vocab_size:
+                raise ConfigError(f"{name} ({ints[name]}) must lie inside the vocabulary [0, {self.vocab_size})")
+        if len({self.pad_id, self.bos_id, self.eos_id}) != 3:
+            raise ConfigError("pad_id, bos_id and eos_id must be three different tokens")
+
+    def replace(self, **changes) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "ModelConfig":
+        if not isinstance(data, dict):
+            raise ConfigError("config must be a JSON object")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"unknown config field(s) {', '.join(unknown)}; known fields: {', '.join(sorted(known))}")
+        try:
+            return cls(**data)
+        except TypeError as exc:  # pragma: no cover - defensive
+            raise ConfigError(f"bad config: {exc}") from None
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> "ModelConfig":
+        path = Path(path)
+        try:
+            data = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"{path} is missing; a checkpoint directory needs a config.json") from None
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{path} is not valid JSON ({exc.msg} at line {exc.lineno}); fix or regenerate it") from None
+        return cls.from_dict(data)
+
+
+PRESETS: dict[str, ModelConfig] = {
+    # a few thousand parameters: unit and parity tests
+    "tiny": ModelConfig(vocab_size=64, d_model=32, n_heads=4, n_encoder_layers=2, n_decoder_layers=2,
+                        d_ff=64, max_len=64),
+    # a small seq2seq model: the dates example and quick benchmarks
+    "small": ModelConfig(vocab_size=1000, d_model=256, n_heads=4, n_encoder_layers=3, n_decoder_layers=3,
+                         d_ff=1024, max_len=128),
+    # the paper's base model (Table 3, row "base")
+    "base": ModelConfig(),
+}
+
+
+def preset(name: str, **overrides) -> ModelConfig:
+    """A preset, with any field overridden (None values are ignored)."""
+    if name not in PRESETS:
+        raise ConfigError(f"unknown preset {name!r}; choose one of: {', '.join(PRESETS)}")
+    changes = {k: v for k, v in overrides.items() if v is not None}
+    return dataclasses.replace(PRESETS[name], **changes)

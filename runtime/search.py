@@ -63,7 +63,7 @@ def greedy(state: DecodeState, batch: int, bos: int, eos: int, opts: SearchOptio
         scores[live] += log_softmax(logits.astype(np.float64))[np.arange(len(live)), nxt]
         for row, item in enumerate(live):
             tokens[item].append(int(nxt[row]))
-            done[item] = nxt[row] == eos
+            done[item] = bool(nxt[row] == eos)
         alive = np.flatnonzero(nxt != eos)
         if len(alive) == 0:
             break

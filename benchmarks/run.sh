@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# The RESULTS.md benchmark set (`make bench`). For two models, the paper's base preset with vocab 8000
+# (random weights) and the trained dates example, it builds the unfused fp32 export, the fused fp32 and
+# the fused int8 bundles, then benchmarks PyTorch (torch-cache, torch-nocache) and the three bundles side
+# by side. The base set also profiles one decode step at past length 8 vs 255 (batch 1).
+#
+# Writes benchmarks/base.json, base.png, dates.json, dates.png (tables go to stdout).
+# Intermediate models go to $WORK (default out/bench, ignored by git).
+#
+# Environment overrides (defaults = the RESULTS.md settings):
+#   REPEAT=5 WARMUP=1 THREADS=2 BATCH_SIZES=1,8 SRC_LEN=32 NEW_TOKENS=64
+#   DATES=examples/dates/checkpoint   (set DATES= to skip the dates set)
+#   ONNXFORMER=.venv/bin/onnxformer WORK=out/bench RESULTS=benchmarks
+# e.g. a quick end-to-end check:  REPEAT=1 WARMUP=0 bash benchmarks/run.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+OX=${ONNXFORMER:-.venv/bin/onnxformer}
+WORK=${WORK:-out/bench}
+RESULTS=${RESULTS:-benchmarks}
+DATES=${DATES-examples/dates/checkpoint}
+BENCH_ARGS=(--batch-sizes "${BATCH_SIZES:-1,8}" --src-len "${SRC_LEN:-32}" --new-tokens "${NEW_TOKENS:-64}"
+            --threads "${THREADS:-2}" --repeat "${REPEAT:-5}" --warmup "${WARMUP:-1}" --provider cpu)
+
+if [[ -n "$DATES" && ! -f "$DATES/config.json" ]]; then
+    echo "error: the dates checkpoint $DATES is missing; train it with" \
+         "'onnxformer train --task dates --out $DATES', or set DATES= to skip the dates set" >&2
+    exit 2
+fi
+
+start=$SECONDS
+log() { printf '==> [%4ds] %s\n' $((SECONDS - start)) "$*" >&2; }
+
+# bundles NAME CHECKPOINT: NAME-fp32-unfused (export), NAME-fp32-fused and NAME-int8 (optimize)
+bundles() {
+    local name=$1 ckpt=$2 dir=$WORK/$1
+    log "$name: export and optimize $ckpt into $dir"
+    rm -rf "$dir/$name-fp32-unfused" "$dir/$name-fp32-fused" "$dir/$name-int8"
+    mkdir -p "$dir"
+    "$OX" export "$ckpt" --out "$dir/$name-fp32-unfused"
+    "$OX" optimize "$dir/$name-fp32-unfused" --out "$dir/$name-fp32-fused" --target cpu --precision fp32
+    "$OX" optimize "$dir/$name-fp32-unfused" --out "$dir/$name-int8" --target cpu --precision int8
+}
+
+# bench NAME CHECKPOINT [extra bench options]
+bench() {
+    local name=$1 ckpt=$2 dir=$WORK/$1
+    shift 2
+    log "$name: bench (${BENCH_ARGS[*]} $*)"
+    "$OX" bench "$ckpt" "$dir/$name-fp32-unfused" "$dir/$name-fp32-fused" "$dir/$name-int8" "${BENCH_ARGS[@]}" \
+        --save "$RESULTS/$name.json" --plot "$RESULTS/$name.png" "$@"
+}
+
+mkdir -p "$WORK" "$RESULTS"
+log "base: random-weight checkpoint (preset base, vocab 8000)"
+"$OX" init --preset base --vocab 8000 --out "$WORK/base/base-checkpoint" --force
+bundles base "$WORK/base/base-checkpoint"
+bench base "$WORK/base/base-checkpoint" --step-profile
+
+if [[ -n "$DATES" ]]; then
+    bundles dates "$DATES"
+    bench dates "$DATES"
+fi
+log "done: results in $RESULTS/ (base${DATES:+, dates}: .json and .png)"

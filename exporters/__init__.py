@@ -1,0 +1,1 @@
+"""onnxformer exporters: PyTorch model -> ONNX graphs -> bundle (export, validation, bundle writing, optimization)."""

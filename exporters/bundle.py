@@ -1,0 +1,209 @@
+"""Writing bundles: the manifest builder and the atomic writer shared by export and optimize.
+
+    with stage_bundle(out_dir, force) as tmp:      # a temporary directory next to out_dir
+        ...write tmp/encoder.onnx, tmp/decoder.onnx, check them...
+        write_manifest(tmp, build_manifest(config, {name: graph_entry(path)}, ...))
+    # clean exit: tmp is renamed to out_dir; any exception (or Ctrl-C): tmp is removed, out_dir untouched
+
+The manifest records everything `inspect` and the runtime need (specs, node and op counts, opsets,
+hashes), so neither has to import onnx. Its reader lives in runtime/manifest.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import os
+import shutil
+import tempfile
+from collections import Counter
+from importlib import metadata
+from pathlib import Path
+
+import onnx
+
+from runtime.errors import BundleError
+from runtime.manifest import FORMAT, FORMAT_VERSION, MANIFEST, PRECISIONS, TARGETS, sha256_file, validate_manifest
+
+TENSOR_TYPES = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.FLOAT16: "float16", onnx.TensorProto.INT64: "int64",
+                onnx.TensorProto.INT32: "int32", onnx.TensorProto.BOOL: "bool", onnx.TensorProto.INT8: "int8",
+                onnx.TensorProto.UINT8: "uint8", onnx.TensorProto.BFLOAT16: "bfloat16", onnx.TensorProto.DOUBLE: "float64"}
+
+
+def check_destination(out_dir: str | Path, force: bool) -> Path:
+    """Refuse an existing out_dir without force, and a destination that cannot be written; nothing is touched."""
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not force:
+        raise BundleError(f"{out_dir} already exists; choose another --out or pass --force to replace it")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise BundleError(f"{out_dir} exists and is not a directory; choose another --out")
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / MANIFEST).is_file():
+        raise BundleError(f"{out_dir} exists and is not a bundle (no {MANIFEST}); --force replaces only bundles, "
+                          f"so choose another --out or remove it yourself")
+    parent = out_dir.absolute().parent
+    existing = parent
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise BundleError(f"cannot create {out_dir}: {existing} is a file, not a directory; choose another --out")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise BundleError(f"cannot write {out_dir}: {existing} is not writable; choose another --out")
+    return out_dir
+
+
+@contextlib.contextmanager
+def stage_bundle(out_dir: str | Path, force: bool = False):
+    """Yield a temporary directory next to out_dir; move it into place on success, remove it on any failure."""
+    out_dir = check_destination(out_dir, force)
+    try:
+        out_dir.absolute().parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.absolute().parent))
+    except OSError as exc:
+        raise BundleError(f"cannot write {out_dir} ({exc.strerror}); choose another --out") from None
+    try:
+        yield tmp
+        _commit(tmp, out_dir, force)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _commit(tmp: Path, out_dir: Path, force: bool) -> None:
+    """Rename tmp to out_dir; an existing out_dir (force) is moved aside first and removed only afterwards."""
+    old = None
+    if out_dir.exists():
+        if not force:  # appeared while we worked
+            raise BundleError(f"{out_dir} appeared during the export; choose another --out or pass --force")
+        old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.absolute().parent))
+        os.replace(out_dir, old / out_dir.name)
+    try:
+        os.replace(tmp, out_dir)
+    except OSError:
+        if old is not None:
+            os.replace(old / out_dir.name, out_dir)       # put the previous bundle back
+        raise
+    finally:
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def tensor_specs(values) -> list[dict]:
+    """TensorSpec dicts (name, dtype, shape with dim names or sizes) of graph inputs or outputs."""
+    specs = []
+    for v in values:
+        t = v.type.tensor_type
+        shape = [d.dim_param if d.HasField("dim_param") else (d.dim_value if d.HasField("dim_value") else None)
+                 for d in t.shape.dim]
+        specs.append({"name": v.name, "dtype": TENSOR_TYPES.get(t.elem_type, str(t.elem_type)), "shape": shape})
+    return specs
+
+
+def op_counts(graph: onnx.GraphProto) -> Counter:
+    """Node counts by op type (domain-qualified outside the default domain), subgraphs included."""
+    counts = Counter()
+    for node in graph.node:
+        domain = node.domain if node.domain not in ("", "ai.onnx") else ""
+        counts[f"{domain}.{node.op_type}" if domain else node.op_type] += 1
+        for attr in node.attribute:
+            for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
+                counts.update(op_counts(sub))
+    return counts
+
+
+def graph_entry(path: str | Path, model: onnx.ModelProto | None = None) -> dict:
+    """The manifest entry of one graph file, read from the file itself: hash, size, opset, interface, op counts."""
+    path = Path(path)
+    model = model if model is not None else onnx.load(str(path), load_external_data=False)
+    counts = op_counts(model.graph)
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), None)
+    return {"file": path.name, "sha256": sha256_file(path), "bytes": path.stat().st_size, "opset": opset,
+            "opsets": {o.domain or "ai.onnx": o.version for o in model.opset_import},
+            "inputs": tensor_specs(model.graph.input), "outputs": tensor_specs(model.graph.output),
+            "nodes": sum(counts.values()), "op_counts": dict(sorted(counts.items()))}
+
+
+def producer_versions() -> dict[str, str]:
+    """Versions of the packages that made the bundle."""
+    versions = {}
+    for package in ("onnxformer", "torch", "onnx", "onnxscript", "onnxruntime"):
+        try:
+            versions[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            with contextlib.suppress(metadata.PackageNotFoundError):
+                versions[package] = metadata.version(f"{package}-gpu")
+    return versions
+
+
+def build_manifest(config: dict, graphs: dict[str, dict], precision: str = "fp32", target: str = "any",
+                   opset: int | None = None, fusions: dict | None = None, passes: list | None = None,
+                   parity: dict | None = None, tokenizer: str | None = None, ort_graphs: dict | None = None,
+                   source: dict | None = None) -> dict:
+    """The manifest dict (format_version 1). graphs: {name: graph_entry(path)}; parity: a report's to_dict()."""
+    if precision not in PRECISIONS:
+        raise BundleError(f"unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
+    if target not in TARGETS:
+        raise BundleError(f"unknown target {target!r}; choose one of {', '.join(TARGETS)}")
+    manifest = {
+        "format": FORMAT, "format_version": FORMAT_VERSION, "model": dict(config), "precision": precision,
+        "target": target, "opset": opset if opset is not None else graphs["encoder"].get("opset"),
+        "graphs": graphs, "ort_graphs": ort_graphs or {}, "tokenizer": tokenizer,
+        "fusions": dict(fusions or {}), "passes": list(passes or []), "producer": producer_versions(),
+        "parity": parity if parity is not None else {"verified": False},
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+    if source is not None:
+        manifest["source"] = source
+    validate_manifest(manifest, "the new manifest")
+    return manifest
+
+
+def write_manifest(bundle_dir: str | Path, manifest: dict) -> Path:
+    """Write manifest.json (after checking every listed file is present with its recorded hash)."""
+    bundle_dir = Path(bundle_dir)
+    from runtime.manifest import verify_hashes
+    verify_hashes(bundle_dir, manifest)
+    path = bundle_dir / MANIFEST
+    path.write_text(json.dumps(manifest, indent=2, allow_nan=True) + "\n")
+    return path
+
+
+def copy_tokenizer(tokenizer: str | Path | None, bundle_dir: Path) -> str | None:
+    """Copy tokenizer.json into the bundle; returns its name for the manifest (None when the model has none)."""
+    if tokenizer is None:
+        return None
+    shutil.copyfile(tokenizer, bundle_dir / "tokenizer.json")
+    return "tokenizer.json"
+
+
+def write_bundle(out_dir: str | Path, config: dict, graphs: dict, *, precision: str = "fp32", target: str = "any",
+                 opset: int | None = None, fusions: dict | None = None, passes: list | None = None,
+                 tokenizer: str | Path | None = None, ort_graphs: dict | None = None, verify=None,
+                 source: dict | None = None, force: bool = False) -> Path:
+    """Write a whole bundle atomically in one call (what optimize uses).
+
+    graphs: {"encoder": ModelProto or path, "decoder": ...}, saved as <name>.onnx; ort_graphs: {name: .ort path};
+    verify: called with {name: staged .onnx path} before the manifest is written, returns the parity record
+    (a report's to_dict()) or raises (e.g. ParityError) to abort, leaving nothing at out_dir.
+    """
+    with stage_bundle(out_dir, force) as tmp:
+        paths, entries = {}, {}
+        for name, graph in graphs.items():
+            paths[name] = tmp / f"{name}.onnx"
+            if isinstance(graph, onnx.ModelProto):
+                onnx.save_model(graph, str(paths[name]))
+            else:
+                shutil.copyfile(graph, paths[name])
+            entries[name] = graph_entry(paths[name], graph if isinstance(graph, onnx.ModelProto) else None)
+        ort_entries = {}
+        for name, path in (ort_graphs or {}).items():
+            target_path = tmp / f"{name}.ort"
+            shutil.copyfile(path, target_path)
+            ort_entries[name] = {"file": target_path.name, "sha256": sha256_file(target_path),
+                                 "bytes": target_path.stat().st_size}
+        parity = verify(paths) if verify is not None else None
+        manifest = build_manifest(config, entries, precision=precision, target=target, opset=opset, fusions=fusions,
+                                  passes=passes, parity=parity, tokenizer=copy_tokenizer(tokenizer, tmp),
+                                  ort_graphs=ort_entries, source=source)
+        write_manifest(tmp, manifest)
+    return Path(out_dir)

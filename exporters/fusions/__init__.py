@@ -1,0 +1,51 @@
+"""Fusion rules, one file each, written as onnxscript rewriter rules; `fusion_passes` orders them for a target.
+
+    attention.py        split-head attention -> com.microsoft.MultiHeadAttention | ONNX Attention (opset 23)
+    layernorm.py        decomposed LayerNorm -> LayerNormalization
+    skip_layernorm.py   residual Add + LayerNormalization -> com.microsoft.SkipLayerNormalization
+    gelu.py             Erf-spelled GELU -> Gelu; bias Add + Gelu -> com.microsoft.BiasGelu / FastGelu
+    transposed_weight.py  MatMul(x, Transpose(W)) -> MatMul(x, W^T): run before int8 quantization only
+
+Target "ort" (onnxruntime) gets every rule; target "onnx" (other runtimes) only rules that emit standard ops.
+"""
+
+from __future__ import annotations
+
+from exporters.fusions.attention import AttentionFusion, attention_rules
+from exporters.fusions.gelu import bias_gelu_rules, erf_gelu_rules
+from exporters.fusions.layernorm import layernorm_rules
+from exporters.fusions.skip_layernorm import skip_layernorm_rules
+from exporters.fusions.transposed_weight import transposed_weight_rules
+from exporters.passes import CleanupPass, OpsetPass, Pass, RewritePass
+
+ATTENTION_TARGETS = ("ort", "onnx")
+ONNX_ATTENTION_OPSET = 23
+
+
+def fusion_passes(attention: str = "ort", opset: int = 20, tracer=None) -> list[Pass]:
+    """The fusion passes for one attention target, in order; the manager repeats them until nothing changes."""
+    if attention not in ATTENTION_TARGETS:
+        raise ValueError(f"unknown attention target {attention!r}")
+    passes: list[Pass] = []
+    if attention == "onnx":
+        passes.append(OpsetPass(ONNX_ATTENTION_OPSET))
+        opset = max(opset, ONNX_ATTENTION_OPSET)
+    passes.append(RewritePass("fuse_attention", attention_rules(attention), tracer))
+    passes.append(RewritePass("fuse_layer_norm", layernorm_rules(), tracer))
+    if opset >= 20 or attention == "ort":         # the ONNX Gelu op needs opset 20; onnxruntime has its own
+        passes.append(RewritePass("fuse_erf_gelu", erf_gelu_rules("" if opset >= 20 else "com.microsoft"), tracer))
+    if attention == "ort":
+        passes.append(RewritePass("fuse_skip_layer_norm", skip_layernorm_rules(), tracer))
+        passes.append(RewritePass("fuse_bias_gelu", bias_gelu_rules(), tracer))
+    passes.append(CleanupPass())
+    return passes
+
+
+def quantization_prepasses() -> list[Pass]:
+    """Before int8 quantization: give every constant MatMul weight an initializer of its own."""
+    return [RewritePass("fold_transposed_weights", transposed_weight_rules()), CleanupPass()]
+
+
+__all__ = ["AttentionFusion", "attention_rules", "layernorm_rules", "skip_layernorm_rules", "erf_gelu_rules",
+           "bias_gelu_rules", "transposed_weight_rules", "fusion_passes", "quantization_prepasses",
+           "ATTENTION_TARGETS"]

@@ -1,0 +1,348 @@
+"""Optimize a bundle: fuse (attention, LayerNorm, GELU), convert precision, prove parity, write a new bundle.
+
+    out, report = optimize_bundle("out/bundle", "out/fused", target="cpu", precision="int8")
+    print(report.format())
+
+Fusions run as rewrite passes (exporters/fusions) under a PassManager that repeats them until nothing
+changes; precision passes run once after. The new bundle is staged and renamed into place (exporters/bundle),
+so a failure (bad input, parity out of tolerance) leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import onnx
+import onnx_ir as ir
+import onnxruntime as ort
+
+from exporters.bundle import build_manifest, copy_tokenizer, graph_entry, op_counts, stage_bundle, write_manifest
+from exporters.compare import compare_graphs
+from exporters.fusions import ATTENTION_TARGETS, attention_rules, fusion_passes, quantization_prepasses
+from exporters.passes import PassManager, explain_misses
+from exporters.precision import precision_pass
+from runtime.errors import OnnxformerError, ParityError
+from runtime.manifest import GRAPHS, read_manifest, verify_hashes
+from toolkit.parity.tolerances import tolerance
+
+TARGETS = ("cpu", "cuda")
+PRECISIONS = ("fp32", "fp16", "int8")
+ATTENTION_OPS = {"ort": "com.microsoft.MultiHeadAttention", "onnx": "Attention"}
+
+
+class OptimizeError(OnnxformerError):
+    """Options or a source bundle that optimize cannot work with (exit 2, nothing written)."""
+
+
+@dataclass
+class OptimizeReport:
+    """What optimize did: rewrites per rule and graph, node/op counts and sizes before and after, parity."""
+
+    source: str
+    out: str
+    target: str
+    precision: str
+    attention: str | None
+    fusions: dict[str, dict[str, int]] = field(default_factory=dict)      # graph -> rule -> count
+    passes: list[str] = field(default_factory=list)
+    before: dict[str, dict] = field(default_factory=dict)                # graph -> {nodes, op_counts, bytes}
+    after: dict[str, dict] = field(default_factory=dict)
+    parity: dict = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def totals(self) -> dict[str, int]:
+        rules: dict[str, int] = {}
+        for counts in self.fusions.values():
+            for rule, n in counts.items():
+                rules[rule] = rules.get(rule, 0) + n
+        return rules
+
+    def to_dict(self) -> dict:
+        return {"source": self.source, "out": self.out, "target": self.target, "precision": self.precision,
+                "attention": self.attention, "fusions": self.fusions, "fusion_totals": self.totals,
+                "passes": self.passes, "before": self.before, "after": self.after, "parity": self.parity,
+                "notes": self.notes, "seconds": self.seconds}
+
+    def format(self) -> str:
+        """The command's report: rewrites, node and op counts, file sizes, parity."""
+        lines = [f"optimized {self.source} -> {self.out}  (target {self.target}, precision {self.precision}, "
+                 f"attention {self.attention or 'not fused'}, {self.seconds:.1f} s)"]
+        totals = self.totals
+        if totals:
+            fired = {rule: n for rule, n in totals.items() if n}
+            if fired:
+                lines.append(f"\n{'rewrite':<30} {'encoder':>8} {'decoder':>8} {'total':>6}")
+                for rule, n in fired.items():
+                    enc, dec = (self.fusions.get(g, {}).get(rule, 0) for g in GRAPHS)
+                    lines.append(f"{rule:<30} {enc:>8} {dec:>8} {n:>6}")
+            else:
+                lines.append("\nno fusion fired: nothing left to fuse"
+                             + (" (a no-op)" if self.precision == "fp32" else ""))
+            idle = [rule for rule, n in totals.items() if not n]
+            if idle and fired:
+                lines.append("did not fire: " + ", ".join(idle))
+        lines.append("passes: " + (", ".join(self.passes) if self.passes else "none"))
+        for g in GRAPHS:
+            b, a = self.before[g], self.after[g]
+            lines.append(f"\n{g}: {b['nodes']} -> {a['nodes']} nodes, {len(b['op_counts'])} -> {len(a['op_counts'])} "
+                         f"op types, {_mb(b['bytes'])} -> {_mb(a['bytes'])}")
+            ops = sorted(set(b["op_counts"]) | set(a["op_counts"]))
+            changed = [(op, b["op_counts"].get(op, 0), a["op_counts"].get(op, 0)) for op in ops]
+            changed = [c for c in changed if c[1] != c[2]]
+            for op, x, y in sorted(changed, key=lambda c: -abs(c[2] - c[1])):
+                lines.append(f"  {op:<36} {x:>5} -> {y:<5}")
+        p = self.parity
+        if p.get("outputs"):
+            from toolkit.parity.graphs import record_table
+            lines.append("\n" + record_table(p))
+        verdict = "verified" if p.get("verified") else "NOT verified"
+        lines.append(("" if p.get("outputs") else "\n") + f"parity: {verdict} on {p.get('provider')} "
+                     f"{p.get('precision')}: {p.get('summary', p.get('reason', ''))}")
+        if p.get("cpu_check"):
+            check = p["cpu_check"]
+            tokens = check.get("teacher_forced_tokens_equal")
+            lines.append(f"  looked at on the CPU instead (not a verdict): {check['summary']}"
+                         + ("" if tokens is None else f", teacher-forced greedy tokens equal {tokens:.2%}"))
+        gen = p.get("generation")
+        if gen:
+            lines.append(f"  greedy tokens equal to the source bundle: {gen['tokens_equal']:.2%} over "
+                         f"{gen['samples']} inputs (needed {gen['token_match']:.0%}; {gen['source']})")
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:.2f} MB"
+
+
+def check_options(target: str, precision: str, attention: str, fuse: bool) -> None:
+    """Refuse option combinations that cannot work, before touching anything."""
+    if target not in TARGETS:
+        raise OptimizeError(f"unknown target {target!r}; choose one of: {', '.join(TARGETS)}")
+    if precision not in PRECISIONS:
+        raise OptimizeError(f"unknown precision {precision!r}; choose one of: {', '.join(PRECISIONS)}")
+    if attention not in ATTENTION_TARGETS:
+        raise OptimizeError(f"unknown attention target {attention!r}; choose ort (onnxruntime's "
+                            f"MultiHeadAttention) or onnx (the standard Attention op, opset 23)")
+    if precision == "fp16" and target != "cuda":
+        raise OptimizeError("fp16 is for the CUDA provider: pass --target cuda (for CPU use --precision fp32 or int8)")
+    if precision == "int8" and target != "cpu":
+        raise OptimizeError("int8 dynamic quantization runs on the CPU provider: pass --target cpu "
+                            "(for CUDA use --precision fp16)")
+    if not fuse and precision == "fp32":
+        raise OptimizeError("nothing to do: --no-fuse with --precision fp32 leaves the graphs unchanged; "
+                            "drop --no-fuse or choose --precision int8/fp16")
+
+
+def attention_state(manifest: dict) -> str | None:
+    """Which attention op the bundle's graphs already hold: 'ort', 'onnx' or None (decomposed)."""
+    ops = {op for g in GRAPHS for op in manifest["graphs"][g].get("op_counts", {})}
+    for name, op in ATTENTION_OPS.items():
+        if op in ops:
+            return name
+    return None
+
+
+def check_source(bundle_dir: Path, out_dir: Path, manifest: dict, precision: str, fuse: bool, attention: str) -> None:
+    """Refuse re-optimizations that would mean nothing or stack conversions; say what was applied before."""
+    if out_dir.absolute().resolve() == bundle_dir.absolute().resolve():
+        raise OptimizeError(f"--out {out_dir} is the source bundle; write the optimized bundle elsewhere")
+    done = manifest.get("passes") or []
+    applied = f"passes {', '.join(done)}" if done else "no passes"
+    if manifest["precision"] != "fp32":
+        raise OptimizeError(f"bundle {bundle_dir} is already {manifest['precision']} ({applied}); optimize the fp32 "
+                            f"bundle it was made from")
+    fused = attention_state(manifest)
+    if fuse and fused is not None and fused != attention:
+        raise OptimizeError(f"bundle {bundle_dir} already holds {ATTENTION_OPS[fused]} ({applied}), so it cannot be "
+                            f"fused for --attention {attention}: optimize the exported (unfused) bundle, or pass "
+                            f"--attention {fused} (or --no-fuse) to only convert its precision")
+
+
+def optimize_bundle(bundle_dir: str | Path, out_dir: str | Path, target: str = "cpu", precision: str = "fp32",
+                    fuse: bool = True, attention: str = "ort", force: bool = False, per_channel: bool = True,
+                    samples: int = 32, progress: Callable[[str], None] | None = None) -> tuple[Path, OptimizeReport]:
+    """Fuse and/or convert a bundle into out_dir; returns (out_dir, report). Bad input: OptimizeError/BundleError."""
+    progress = progress or (lambda msg: None)
+    start = time.perf_counter()
+    bundle_dir, out_dir = Path(bundle_dir), Path(out_dir)
+    check_options(target, precision, attention, fuse)
+    manifest = read_manifest(bundle_dir)
+    verify_hashes(bundle_dir, manifest, which=("graphs",))
+    check_source(bundle_dir, out_dir, manifest, precision, fuse, attention)
+    config = manifest["model"]
+    progress(f"optimizing {bundle_dir} -> {out_dir}")
+    report = OptimizeReport(str(bundle_dir), str(out_dir), target, precision, attention if fuse else None)
+    if manifest.get("ort_graphs"):
+        report.notes.append("the source's ORT-format (.ort) graphs are not carried over; convert the new graphs again")
+
+    with stage_bundle(out_dir, force) as tmp:
+        paths, src_paths = {}, {}
+        for g in GRAPHS:
+            entry = manifest["graphs"][g]
+            src_paths[g] = bundle_dir / entry["file"]
+            paths[g] = tmp / entry["file"]
+            report.before[g] = {"nodes": entry.get("nodes"), "op_counts": entry.get("op_counts", {}),
+                                "bytes": entry.get("bytes", src_paths[g].stat().st_size)}
+            if report.before[g]["nodes"] is None:
+                counts = op_counts(onnx.load(str(src_paths[g]), load_external_data=False).graph)
+                report.before[g].update(nodes=sum(counts.values()), op_counts=dict(counts))
+            t0 = time.perf_counter()
+            model, counts, applied = _optimize_graph(src_paths[g], fuse, attention, precision, per_channel,
+                                                     entry.get("opset") or manifest.get("opset") or 20)
+            report.fusions[g] = counts
+            report.passes = sorted(set(report.passes) | set(applied), key=_pass_rank)
+            _check_fused(g, model, config, fuse, attention, report)
+            ir.save(model, paths[g])
+            e = graph_entry(paths[g])
+            report.after[g] = {"nodes": e["nodes"], "op_counts": e["op_counts"], "bytes": e["bytes"]}
+            progress(f"{g}: {sum(counts.values())} rewrites, {report.before[g]['nodes']} -> {e['nodes']} nodes "
+                     f"in {time.perf_counter() - t0:.1f} s")
+        report.parity = _parity(manifest, bundle_dir, src_paths, paths, target, precision, samples, progress)
+        if report.parity.get("judged") and not report.parity["verified"]:
+            raise ParityError(f"optimized graphs differ from the source bundle: {report.parity['summary']}; "
+                              f"nothing was written to {out_dir}", report.parity)
+        fusions = dict(manifest.get("fusions") or {})
+        for rule, n in report.totals.items():
+            if n:
+                fusions[rule] = fusions.get(rule, 0) + n
+        source = {"bundle": str(bundle_dir.absolute()), "precision": manifest["precision"],
+                  "target": manifest.get("target", "any"), "passes": manifest.get("passes") or [],
+                  "graphs": {g: {"sha256": manifest["graphs"][g]["sha256"], **report.before[g]} for g in GRAPHS},
+                  "options": {"target": target, "precision": precision, "fuse": fuse, "attention": attention,
+                              "per_channel": per_channel},
+                  "fusions_by_graph": report.fusions}
+        new = build_manifest(config, {g: graph_entry(paths[g]) for g in GRAPHS}, precision=precision, target=target,
+                             fusions=fusions, passes=(manifest.get("passes") or []) + report.passes,
+                             parity=report.parity, tokenizer=_tokenizer(bundle_dir, manifest, tmp), source=source)
+        write_manifest(tmp, new)
+    report.seconds = time.perf_counter() - start
+    return out_dir, report
+
+
+def _optimize_graph(path: Path, fuse: bool, attention: str, precision: str, per_channel: bool,
+                    opset: int) -> tuple[ir.Model, dict[str, int], list[str]]:
+    """Load one graph, run the fusion passes until nothing changes, then the precision pass once."""
+    model = ir.load(path)
+    counts, applied = {}, []
+    if fuse:
+        result = PassManager(fusion_passes(attention, opset))(model)
+        model, counts, applied = result.model, result.counts, list(result.applied)
+    if precision == "int8":
+        result = PassManager(quantization_prepasses(), steps=2)(model)
+        model = result.model
+        counts = {**counts, **{k: counts.get(k, 0) + v for k, v in result.counts.items()}}
+        applied += [p for p in result.applied if p not in applied]
+    step = precision_pass(precision, per_channel)
+    if step is not None:
+        with _quiet():
+            result = step(model)
+        model = result.model
+        applied.append(step.name)
+    return model, counts, applied
+
+
+PIPELINE = ("opset_23", "fuse_attention", "fuse_layer_norm", "fuse_erf_gelu", "fuse_skip_layer_norm", "fuse_bias_gelu",
+            "cleanup", "fold_transposed_weights", "float16", "quantize_int8")
+
+
+def _pass_rank(name: str) -> tuple[int, str]:
+    """Passes listed in pipeline order (they come from two graphs, each applying a subset)."""
+    return (PIPELINE.index(name) if name in PIPELINE else len(PIPELINE), name)
+
+
+def _check_fused(graph: str, model: ir.Model, config: dict, fuse: bool, attention: str,
+                 report: OptimizeReport) -> None:
+    """Note when a graph does not hold one fused attention per attention block, with the tracer's reasons."""
+    if not fuse:
+        return
+    expected = config["n_encoder_layers"] if graph == "encoder" else 2 * config["n_decoder_layers"]
+    op_type = ATTENTION_OPS[attention].rsplit(".", 1)[-1]
+    found = sum(1 for n in model.graph if n.op_type == op_type)
+    left = sum(1 for n in model.graph if n.op_type == "Softmax")
+    if found != expected or left:
+        reasons = explain_misses(model, attention_rules(attention)) if left else {}
+        why = "; ".join(f"{k}: {v}" for k, v in reasons.items()) or "no candidate matched"
+        report.notes.append(f"{graph}: {found} of {expected} attention blocks fused, {left} Softmax left ({why})")
+
+
+def _tokenizer(bundle_dir: Path, manifest: dict, tmp: Path) -> str | None:
+    name = manifest.get("tokenizer")
+    return copy_tokenizer(bundle_dir / name, tmp) if name else None
+
+
+def _parity(manifest, bundle_dir, src_paths, paths, target, precision, samples, progress) -> dict:
+    """The parity record: graph outputs and greedy tokens of the new graphs against the source bundle's."""
+    config = manifest["model"]
+    provider = "cuda" if target == "cuda" else "cpu"
+    if provider == "cuda" and "CUDAExecutionProvider" not in ort.get_available_providers():
+        record = {"verified": False, "judged": False, "provider": "cuda", "precision": precision,
+                  "reason": f"CUDA not available: this onnxruntime has no CUDAExecutionProvider, so the {precision} "
+                            f"graphs were not run on their target; check them on a GPU machine with "
+                            f"`onnxformer parity CHECKPOINT BUNDLE --provider cuda`"}
+        try:                                       # an informative look on the CPU, never a verdict
+            cpu = compare_graphs(src_paths, paths, config, "cpu", None)
+            record["cpu_check"] = {k: cpu[k] for k in ("summary", "max_abs", "teacher_forced_tokens_equal")}
+        except Exception as exc:                   # e.g. an op without a CPU kernel for this type
+            record["cpu_check"] = {"summary": f"does not run on the CPU ({str(exc).splitlines()[0][:200]})"}
+        progress(f"parity not verified: {record['reason']}")
+        return record
+    t0 = time.perf_counter()
+    tol = tolerance(precision, provider)
+    record = compare_graphs(src_paths, paths, config, provider, tol)
+    record["precision"] = precision
+    record["generation"] = _generation(config, bundle_dir, manifest, src_paths, paths, provider, precision, tol,
+                                       samples)
+    tokens_ok = record["generation"]["tokens_equal"] >= tol.token_match
+    if record["judged"]:
+        record["verified"] = record["verified"] and tokens_ok
+        if not tokens_ok:
+            record["summary"] += f"; greedy tokens equal only {record['generation']['tokens_equal']:.2%}"
+    else:                                          # int8: numbers reported, tokens judged (not a gate)
+        record["verified"] = tokens_ok
+    progress(f"parity against the source bundle on {provider} in {time.perf_counter() - t0:.1f} s: "
+             f"{record['summary']}")
+    return record
+
+
+def _generation(config, bundle_dir, manifest, src_paths, paths, provider, precision, tol, samples) -> dict:
+    """Greedy decoding with both bundles through the runtime engine; token agreement position by position."""
+    from runtime.ort_engine import OrtEngine
+    from runtime.session import make_session
+    from runtime.tokenizer import CharTokenizer
+    from toolkit.config import ModelConfig
+    from toolkit.parity.generation import generation_parity, parity_inputs
+
+    tokenizer = CharTokenizer.load(bundle_dir / manifest["tokenizer"]) if manifest.get("tokenizer") else None
+    seqs, source = parity_inputs(ModelConfig.from_dict(config), tokenizer, samples=samples)
+    engines = [OrtEngine(make_session(p["encoder"], provider), make_session(p["decoder"], provider), config, provider)
+               for p in (src_paths, paths)]
+    report = generation_parity(engines[0], engines[1], seqs, tol, provider, precision, beams=(1,),
+                               max_new_tokens=min(32, config["max_len"]), source=source)
+    check = report.checks[0]
+    return {"tokens_equal": check.tokens_equal, "sequences_equal": check.sequences_equal, "samples": check.samples,
+            "token_match": tol.token_match, "source": source, "distinct_outputs": check.distinct_outputs}
+
+
+@contextlib.contextmanager
+def _quiet():
+    """onnxruntime's quantizer and float16 converter log advice at WARNING; keep the report ours."""
+    loggers = [logging.getLogger(n) for n in ("root", "onnxruntime", "onnxruntime.quantization")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
+__all__ = ["optimize_bundle", "OptimizeReport", "OptimizeError", "check_options", "PRECISIONS", "TARGETS"]

@@ -1,0 +1,60 @@
+"""Precision passes, run once after fusion: fp16 for CUDA and int8 dynamic quantization for CPU.
+
+fp16 (onnxruntime.transformers.float16): weights and activations in float16 inside the graph; graph inputs and
+outputs stay float32 (keep_io_types adds Casts at the boundary), so the runtime and the manifest's interface do
+not change. ORT's default block list keeps ops without float16 kernels (Range, CumSum, TopK, ...) in float32;
+LayerNormalization / SkipLayerNormalization / Softmax / MultiHeadAttention accumulate in float32 inside their
+CUDA kernels, so they need no blocking. Constants the fusion passes created (the attention bias fill and zero)
+follow the graph's float type and are converted with it.
+
+int8 (onnxruntime.quantization.quantize_dynamic): MatMul weights only (op_types_to_quantize=["MatMul"]:
+quantizing the ONNX Attention op would turn it into QAttention, which no longer loads), int8 weights, per
+output channel by default, activations quantized at run time. MatMuls between two activations (unfused
+attention scores) are left in float (MatMulConstBOnly).
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import onnx
+import onnx_ir as ir
+
+from exporters.passes import FunctionalPass
+
+PRECISION_PASSES = ("float16", "quantize_int8")
+
+
+def to_fp16(model: ir.Model, op_block_list: list[str] | None = None) -> ir.Model:
+    """A float16 copy of the model with float32 graph inputs and outputs."""
+    from onnxruntime.transformers.float16 import DEFAULT_OP_BLOCK_LIST, convert_float_to_float16
+
+    proto = ir.to_proto(model)
+    converted = convert_float_to_float16(proto, keep_io_types=True,
+                                         op_block_list=list(op_block_list or DEFAULT_OP_BLOCK_LIST))
+    return ir.from_proto(converted)
+
+
+def to_int8(model: ir.Model, per_channel: bool = True, reduce_range: bool = False) -> ir.Model:
+    """A copy with MatMul weights quantized to int8 (dynamic quantization of activations)."""
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    with tempfile.TemporaryDirectory() as tmp:
+        src, dst = Path(tmp) / "float.onnx", Path(tmp) / "int8.onnx"
+        ir.save(model, src)
+        quantize_dynamic(src, dst, op_types_to_quantize=["MatMul"], per_channel=per_channel,
+                         reduce_range=reduce_range, weight_type=QuantType.QInt8,
+                         extra_options={"MatMulConstBOnly": True})
+        return ir.from_proto(onnx.load(str(dst)))
+
+
+def precision_pass(precision: str, per_channel: bool = True) -> FunctionalPass | None:
+    """The pass for a precision (None for fp32)."""
+    if precision == "fp16":
+        return FunctionalPass("float16", to_fp16)
+    if precision == "int8":
+        return FunctionalPass("quantize_int8", lambda model: to_int8(model, per_channel))
+    if precision == "fp32":
+        return None
+    raise ValueError(f"unknown precision {precision!r}")

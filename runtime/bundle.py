@@ -1,0 +1,139 @@
+"""Load a bundle: validate the manifest and hashes, start both sessions, check their interfaces, load the tokenizer.
+
+    bundle = load_bundle("out/bundle", provider="auto")
+    hyps = generate_ids(bundle.engine, [[5, 6, 7]], SearchOptions(beam=4))
+    print(bundle.provider)                      # "cpu" or "cuda": what "auto" chose
+
+Every way a bundle can be broken (missing file, changed graph, newer format, graph whose interface
+differs from its manifest) is a BundleError when loading, never a crash at run time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import zip_longest
+from pathlib import Path
+
+import onnxruntime as ort
+from onnxruntime.capi import onnxruntime_pybind11_state as ort_errors
+
+from runtime.errors import BundleError, ProviderError, TokenizerError
+from runtime.manifest import GRAPHS, manifest_specs, read_manifest, verify_hashes
+from runtime.ort_engine import OrtEngine
+from runtime.session import SessionConfig, choose_provider, installed_onnxruntime, make_session
+from runtime.spec import GraphSpec, graph_specs
+from runtime.tokenizer import CharTokenizer
+
+_LOAD_ERRORS = (ort_errors.Fail, ort_errors.InvalidGraph, ort_errors.InvalidProtobuf, ort_errors.NotImplemented,
+                ort_errors.RuntimeException, ort_errors.InvalidArgument, ort_errors.NoSuchFile)
+_MODEL_KEYS = ("vocab_size", "d_model", "n_heads", "n_decoder_layers", "max_len", "pad_id", "bos_id", "eos_id")
+_ORT_TYPES = {"tensor(int64)": "int64", "tensor(float)": "float32", "tensor(float16)": "float16"}
+
+
+@dataclass
+class Bundle:
+    """A loaded bundle: its engine (runtime.generate.Engine), tokenizer, chosen provider and manifest."""
+
+    path: Path
+    manifest: dict
+    engine: OrtEngine
+    tokenizer: CharTokenizer | None
+    provider: str                   # "cpu" | "cuda"
+    files: dict[str, str]           # graph name -> file the session was made from (.onnx or .ort)
+
+
+def load_bundle(path: str | Path, provider: str = "auto", threads: int | None = None,
+                session_options: SessionConfig | None = None, io_binding: bool | None = None) -> Bundle:
+    """Validate and load a bundle directory; `threads` sets intra-op threads, `io_binding` None = per provider."""
+    path = Path(path)
+    manifest = read_manifest(path)                                    # format, version, fields
+    verify_hashes(path, manifest)                                     # every listed file present and unchanged
+    bad = [k for k in _MODEL_KEYS if not isinstance(manifest["model"].get(k), int)]
+    if bad:
+        raise BundleError(f"bundle {path}: the manifest's model config lacks {', '.join(bad)}; re-export the bundle")
+    config = (session_options or SessionConfig()).with_(intra_op_threads=threads)
+    chosen = choose_provider(provider)
+    try:
+        sessions, files = _sessions(path, manifest, chosen, config)
+    except ProviderError:
+        if provider != "auto" or chosen == "cpu":
+            raise
+        chosen = "cpu"                                                # onnxruntime-gpu whose CUDA libraries are missing
+        sessions, files = _sessions(path, manifest, chosen, config)
+    engine = OrtEngine(sessions["encoder"], sessions["decoder"], manifest["model"], chosen, io_binding)
+    return Bundle(path, manifest, engine, _tokenizer(path, manifest), chosen, files)
+
+
+def _sessions(path: Path, manifest: dict, provider: str, config: SessionConfig) -> tuple[dict, dict]:
+    """Both graphs' sessions, each checked against the manifest and against the interface the engine feeds."""
+    expected = graph_specs(manifest["model"])
+    recorded = manifest_specs(manifest)
+    sessions, files = {}, {}
+    for name in GRAPHS:
+        _check_recorded(path, name, recorded[name], expected[name])
+        file = graph_file(manifest, name, provider)
+        sessions[name] = _session(path / file, provider, config)
+        _check_session(path / file, sessions[name], recorded[name])
+        files[name] = file
+    return sessions, files
+
+
+def graph_file(manifest: dict, name: str, provider: str) -> str:
+    """The file to load: the ORT-format (.ort) graph when the bundle lists one and we run on CPU, else the .onnx."""
+    ort_graphs = manifest.get("ort_graphs") or {}
+    if provider == "cpu" and name in ort_graphs:                      # .ort files are converted for the CPU provider
+        return ort_graphs[name]["file"]
+    return manifest["graphs"][name]["file"]
+
+
+def _session(file: Path, provider: str, config: SessionConfig) -> ort.InferenceSession:
+    try:
+        return make_session(file, provider, config)
+    except _LOAD_ERRORS as exc:
+        first = str(exc).strip().splitlines()[0][:300]
+        raise BundleError(f"{file} cannot be loaded by {installed_onnxruntime()} on {provider} ({first}); re-export "
+                          f"or re-optimize the bundle for this provider (e.g. --target {provider})") from None
+
+
+def _check_recorded(path: Path, name: str, recorded: GraphSpec, expected: GraphSpec) -> None:
+    """The manifest's interface must be the one the runtime feeds (names in order, dtypes, ranks)."""
+    got = [(t.name, t.dtype, len(t.shape)) for t in recorded.inputs + recorded.outputs]
+    want = [(t.name, t.dtype, len(t.shape)) for t in expected.inputs + expected.outputs]
+    for found, wanted in zip_longest(got, want):
+        if found != wanted:
+            raise BundleError(f"bundle {path}: the manifest's {name} interface differs from the model config "
+                              f"(found {found}, expected {wanted}); re-export the bundle with this onnxformer")
+
+
+def _check_session(file: Path, session: ort.InferenceSession, spec: GraphSpec) -> None:
+    """The loaded graph's real inputs and outputs must match the manifest: names, element types, fixed dims."""
+    for kind, actual, wanted in (("input", session.get_inputs(), spec.inputs),
+                                 ("output", session.get_outputs(), spec.outputs)):
+        by_name = {a.name: a for a in actual}
+        missing = [t.name for t in wanted if t.name not in by_name]
+        extra = sorted(set(by_name) - {t.name for t in wanted})
+        if missing or extra:
+            raise BundleError(f"{file}: graph {kind}s do not match the manifest (missing {missing[:3]}, "
+                              f"unexpected {extra[:3]}); re-export the bundle")
+        for t in wanted:
+            a = by_name[t.name]
+            dtype = _ORT_TYPES.get(a.type, a.type)
+            fixed_mismatch = len(a.shape) != len(t.shape) or any(
+                isinstance(d, int) and isinstance(g, int) and d != g for d, g in zip(t.shape, a.shape))
+            if dtype != t.dtype or fixed_mismatch:
+                raise BundleError(f"{file}: {kind} {t.name} is {dtype} {list(a.shape)}, the manifest says "
+                                  f"{t.dtype} {list(t.shape)}; re-export the bundle")
+
+
+def _tokenizer(path: Path, manifest: dict) -> CharTokenizer | None:
+    name = manifest.get("tokenizer")
+    if not name:
+        return None
+    try:
+        tokenizer = CharTokenizer.load(path / name)
+    except TokenizerError as exc:
+        raise BundleError(f"bundle {path}: {exc}; copy the bundle again or re-export it") from None
+    if tokenizer.vocab_size > manifest["model"]["vocab_size"]:
+        raise BundleError(f"bundle {path}: tokenizer has {tokenizer.vocab_size} tokens, more than the model's "
+                          f"vocab_size {manifest['model']['vocab_size']}; re-export the bundle")
+    return tokenizer

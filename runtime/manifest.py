@@ -1,0 +1,205 @@
+"""The bundle manifest (manifest.json): reading, validating, hash checks, and the inspect report.
+
+Written by exporters/bundle.py, read here. Imports only the standard library (no onnx, no torch), so
+`onnxformer inspect` and the runtime work where only numpy, onnxruntime and click are installed:
+node counts, op counts and opsets are recorded in the manifest when the bundle is written.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from runtime.errors import BundleError
+from runtime.spec import GraphSpec, TensorSpec
+
+FORMAT = "onnxformer-bundle"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+GRAPHS = ("encoder", "decoder")
+PRECISIONS = ("fp32", "fp16", "int8")
+TARGETS = ("any", "cpu", "cuda")
+REQUIRED = ("format", "format_version", "model", "precision", "graphs")
+
+
+def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
+    """Hex sha256 of a file, read in 1 MiB chunks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(chunk), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def read_manifest(bundle_dir: str | Path) -> dict:
+    """Load and validate manifest.json; BundleError names what is wrong and how to fix it."""
+    bundle_dir = Path(bundle_dir)
+    if not bundle_dir.exists():
+        raise BundleError(f"bundle {bundle_dir} does not exist; create one with 'onnxformer export CHECKPOINT --out {bundle_dir}'")
+    if not bundle_dir.is_dir():
+        raise BundleError(f"{bundle_dir} is not a directory; a bundle is a directory holding {MANIFEST} and .onnx files")
+    path = bundle_dir / MANIFEST
+    if not path.is_file():
+        raise BundleError(f"{bundle_dir} has no {MANIFEST}, so it is not a bundle; re-export it with 'onnxformer export'")
+    try:
+        manifest = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise BundleError(f"{path} is not valid JSON ({exc}); re-export the bundle") from None
+    validate_manifest(manifest, path)
+    return manifest
+
+
+def validate_manifest(manifest, where: str | Path = MANIFEST) -> None:
+    """Check the manifest's structure (format, version, required fields, graph entries)."""
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise BundleError(f"{where} is not an onnxformer bundle manifest (format is not {FORMAT!r}); re-export the bundle")
+    version = manifest.get("format_version")
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        raise BundleError(f"{where} has a bad format_version {version!r}; re-export the bundle")
+    if version > FORMAT_VERSION:
+        raise BundleError(f"{where} has format_version {version}, newer than this onnxformer reads ({FORMAT_VERSION}); "
+                          f"upgrade onnxformer or re-export the bundle with this version")
+    missing = [key for key in REQUIRED if key not in manifest]
+    if missing:
+        raise BundleError(f"{where} lacks field(s) {', '.join(missing)}; re-export the bundle")
+    if manifest["precision"] not in PRECISIONS:
+        raise BundleError(f"{where} has unknown precision {manifest['precision']!r} (known: {', '.join(PRECISIONS)})")
+    if not isinstance(manifest["model"], dict):
+        raise BundleError(f"{where}: 'model' must be the model config object; re-export the bundle")
+    graphs = manifest["graphs"]
+    if not isinstance(graphs, dict) or any(name not in graphs for name in GRAPHS):
+        raise BundleError(f"{where} must list graphs {' and '.join(GRAPHS)}; re-export the bundle")
+    for name in GRAPHS:
+        entry = graphs[name]
+        if not isinstance(entry, dict) or any(k not in entry for k in ("file", "sha256", "inputs", "outputs")):
+            raise BundleError(f"{where}: graph {name!r} needs file, sha256, inputs and outputs; re-export the bundle")
+        _safe_file(entry["file"], where)
+    for name, entry in (manifest.get("ort_graphs") or {}).items():
+        if not isinstance(entry, dict) or "file" not in entry or "sha256" not in entry:
+            raise BundleError(f"{where}: ort graph {name!r} needs file and sha256; re-export the bundle")
+        _safe_file(entry["file"], where)
+
+
+def _safe_file(name, where) -> None:
+    """Graph files must be plain names inside the bundle directory."""
+    if not isinstance(name, str) or not name or Path(name).name != name or name in (".", ".."):
+        raise BundleError(f"{where}: graph file {name!r} must be a file name inside the bundle; re-export the bundle")
+
+
+def verify_hashes(bundle_dir: str | Path, manifest: dict, which: tuple[str, ...] = ("graphs", "ort_graphs")) -> None:
+    """Check every listed file exists with its recorded size and sha256 (a tampered or truncated bundle fails)."""
+    bundle_dir = Path(bundle_dir)
+    for section in which:
+        for name, entry in (manifest.get(section) or {}).items():
+            path = bundle_dir / entry["file"]
+            if not path.is_file():
+                raise BundleError(f"bundle {bundle_dir} is missing {entry['file']} ({name}); copy the whole bundle directory")
+            size = path.stat().st_size
+            if "bytes" in entry and size != entry["bytes"]:
+                raise BundleError(f"{path} is {size} bytes, the manifest says {entry['bytes']}: the file is truncated or "
+                                  f"was changed; copy the bundle again or re-export it")
+            if sha256_file(path) != entry["sha256"]:
+                raise BundleError(f"{path} does not match its sha256 in {MANIFEST}: the file was changed or corrupted; "
+                                  f"copy the bundle again or re-export it")
+
+
+def manifest_specs(manifest: dict) -> dict[str, GraphSpec]:
+    """The graphs' interfaces as recorded in the manifest."""
+    return {name: GraphSpec(name, tuple(TensorSpec.from_dict(t) for t in entry["inputs"]),
+                            tuple(TensorSpec.from_dict(t) for t in entry["outputs"]))
+            for name, entry in manifest["graphs"].items()}
+
+
+# ---------------------------------------------------------------------------------------------- inspect
+
+def inspect_report(bundle_dir: str | Path) -> dict:
+    """Everything `onnxformer inspect` shows, as JSON-ready data (hashes verified, sizes from disk)."""
+    bundle_dir = Path(bundle_dir)
+    manifest = read_manifest(bundle_dir)
+    verify_hashes(bundle_dir, manifest)
+    graphs = {}
+    for name, entry in manifest["graphs"].items():
+        graphs[name] = {
+            "file": entry["file"], "bytes": (bundle_dir / entry["file"]).stat().st_size, "sha256": entry["sha256"],
+            "opset": entry.get("opset", manifest.get("opset")), "nodes": entry.get("nodes"),
+            "op_counts": entry.get("op_counts", {}), "inputs": entry["inputs"], "outputs": entry["outputs"],
+        }
+    extra = sorted(p.name for p in bundle_dir.iterdir() if p.is_file() and p.suffix == ".data")
+    return {
+        "bundle": str(bundle_dir), "format_version": manifest["format_version"], "model": manifest["model"],
+        "precision": manifest["precision"], "target": manifest.get("target", "any"), "opset": manifest.get("opset"),
+        "graphs": graphs, "ort_graphs": manifest.get("ort_graphs") or {}, "external_data": extra,
+        "tokenizer": manifest.get("tokenizer"), "fusions": manifest.get("fusions") or {},
+        "passes": manifest.get("passes") or [], "producer": manifest.get("producer") or {},
+        "parity": _parity_summary(manifest.get("parity")), "created": manifest.get("created"),
+        "total_bytes": sum(p.stat().st_size for p in bundle_dir.iterdir() if p.is_file()),
+    }
+
+
+def _parity_summary(parity) -> dict | None:
+    """The parity record without its per-step detail."""
+    if not isinstance(parity, dict):
+        return None
+    keep = ("verified", "provider", "precision", "steps", "tolerance", "max_abs", "summary")
+    summary = {k: parity[k] for k in keep if k in parity}
+    for key in ("encoder", "decoder"):
+        if isinstance(parity.get(key), dict):
+            summary[key] = {k: v for k, v in parity[key].items() if k in ("max_abs", "max_rel", "ok", "worst_output")}
+    return summary
+
+
+def _shape(dims) -> str:
+    return "[" + ", ".join(str(d) for d in dims) + "]"
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def format_inspect(report: dict, max_io: int = 8) -> str:
+    """A readable multi-line inspect report."""
+    m = report["model"]
+    lines = [f"bundle {report['bundle']}  (format v{report['format_version']}, {_size(report['total_bytes'])})",
+             f"model: {m.get('n_encoder_layers')}+{m.get('n_decoder_layers')} layers, d_model {m.get('d_model')}, "
+             f"{m.get('n_heads')} heads, d_ff {m.get('d_ff')}, vocab {m.get('vocab_size')}, norm {m.get('norm')}, "
+             f"{m.get('activation')}, {'tied' if m.get('tie_embeddings') else 'untied'}",
+             f"precision {report['precision']}, target {report['target']}, opset {report['opset']}, "
+             f"tokenizer {report['tokenizer'] or 'none'}"]
+    for name, g in report["graphs"].items():
+        lines.append(f"\n{name}: {g['file']}  {_size(g['bytes'])}  opset {g['opset']}  {g['nodes']} nodes  "
+                     f"sha256 {g['sha256'][:12]}")
+        for kind in ("inputs", "outputs"):
+            specs = g[kind]
+            lines.append(f"  {kind}:")
+            shown = specs if len(specs) <= max_io else specs[:max_io - 1]
+            for t in shown:
+                lines.append(f"    {t['name']:<36} {t['dtype']:<8} {_shape(t['shape'])}")
+            if len(shown) < len(specs):
+                lines.append(f"    ... {len(specs) - len(shown)} more (same pattern per layer; --json lists all)")
+        ops = sorted(g["op_counts"].items(), key=lambda kv: (-kv[1], kv[0]))
+        lines.append("  ops: " + ", ".join(f"{op} {n}" for op, n in ops))
+    for name, g in report["ort_graphs"].items():
+        lines.append(f"\nort {name}: {g['file']}  {_size(g.get('bytes', 0))}")
+    fusions = report["fusions"]
+    lines.append("\nfusions: " + (", ".join(f"{k} {v}" for k, v in fusions.items()) if fusions else "none"))
+    if report["passes"]:
+        lines.append("passes: " + ", ".join(report["passes"]))
+    lines.append("producer: " + ", ".join(f"{k} {v}" for k, v in report["producer"].items()))
+    p = report["parity"]
+    if p is None:
+        lines.append("parity: not recorded")
+    else:
+        status = "verified" if p.get("verified") else "NOT verified"
+        detail = ", ".join(f"{k} max abs {v['max_abs']:.2e}" for k, v in p.items()
+                           if isinstance(v, dict) and isinstance(v.get("max_abs"), (int, float)))
+        lines.append(f"parity: {status} on {p.get('provider')} {p.get('precision')}"
+                     + (f" (tolerance {p['tolerance']:g})" if isinstance(p.get("tolerance"), (int, float)) else "")
+                     + (f"; {detail}" if detail else ""))
+    if report.get("created"):
+        lines.append(f"created: {report['created']}")
+    return "\n".join(lines)

@@ -1,0 +1,146 @@
+"""Execution providers and session options, chosen in one visible place.
+
+    provider = choose_provider("auto")          # "cuda" when this onnxruntime has CUDA, else "cpu"
+    session = make_session(path, provider, SessionConfig(intra_op_threads=4))
+
+Also builds the one-node Gather graph the runtime uses to reorder the KV cache on the device, written
+as protobuf bytes by hand so that the runtime needs no `onnx` package.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import onnxruntime as ort
+
+from runtime.errors import ProviderError
+
+PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
+_LEVELS = {"disabled": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+           "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+           "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+           "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL}
+_MODES = {"sequential": ort.ExecutionMode.ORT_SEQUENTIAL, "parallel": ort.ExecutionMode.ORT_PARALLEL}
+
+
+@dataclass(frozen=True)
+class SessionConfig:
+    """Every ONNX Runtime session option the runtime sets; override fields with `with_(...)`."""
+
+    intra_op_threads: int = 0             # threads inside one operator; 0 = ORT default (one per physical core)
+    inter_op_threads: int = 0             # threads across operators (parallel mode only); 0 = ORT default
+    graph_optimization: str = "all"       # "disabled" | "basic" | "extended" | "all" (ORT_ENABLE_ALL)
+    spinning: bool = True                 # intra-op threads spin while waiting: off costs 5-27% per step
+    execution_mode: str = "sequential"    # "sequential" | "parallel"
+    log_severity: int = 3                 # 0 verbose .. 3 errors only (CUDA's "nodes placed on CPU" notes are noise)
+
+    def with_(self, **changes) -> "SessionConfig":
+        """A copy with the given fields changed (None values are ignored)."""
+        return replace(self, **{k: v for k, v in changes.items() if v is not None})
+
+    def to_ort(self) -> ort.SessionOptions:
+        if self.graph_optimization not in _LEVELS:
+            raise ProviderError(f"graph optimization level {self.graph_optimization!r} is unknown; "
+                                f"choose one of: {', '.join(_LEVELS)}")
+        if self.execution_mode not in _MODES:
+            raise ProviderError(f"execution mode {self.execution_mode!r} is unknown; choose one of: {', '.join(_MODES)}")
+        opts = ort.SessionOptions()
+        opts.intra_op_num_threads = int(self.intra_op_threads)
+        opts.inter_op_num_threads = int(self.inter_op_threads)
+        opts.graph_optimization_level = _LEVELS[self.graph_optimization]
+        opts.execution_mode = _MODES[self.execution_mode]
+        opts.log_severity_level = int(self.log_severity)
+        opts.add_session_config_entry("session.intra_op.allow_spinning", "1" if self.spinning else "0")
+        return opts
+
+
+def installed_onnxruntime() -> str:
+    """'onnxruntime-gpu 1.32.0' or 'onnxruntime 1.32.0': the package this environment runs."""
+    for dist in ("onnxruntime-gpu", "onnxruntime"):
+        try:
+            return f"{dist} {importlib.metadata.version(dist)}"
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return f"onnxruntime {ort.__version__}"
+
+
+def choose_provider(name: str = "auto") -> str:
+    """'auto' -> 'cuda' when this onnxruntime offers CUDAExecutionProvider, else 'cpu'; 'cuda' fails clearly."""
+    available = ort.get_available_providers()
+    if name == "auto":
+        return "cuda" if PROVIDERS["cuda"] in available else "cpu"
+    if name not in PROVIDERS:
+        raise ProviderError(f"unknown provider {name!r}; choose auto, cpu or cuda")
+    if PROVIDERS[name] not in available:
+        raise ProviderError(
+            f"{PROVIDERS[name]} is not available in this onnxruntime (installed: {installed_onnxruntime()}, "
+            f"providers: {', '.join(available)}); install onnxruntime-gpu instead of onnxruntime "
+            f"(`make install` does so on a machine where nvidia-smi finds a GPU) or use --provider cpu")
+    return name
+
+
+def provider_list(provider: str) -> list:
+    """The providers list for InferenceSession: CUDA keeps CPU as the home of nodes it has no kernel for."""
+    if provider == "cuda":
+        return [(PROVIDERS["cuda"], {"device_id": 0}), PROVIDERS["cpu"]]
+    return [PROVIDERS["cpu"]]
+
+
+def make_session(model: str | Path | bytes, provider: str, config: SessionConfig | None = None) -> ort.InferenceSession:
+    """An InferenceSession on `provider` ('cpu' or 'cuda'); raises ProviderError if CUDA did not come up."""
+    config = config or SessionConfig()
+    source = model if isinstance(model, bytes) else str(model)
+    session = ort.InferenceSession(source, sess_options=config.to_ort(), providers=provider_list(provider))
+    if PROVIDERS[provider] not in session.get_providers():    # e.g. CUDA/cuDNN libraries missing at load time
+        raise ProviderError(f"{PROVIDERS[provider]} could not be started by {installed_onnxruntime()} (the session "
+                            f"fell back to {', '.join(session.get_providers())}); check that the CUDA and cuDNN "
+                            f"libraries onnxruntime-gpu needs are installed, or use --provider cpu")
+    return session
+
+
+def device_of(provider: str) -> str:
+    """OrtValue device type for a provider: where IO binding keeps tensors."""
+    return "cuda" if provider == "cuda" else "cpu"
+
+
+# --- a one-node Gather graph, serialized by hand (ONNX protobuf field numbers noted beside each field) ---
+
+FLOAT, INT64, FLOAT16 = 1, 7, 10       # onnx.TensorProto element types
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte, n = n & 0x7F, n >> 7
+        out.append(byte | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+def _int(field: int, value: int) -> bytes:
+    return _varint(field << 3) + _varint(value)
+
+
+def _msg(field: int, payload: bytes | str) -> bytes:
+    payload = payload.encode() if isinstance(payload, str) else payload
+    return _varint(field << 3 | 2) + _varint(len(payload)) + payload
+
+
+def _value_info(name: str, elem_type: int, rank: int) -> bytes:
+    dims = b"".join(_msg(1, _msg(2, f"{name}_d{i}")) for i in range(rank))       # Dimension.dim_param = 2
+    tensor = _int(1, elem_type) + _msg(2, dims)                                    # Tensor: elem_type 1, shape 2
+    return _msg(1, name) + _msg(2, _msg(1, tensor))                                # ValueInfo: name 1, type 2
+
+
+def gather_model(elem_types: list[int], ranks: list[int]) -> bytes:
+    """ModelProto: y_i = Gather(x_i, indices, axis=0) for each x_i; indices int64 [n]."""
+    nodes = b"".join(_msg(1, _msg(1, f"x{i}") + _msg(1, "indices") + _msg(2, f"y{i}") + _msg(4, "Gather"))
+                     for i in range(len(elem_types)))                              # Node: input 1, output 2, op_type 4
+    inputs = b"".join(_msg(11, _value_info(f"x{i}", t, r)) for i, (t, r) in enumerate(zip(elem_types, ranks)))
+    inputs += _msg(11, _value_info("indices", INT64, 1))
+    outputs = b"".join(_msg(12, _value_info(f"y{i}", t, r)) for i, (t, r) in enumerate(zip(elem_types, ranks)))
+    graph = nodes + _msg(2, "gather_rows") + inputs + outputs                      # Graph: node 1, name 2, input 11, output 12
+    opset = _msg(1, "") + _int(2, 13)                                              # OperatorSetId: domain 1, version 2
+    return _int(1, 7) + _msg(2, "onnxformer.runtime") + _msg(7, graph) + _msg(8, opset)  # Model: ir_version 1, producer 2, graph 7, opset_import 8

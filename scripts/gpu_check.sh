@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# The prepared GPU check (issue 8): on a machine with an NVIDIA GPU, run the GPU tests and a short benchmark
+# (PyTorch eager on CUDA vs ONNX Runtime CUDA fp32 and fp16, base preset, batch 1 and 32) in under 5 minutes,
+# writing everything to the directory given as the first argument.
+#
+#   bash scripts/gpu_check.sh OUT_DIR
+#
+# Needs: torch with CUDA, onnx, onnxscript, and onnxruntime-gpu. Where onnxruntime-gpu is not installed, set
+# ORT_GPU_WHEEL=/path/to/onnxruntime_gpu-*.whl: it is installed with --no-deps into a private directory put first
+# on PYTHONPATH, so it shadows a CPU-only onnxruntime. Runs from a source checkout (no pip install needed).
+set -uo pipefail
+OUT=${1:?usage: scripts/gpu_check.sh OUT_DIR}
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+PY=${PYTHON:-$(command -v python3)}
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+WORK=$(mktemp -d)
+trap 'rm -rf "$WORK"' EXIT
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+log() { printf '[gpu_check %s] %s\n' "$(date +%H:%M:%S)" "$*" | tee -a "$OUT/summary.txt"; }
+
+if [ -n "${ORT_GPU_WHEEL:-}" ]; then
+  log "installing $(basename "$ORT_GPU_WHEEL") into $WORK/ortgpu"
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$WORK/ortgpu" "$ORT_GPU_WHEEL" || exit 2
+  export PYTHONPATH="$WORK/ortgpu:$PYTHONPATH"
+fi
+
+ofx() { "$PY" -m toolkit.cli "$@"; }
+
+log "environment"
+"$PY" - <<'EOF' 2>&1 | tee "$OUT/environment.txt"
+import onnxruntime as ort, torch, onnx, onnxscript, platform
+print("python", platform.python_version(), "| torch", torch.__version__, "cuda", torch.version.cuda,
+      "| onnx", onnx.__version__, "| onnxscript", onnxscript.__version__, "| onnxruntime", ort.__version__)
+print("ort providers:", ort.get_available_providers())
+print("torch device:", torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none")
+assert "CUDAExecutionProvider" in ort.get_available_providers(), "onnxruntime has no CUDA provider: set ORT_GPU_WHEEL"
+EOF
+[ "${PIPESTATUS[0]}" -eq 0 ] || { log "no CUDA execution provider: stopping"; exit 2; }
+
+log "GPU tests (pytest -m gpu)"
+"$PY" -m pytest -q -m gpu -p no:cacheprovider "$ROOT/tests/test_gpu.py" 2>&1 | tee "$OUT/tests.log"
+tests_rc=${PIPESTATUS[0]}
+log "GPU tests exit code $tests_rc"
+
+log "base preset: init, export, optimize for CUDA (fused fp32, fp16)"
+ofx init --preset base --vocab 8000 --out "$WORK/base" >/dev/null &&
+ofx export "$WORK/base" --out "$WORK/base-fp32" >"$OUT/export.log" 2>&1 &&
+ofx optimize "$WORK/base-fp32" --out "$WORK/base-fused" --target cuda >"$OUT/optimize-fp32.log" 2>&1 &&
+ofx optimize "$WORK/base-fp32" --out "$WORK/base-fp16" --target cuda --precision fp16 >"$OUT/optimize-fp16.log" 2>&1 ||
+  { log "export/optimize failed: see $OUT/*.log"; exit 1; }
+
+log "parity on CUDA (fp32 fused, fp16)"
+ofx parity "$WORK/base" "$WORK/base-fused" --provider cuda --samples 32 --json >"$OUT/parity-fp32.json"; p32=$?
+ofx parity "$WORK/base" "$WORK/base-fp16" --provider cuda --samples 32 --json >"$OUT/parity-fp16.json"; p16=$?
+log "parity exit codes: fp32 $p32, fp16 $p16 (0 = within tolerance)"
+
+log "benchmark: PyTorch eager CUDA vs ONNX Runtime CUDA fp32 / fused fp32 / fp16, batch 1 and 32"
+ofx bench "$WORK/base" "$WORK/base-fp32" "$WORK/base-fused" "$WORK/base-fp16" --provider cuda --no-nocache \
+  --batch-sizes 1,32 --src-len 32 --new-tokens 64 --repeat 3 --json --plot "$OUT/bench.png" >"$OUT/bench.json" \
+  2>"$OUT/bench.log"; bench_rc=$?
+log "bench exit code $bench_rc"
+"$PY" - "$OUT/bench.json" <<'EOF' | tee -a "$OUT/summary.txt"
+import json, sys
+rows = json.load(open(sys.argv[1]))["rows"]
+print(f"{'model':<12}{'engine':<14}{'precision':<10}{'batch':>6}{'tokens/s':>11}{'p50 ms':>9}{'x first':>8}")
+for r in rows:
+    name = r["model"].rstrip("/").split("/")[-1]
+    print(f"{name:<12}{r['engine']:<14}{r['precision']:<10}{r['batch_size']:>6}{r['tokens_per_s']:>11.1f}"
+          f"{r['latency_ms_p50']:>9.1f}{r['ratio_to_first']:>8.2f}")
+EOF
+log "done: $OUT"
+[ "$tests_rc" -eq 0 ] && [ "$p32" -eq 0 ] && [ "$p16" -eq 0 ] && [ "$bench_rc" -eq 0 ]

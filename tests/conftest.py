@@ -1,0 +1,122 @@
+"""Shared fixtures: tiny *trained* toy models (trained once per test session and cached), the example checkpoint.
+
+    def test_something(toy_model_factory):
+        model = toy_model_factory()                  # tiny preset, post-norm, dropout 0, trained on the toy task
+        model = toy_model_factory(norm="pre")        # any ModelConfig field of the tiny preset can be overridden
+        model = toy_model_factory(steps=100)         # fewer steps (distinct cache entry)
+
+The returned model is shared by every test that asks for the same arguments: treat it as read-only
+(no training, no load_state_dict, no .to(other device)); copy.deepcopy it when a test must change it.
+A trained toy model maps a random id sequence to its reverse shifted by one id, so its greedy outputs
+vary with the input (tests on random weights, which emit one token over and over, prove little).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE_CHECKPOINT = ROOT / "examples" / "dates" / "checkpoint"
+TOY_STEPS = 300          # with dropout 0 (and train_toy's lr scale 0.5): every output input-dependent
+
+
+@pytest.fixture(scope="session")
+def toy_model_factory():
+    """A function (steps=300, seed=0, **config_overrides) -> trained tiny Transformer in eval mode, cached."""
+    from toolkit.config import preset
+    from toolkit.tasks.toy import train_toy
+
+    cache = {}
+
+    def make(steps: int = TOY_STEPS, seed: int = 0, **overrides):
+        # dropout slows a tiny model's learning (it is off in eval anyway)
+        config = preset("tiny", **{"dropout": 0.0, **overrides})
+        key = (steps, seed, config)                  # equal configs share one model, however they were spelled
+        if key not in cache:
+            import torch
+
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1)                # tiny models train faster on one thread (and share the CPU)
+            try:
+                with torch.enable_grad():           # callers may be inside torch.no_grad()
+                    cache[key] = train_toy(config, steps=steps, seed=seed)
+            finally:
+                torch.set_num_threads(threads)
+        return cache[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def toy_model(toy_model_factory):
+    """The default trained toy model (tiny preset, post-norm)."""
+    return toy_model_factory()
+
+
+@pytest.fixture(scope="session")
+def dates_checkpoint():
+    """The shipped example checkpoint, loaded once (skipped with a clear reason if it is missing)."""
+    if not (EXAMPLE_CHECKPOINT / "config.json").exists():
+        pytest.fail(f"the example checkpoint {EXAMPLE_CHECKPOINT} is missing; "
+                    f"see examples/dates/README.md for the command that trains it")
+    from toolkit.checkpoint import load_checkpoint
+
+    return load_checkpoint(EXAMPLE_CHECKPOINT)
+
+
+# --- added by the runtime helper (issue 4): toy models whose outputs vary across inputs AND positions (dropout 0),
+# and one exported toy bundle shared by the runtime, torch-free, parity and edge tests.
+
+TOY_CHARS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ012345678"   # 61 chars: ids 3..63 of the tiny vocab
+
+
+@pytest.fixture(scope="session")
+def varied_toy_factory():
+    """A function (**config_overrides) -> tiny model trained 300 steps (dropout 0, lr scale 0.5), cached."""
+    from toolkit.config import preset
+    from toolkit.model import Transformer
+    from toolkit.tasks.toy import toy_batches
+    from toolkit.train import train_steps
+
+    cache = {}
+
+    def make(**overrides):
+        key = tuple(sorted(overrides.items()))
+        if key not in cache:
+            import torch
+
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1)
+            try:
+                config = preset("tiny", **{"dropout": 0.0, **overrides})
+                model = Transformer(config, seed=0)
+                with torch.enable_grad():
+                    train_steps(model, toy_batches(config, 32, 1, 12, seed=0), 300, warmup=100, lr_scale=0.5, seed=0)
+                cache[key] = model.eval()
+            finally:
+                torch.set_num_threads(threads)
+        return cache[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def toy_exported(varied_toy_factory, tmp_path_factory):
+    """(checkpoint dir, bundle dir) of varied_toy_factory(), with a 61-character tokenizer so text inputs work too.
+
+    Exported once per test session (with the export's parity gate). Treat both directories as read-only:
+    copy them (shutil.copytree) before tampering.
+    """
+    from exporters.export import export_checkpoint
+    from runtime.tokenizer import CharTokenizer
+    from toolkit.checkpoint import save_checkpoint
+
+    model = varied_toy_factory()
+    root = tmp_path_factory.mktemp("toy_exported")
+    tokenizer = CharTokenizer(TOY_CHARS)
+    assert tokenizer.vocab_size == model.config.vocab_size
+    checkpoint = save_checkpoint(root / "checkpoint", model, tokenizer)
+    bundle = export_checkpoint(checkpoint, root / "bundle")
+    return checkpoint, bundle

@@ -1,0 +1,161 @@
+"""Config and checkpoint round trips, and every way a checkpoint directory can be broken."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from runtime.errors import CheckpointError, ConfigError
+from runtime.tokenizer import CharTokenizer
+from toolkit.checkpoint import load_checkpoint, save_checkpoint
+from toolkit.config import PRESETS, ModelConfig, preset
+from toolkit.model import Transformer
+
+
+@pytest.fixture
+def tiny():
+    return Transformer(preset("tiny", vocab_size=40), seed=3)
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_config_round_trips_through_config_json(tmp_path, name):
+    config = preset(name, norm="pre", activation="gelu", tie_embeddings=False)
+    config.save(tmp_path / "config.json")
+    assert ModelConfig.load(tmp_path / "config.json") == config
+    assert json.loads((tmp_path / "config.json").read_text()) == config.to_dict()
+
+
+def test_checkpoint_round_trips_exactly(tmp_path, tiny):
+    tok = CharTokenizer("abcdefghij")
+    save_checkpoint(tmp_path / "ckpt", tiny, tok, training={"steps": 1})
+    loaded = load_checkpoint(tmp_path / "ckpt")
+    assert loaded.config == tiny.config
+    assert loaded.tokenizer.chars == tok.chars
+    original, restored = tiny.state_dict(), loaded.model.state_dict()
+    assert original.keys() == restored.keys()
+    for name in original:
+        assert torch.equal(original[name], restored[name]), name
+    assert not loaded.model.training
+    src = torch.tensor([[5, 6, 7, 8]])
+    mask = torch.ones_like(src)
+    tgt = torch.tensor([[1, 9, 10]])
+    tiny.eval()
+    assert torch.equal(tiny(src, mask, tgt), loaded.model(src, mask, tgt))
+
+
+def test_save_refuses_to_overwrite_without_force(tmp_path, tiny):
+    save_checkpoint(tmp_path / "ckpt", tiny)
+    with pytest.raises(CheckpointError, match="--force"):
+        save_checkpoint(tmp_path / "ckpt", tiny)
+    save_checkpoint(tmp_path / "ckpt", tiny, force=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]      # no temporary directory left behind
+
+
+def test_loading_rejects_a_missing_directory(tmp_path):
+    with pytest.raises(CheckpointError, match="does not exist"):
+        load_checkpoint(tmp_path / "nope")
+
+
+def test_loading_rejects_a_file(tmp_path):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(CheckpointError, match="not a directory"):
+        load_checkpoint(tmp_path / "file")
+
+
+def test_loading_rejects_a_missing_config(tmp_path, tiny):
+    save_checkpoint(tmp_path / "ckpt", tiny)
+    (tmp_path / "ckpt" / "config.json").unlink()
+    with pytest.raises(CheckpointError, match="config.json is missing"):
+        load_checkpoint(tmp_path / "ckpt")
+
+
+def test_loading_rejects_malformed_json(tmp_path, tiny):
+    save_checkpoint(tmp_path / "ckpt", tiny)
+    (tmp_path / "ckpt" / "config.json").write_text('{"d_model": 32,')
+    with pytest.raises(CheckpointError, match="not valid JSON"):
+        load_checkpoint(tmp_path / "ckpt")
+
+
+def test_loading_rejects_heads_that_do_not_divide_d_model(tmp_path, tiny):
+    save_checkpoint(tmp_path / "ckpt", tiny)
+    data = {**tiny.config.to_dict(), "n_heads": 5}
+    (tmp_path / "ckpt" / "config.json").write_text(json.dumps(data))
+    with pytest.raises(CheckpointError, match="not divisible by n_heads"):
+        load_checkpoint(tmp_path / "ckpt")
+    with pytest.raises(ConfigError, match="not divisible"):
+        preset("tiny", n_heads=5)
+
+
+def test_loading_rejects_unknown_fields(tmp_path, tiny):
+    save_checkpoint(tmp_path / "ckpt", tiny)
+    data = {**tiny.config.to_dict(), "n_layers": 6}
+    (tmp_path / "ckpt" / "config.json").write_text(json.dumps(data))
+    with pytest.raises(CheckpointError, match="unknown config field.*n_layers"):
+        load_checkpoint(tmp_path / "ckpt")
+
+
+def test_loading_rejects_weights_of_another_model(tmp_path, tiny):
+    save_checkpoint(tmp_path / "ckpt", tiny)
+    bigger = {**tiny.config.to_dict(), "d_ff": 128}
+    (tmp_path / "ckpt" / "config.json").write_text(json.dumps(bigger))
+    with pytest.raises(CheckpointError, match="has shape"):
+        load_checkpoint(tmp_path / "ckpt")
+    deeper = {**tiny.config.to_dict(), "n_encoder_layers": 3}
+    (tmp_path / "ckpt" / "config.json").write_text(json.dumps(deeper))
+    with pytest.raises(CheckpointError, match="do not match config.json"):
+        load_checkpoint(tmp_path / "ckpt")
+
+
+def test_loading_rejects_missing_and_corrupt_weights(tmp_path, tiny):
+    save_checkpoint(tmp_path / "ckpt", tiny)
+    weights = tmp_path / "ckpt" / "weights.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    with pytest.raises(CheckpointError, match="unreadable"):
+        load_checkpoint(tmp_path / "ckpt")
+    weights.unlink()
+    with pytest.raises(CheckpointError, match="no weights"):
+        load_checkpoint(tmp_path / "ckpt")
+
+
+def test_a_plain_state_dict_in_weights_pt_loads(tmp_path, tiny):
+    save_checkpoint(tmp_path / "ckpt", tiny)
+    (tmp_path / "ckpt" / "weights.safetensors").unlink()
+    torch.save(tiny.state_dict(), tmp_path / "ckpt" / "weights.pt")
+    loaded = load_checkpoint(tmp_path / "ckpt")
+    for name, tensor in tiny.state_dict().items():
+        assert torch.equal(tensor, loaded.model.state_dict()[name])
+
+
+class Payload:
+    """Unpickling this object would create a file: proof that pickled code ran."""
+
+    marker = ""
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_loading_never_unpickles_code(tmp_path, tiny):
+    save_checkpoint(tmp_path / "ckpt", tiny)
+    (tmp_path / "ckpt" / "weights.safetensors").unlink()
+    marker = tmp_path / "pwned"
+    Payload.marker = str(marker)
+    state = dict(tiny.state_dict())
+    state["evil"] = Payload()
+    torch.save(state, tmp_path / "ckpt" / "weights.pt")
+    assert not marker.exists()
+    with pytest.raises(CheckpointError, match="cannot be loaded safely"):
+        load_checkpoint(tmp_path / "ckpt")
+    assert not marker.exists(), "loading executed pickled code"
+
+
+def test_loading_rejects_a_bundle_and_a_bad_tokenizer(tmp_path, tiny):
+    save_checkpoint(tmp_path / "ckpt", tiny, CharTokenizer("abc"))
+    (tmp_path / "ckpt" / "tokenizer.json").write_text('{"type": "bpe"}')
+    with pytest.raises(CheckpointError, match="not a character tokenizer"):
+        load_checkpoint(tmp_path / "ckpt")
+    (tmp_path / "ckpt" / "manifest.json").write_text("{}")
+    with pytest.raises(CheckpointError, match="bundle"):
+        load_checkpoint(tmp_path / "ckpt")

@@ -1,0 +1,300 @@
+"""Edge deployment: ORT-format bundles, what the graphs store, the numpy-only example, and a torch-free install.
+
+- ORT-format graphs (exporters/ort_format.py) are recorded in the manifest, loaded by the runtime on the CPU, and
+  give the tokens of the .onnx graphs and of PyTorch (fp32), and of the int8 .onnx graphs (int8).
+- The exported and int8 graphs hold no unused initializers; weights stored twice are reported (exporters/prune.py).
+- examples/edge/greedy_numpy.py (numpy + onnxruntime only) prints what `onnxformer generate` prints.
+- A fresh virtual environment with only `onnxformer[cpu]` (no torch, onnx, onnxscript) generates from a bundle,
+  and the commands that need PyTorch name the extra to install.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.metadata
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from runtime.bundle import load_bundle
+from runtime.generate import generate_ids
+from runtime.manifest import sha256_file
+from runtime.search import SearchOptions
+from toolkit.tasks.toy import toy_inputs
+from toolkit.torch_engine import TorchEngine
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "examples" / "edge" / "greedy_numpy.py"
+DATES = ROOT / "examples" / "dates" / "checkpoint"
+TEXTS = ["hello", "Ab3", "xyzXYZ012", "q"]
+TORCH_COMMANDS = {"export": ["export", "CKPT", "--out", "x"], "init": ["init", "--preset", "tiny", "--out", "x"],
+                  "train": ["train", "--out", "x"], "optimize": ["optimize", "BUNDLE", "--out", "x"],
+                  "parity": ["parity", "CKPT", "BUNDLE"], "generate (checkpoint)": ["generate", "CKPT", "hello"]}
+
+
+def run(cmd, **kwargs) -> subprocess.CompletedProcess:
+    """Run a command; on failure show its output."""
+    result = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, **kwargs)
+    assert result.returncode == 0, (f"{cmd} failed ({result.returncode}):\n"
+                                    f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+    return result
+
+
+def tokens(hyps) -> list[list[list[int]]]:
+    return [[h.tokens for h in per_input] for per_input in hyps]
+
+
+@pytest.fixture(scope="module")
+def bundles(toy_exported, tmp_path_factory):
+    """fp32 and int8 bundles of the shared toy model, each without and with ORT-format graphs."""
+    from exporters.optimize import optimize_bundle
+    from exporters.ort_format import ort_format_bundle
+
+    root = tmp_path_factory.mktemp("edge")
+    fp32 = toy_exported[1]
+    int8, _ = optimize_bundle(fp32, root / "int8", target="cpu", precision="int8", samples=8)
+    return {"fp32": fp32, "int8": int8, "fp32-ort": ort_format_bundle(fp32, root / "fp32-ort"),
+            "int8-ort": ort_format_bundle(int8, root / "int8-ort")}
+
+
+@pytest.fixture(scope="module")
+def seqs(varied_toy_factory):
+    return toy_inputs(varied_toy_factory().config, 12, seed=5)
+
+
+# ------------------------------------------------------------------------------------------ ORT format
+
+def test_ort_graphs_are_recorded_and_loaded(bundles):
+    path = bundles["fp32-ort"]
+    manifest = json.loads((path / "manifest.json").read_text())
+    source = json.loads((bundles["fp32"] / "manifest.json").read_text())
+    for g in ("encoder", "decoder"):
+        entry = manifest["ort_graphs"][g]
+        assert entry["file"] == f"{g}.ort" and entry["bytes"] == (path / entry["file"]).stat().st_size
+        assert entry["sha256"] == sha256_file(path / entry["file"])
+        assert entry["source_sha256"] == manifest["graphs"][g]["sha256"] == source["graphs"][g]["sha256"]
+    record = manifest["ort_format"]
+    assert record["style"] == "fixed" and record["optimization_level"] == "all" and record["parity"]["verified"]
+    config = path / record["required_operators"]["file"]
+    assert record["required_operators"]["sha256"] == sha256_file(config)
+    lines = config.read_text().splitlines()
+    assert "# - decoder.ort" in lines and "# - encoder.ort" in lines          # names only, no build paths
+    ops = {op for line in lines if not line.startswith("#") for op in line.split(";")[2].split(",")}
+    assert {"Gather", "MatMul", "Softmax"} <= ops
+    loaded = load_bundle(path, provider="cpu")
+    assert loaded.files == {"encoder": "encoder.ort", "decoder": "decoder.ort"}
+    int8 = json.loads((bundles["int8-ort"] / "manifest.json").read_text())
+    config = (bundles["int8-ort"] / "required_operators.config").read_text()
+    assert int8["precision"] == "int8" and "com.microsoft;1;" in config and "DynamicQuantize" in config
+
+
+def test_fp32_ort_tokens_equal_onnx_and_pytorch(bundles, seqs, varied_toy_factory):
+    reference = TorchEngine(varied_toy_factory())
+    engines = {name: load_bundle(bundles[name], provider="cpu").engine for name in ("fp32", "fp32-ort")}
+    for beam in (1, 3):
+        opts = SearchOptions(max_new_tokens=16, beam=beam)
+        want = tokens(generate_ids(reference, seqs, opts))
+        assert len({tuple(h[0]) for h in want}) >= len(seqs) // 2, "the toy model's outputs do not vary"
+        assert tokens(generate_ids(engines["fp32"], seqs, opts)) == want
+        assert tokens(generate_ids(engines["fp32-ort"], seqs, opts)) == want
+
+
+def test_int8_ort_tokens_equal_int8_onnx(bundles, seqs):
+    """The same quantized graph: identical tokens. (int8 against PyTorch is judged on the example task, below.)"""
+    for beam in (1, 3):
+        opts = SearchOptions(max_new_tokens=16, beam=beam)
+        onnx_int8 = tokens(generate_ids(load_bundle(bundles["int8"], provider="cpu").engine, seqs, opts))
+        assert len({tuple(h[0]) for h in onnx_int8}) >= len(seqs) // 2
+        assert tokens(generate_ids(load_bundle(bundles["int8-ort"], provider="cpu").engine, seqs, opts)) == onnx_int8
+
+
+def test_ort_parity_gate_catches_other_graphs(bundles):
+    from exporters.ort_format import check_ort_parity
+    from runtime.errors import ParityError
+
+    onnx = {g: bundles["fp32"] / f"{g}.onnx" for g in ("encoder", "decoder")}
+    other = {g: bundles["int8-ort"] / f"{g}.ort" for g in ("encoder", "decoder")}
+    config = json.loads((bundles["fp32"] / "manifest.json").read_text())["model"]
+    assert check_ort_parity(onnx, {g: bundles["fp32-ort"] / f"{g}.ort" for g in onnx}, config)["max_abs"] <= 1e-4
+    with pytest.raises(ParityError, match="ORT-format graphs differ"):
+        check_ort_parity(onnx, other, config)
+
+
+def test_ort_conversion_refusals_leave_nothing_behind(bundles, tmp_path, monkeypatch):
+    import exporters.ort_format as of
+
+    manifest = json.loads((bundles["fp32"] / "manifest.json").read_text())
+    with pytest.raises(of.OrtFormatError, match="CPU provider"):
+        of.check_convertible({**manifest, "precision": "fp16", "target": "cuda"})
+    with pytest.raises(of.OrtFormatError, match="target platform"):
+        of.check_convertible(manifest, "riscv")
+    with pytest.raises(of.OrtFormatError, match="already has ORT-format graphs"):
+        of.ort_format_bundle(bundles["fp32-ort"], tmp_path / "again")
+    monkeypatch.setenv(of.LEVEL_VARIABLE, "basic")
+    with pytest.raises(of.OrtFormatError, match="unset it"):
+        of.ort_format_bundle(bundles["fp32"], tmp_path / "basic")
+    monkeypatch.delenv(of.LEVEL_VARIABLE)
+
+    def broken(*args):
+        raise of.OrtFormatError("conversion failed")
+
+    monkeypatch.setattr(of, "_convert", broken)
+    with pytest.raises(of.OrtFormatError, match="conversion failed"):
+        of.ort_format_bundle(bundles["fp32"], tmp_path / "out")
+    assert list(tmp_path.iterdir()) == []                # no bundle, no staging directory
+
+
+def test_add_ort_format_inside_a_bundle_writer(bundles, tmp_path):
+    """The call optimize makes: convert inside the staging directory, then write the manifest."""
+    from exporters.bundle import stage_bundle, write_manifest
+    from exporters.ort_format import add_ort_format
+
+    manifest = json.loads((bundles["int8"] / "manifest.json").read_text())
+    with stage_bundle(tmp_path / "b") as tmp:
+        for name in ("encoder.onnx", "decoder.onnx", "tokenizer.json"):
+            shutil.copyfile(bundles["int8"] / name, tmp / name)
+        record = add_ort_format(tmp, manifest)
+        write_manifest(tmp, manifest)
+    assert record["parity"]["max_abs"] == 0.0
+    assert load_bundle(tmp_path / "b", provider="cpu").files["decoder"] == "decoder.ort"
+
+
+# ------------------------------------------------------------------------------------------ what the graphs store
+
+def test_graphs_hold_no_unused_initializers_and_shared_weights_are_reported(bundles, tmp_path):
+    import numpy as np
+    import onnx_ir as ir
+
+    from exporters.prune import format_weight_report, prune_file, prune_unused, weight_report
+
+    for name in ("fp32", "int8"):
+        report = weight_report({g: bundles[name] / f"{g}.onnx" for g in ("encoder", "decoder")}, min_bytes=1024)
+        assert all(g["unused"] == [] for g in report["graphs"].values()), format_weight_report(report)
+        shared = [d["copies"] for d in report["same_values"]]
+        assert ["encoder:model.embed.lut.weight", "decoder:model.embed.lut.weight"] in shared   # two files: forced
+        assert report["duplicated_bytes"] >= 64 * 32 * 4
+    path = tmp_path / "decoder.onnx"
+    shutil.copyfile(bundles["fp32"] / "decoder.onnx", path)
+    before = sha256_file(path)
+    assert prune_file(path) == {"initializers": [], "bytes": 0, "nodes": 0} and sha256_file(path) == before
+    model = ir.load(path)
+    extra = ir.Value(name="unused_weight", const_value=ir.tensor(np.ones((16, 16), np.float32)))
+    model.graph.register_initializer(extra)
+    ir.save(model, path)
+    assert prune_file(path) == {"initializers": ["unused_weight"], "bytes": 1024, "nodes": 0}
+    assert "unused_weight" not in ir.load(path).graph.initializers
+    assert prune_unused(ir.load(path))["initializers"] == []
+
+
+# ------------------------------------------------------------------------------------------ the numpy-only example
+
+def test_greedy_numpy_imports_only_numpy_and_onnxruntime():
+    tree = ast.parse(SCRIPT.read_text())
+    imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
+                for alias in node.names}
+    imported |= {node.module.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    assert imported - set(sys.stdlib_module_names) == {"numpy", "onnxruntime"}
+
+
+@pytest.mark.parametrize("name", ["fp32", "fp32-ort", "int8-ort"])
+def test_greedy_numpy_prints_what_generate_prints(bundles, name):
+    args = [*TEXTS, "--ids", "5 6 7", "--ids", "40 41 42 43 44 45 46", "--max-new-tokens", "20"]
+    script = run([sys.executable, SCRIPT, bundles[name], *args]).stdout
+    cli = CliRunner().invoke(__import__("toolkit.cli", fromlist=["main"]).main,
+                             ["generate", str(bundles[name]), "--provider", "cpu", *args])
+    assert cli.exit_code == 0, cli.output
+    assert script == cli.output
+    assert len(set(script.splitlines())) >= 4 and any(script.splitlines())
+
+
+# ------------------------------------------------------------------------------------------ a torch-free install
+
+@pytest.fixture(scope="module")
+def cpu_env(tmp_path_factory):
+    """A plain venv holding only `onnxformer[cpu]`, installed from a wheel built from this source tree."""
+    start = time.perf_counter()
+    root = tmp_path_factory.mktemp("cpu_env")
+    src = root / "src"                                   # a copy, so the build leaves nothing in the repository
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy2(ROOT / name, src / name)
+    for package in ("toolkit", "runtime", "exporters"):
+        shutil.copytree(ROOT / package, src / package, ignore=shutil.ignore_patterns("__pycache__"))
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check"]
+    isolation = ["--no-build-isolation"] if _setuptools_major() >= 68 else []     # saves fetching setuptools
+    run([*pip, "wheel", "-q", "--no-deps", *isolation, "-w", root / "wheel", src])
+    wheel = next((root / "wheel").glob("onnxformer-*.whl"))
+    run([sys.executable, "-m", "venv", "--without-pip", root / "venv"])    # plain: no system site-packages
+    python = root / "venv" / "bin" / "python"
+    run([*pip, "--python", python, "install", "-q", "--no-compile", f"{wheel}[cpu]"])
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    print(f"fresh onnxformer[cpu] environment in {time.perf_counter() - start:.1f} s")
+    return root, python, env
+
+
+def _setuptools_major() -> int:
+    try:
+        return int(importlib.metadata.version("setuptools").split(".")[0])
+    except (importlib.metadata.PackageNotFoundError, ValueError):
+        return 0
+
+
+def test_cpu_install_generates_without_torch(cpu_env, bundles, toy_exported, seqs, varied_toy_factory):
+    root, python, env = cpu_env
+    onnxformer = python.parent / "onnxformer"
+    probe = subprocess.run([python, "-c", "import torch"], capture_output=True, text=True, env=env, cwd=root)
+    assert probe.returncode != 0 and "No module named 'torch'" in probe.stderr
+    for module in ("onnx", "onnxscript"):
+        assert subprocess.run([python, "-c", f"import {module}"], capture_output=True, env=env, cwd=root).returncode
+    bundle = Path(shutil.copytree(bundles["int8-ort"], root / "device" / "bundle"))
+    fp32 = Path(shutil.copytree(bundles["fp32"], root / "device" / "fp32"))
+    ids = [["--ids", " ".join(map(str, s))] for s in seqs]
+    out = run([onnxformer, "generate", fp32, *sum(ids, []), "--max-new-tokens", "16"], env=env, cwd=root).stdout
+    want = tokens(generate_ids(TorchEngine(varied_toy_factory()), seqs, SearchOptions(max_new_tokens=16)))
+    tokenizer = load_bundle(fp32, provider="cpu").tokenizer
+    assert out.splitlines() == [tokenizer.decode(t[0]) for t in want]          # PyTorch's tokens, as text
+    here = CliRunner().invoke(__import__("toolkit.cli", fromlist=["main"]).main, ["generate", str(bundle), *TEXTS])
+    there = run([onnxformer, "generate", bundle, *TEXTS], env=env, cwd=root).stdout
+    assert there == here.output and len(set(there.splitlines())) > 1
+    assert run([python, SCRIPT, bundle, *TEXTS], env=env, cwd=root).stdout == there
+    assert "precision int8" in run([onnxformer, "inspect", bundle], env=env, cwd=root).stdout
+    bench = run([onnxformer, "bench", bundle, "--batch-sizes", "1", "--src-len", "4", "--new-tokens", "4",
+                 "--repeat", "1", "--warmup", "0"], env=env, cwd=root).stdout
+    assert "int8" in bench and "tok/s" in bench
+    checkpoint = str(toy_exported[0])
+    for name, args in TORCH_COMMANDS.items():
+        args = [a.replace("CKPT", checkpoint).replace("BUNDLE", str(bundle)) for a in args]
+        result = subprocess.run([onnxformer, *args], capture_output=True, text=True, env=env, cwd=root)
+        assert result.returncode == 2, f"{name}: {result.stdout}{result.stderr}"
+        assert "pip install 'onnxformer[export]'" in result.stderr and "Traceback" not in result.stderr, name
+
+
+@pytest.mark.slow
+def test_example_model_int8_ort_bundle_on_a_cpu_install(cpu_env, tmp_path):
+    """The example model: export, int8, ORT format; the fresh install prints the right dates."""
+    if not (DATES / "config.json").exists():
+        pytest.fail(f"the example checkpoint {DATES} is missing; see examples/dates/README.md to train it")
+    from exporters.export import export_checkpoint
+    from exporters.optimize import optimize_bundle
+    from exporters.ort_format import ort_format_bundle
+
+    fp32 = export_checkpoint(DATES, tmp_path / "fp32")
+    int8, _ = optimize_bundle(fp32, tmp_path / "int8", target="cpu", precision="int8")
+    edge = ort_format_bundle(int8, tmp_path / "edge")
+    texts = ["Monday, 30 November 2026", "11/30/26", "30.11.2026", "Nov 30th 2026", "1999-02-03"]
+    opts = SearchOptions(max_new_tokens=12)
+    enc = load_bundle(edge, provider="cpu").tokenizer.encode
+    assert tokens(generate_ids(load_bundle(edge, provider="cpu").engine, [enc(t) for t in texts], opts)) == \
+        tokens(generate_ids(load_bundle(int8, provider="cpu").engine, [enc(t) for t in texts], opts))
+    root, python, env = cpu_env
+    device = Path(shutil.copytree(edge, root / "device" / "dates"))
+    out = run([python.parent / "onnxformer", "generate", device, *texts], env=env, cwd=root).stdout
+    assert out.splitlines() == ["2026-11-30"] * 4 + ["1999-02-03"]
+    assert run([python, SCRIPT, device, *texts], env=env, cwd=root).stdout == out

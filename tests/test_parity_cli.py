@@ -1,0 +1,154 @@
+"""`onnxformer parity CHECKPOINT BUNDLE`: graph and generation parity, exit 0 / 1 / 2, and the token comparison."""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+
+from runtime.manifest import sha256_file
+from runtime.tokenizer import CharTokenizer
+from toolkit.checkpoint import save_checkpoint
+from toolkit.cli import main
+from toolkit.config import preset
+from toolkit.model import Transformer
+from toolkit.parity.generation import compare_tokens, generation_parity, parity_inputs
+from toolkit.parity.tolerances import tolerance
+from toolkit.torch_engine import TorchEngine
+
+HAS_CUDA = "CUDAExecutionProvider" in __import__("onnxruntime").get_available_providers()
+FAST = ["--samples", "16", "--max-new-tokens", "12"]
+
+
+def parity(*args: str):
+    return CliRunner().invoke(main, ["parity", *map(str, args)])
+
+
+def test_parity_passes_with_tables(toy_exported):
+    checkpoint, bundle = toy_exported
+    result = parity(checkpoint, bundle, "--provider", "cpu", *FAST)
+    assert result.exit_code == 0, result.output
+    assert "parity ok on cpu fp32" in result.output
+    assert "generation parity ok on cpu fp32 (tokens equal >= 100%)" in result.output
+    assert "greedy" in result.output and "beam 4" in result.output and "16 random id sequences" in result.output
+
+
+def test_parity_json_is_one_report(toy_exported):
+    checkpoint, bundle = toy_exported
+    result = parity(checkpoint, bundle, "--json", "--beam", "3", *FAST)
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)                                # stdout holds the report alone (click >= 8.2)
+    assert report["ok"] is True and report["precision"] == "fp32" and report["graphs"]["verified"] is True
+    checks = report["generation"]["checks"]
+    assert [c["search"] for c in checks] == ["greedy", "beam 3"]
+    for c in checks:
+        assert c["tokens_equal"] == 1.0 and c["sequences_equal"] == 1.0 and c["samples"] == 16
+        assert c["distinct_outputs"] > 8 and c["first_mismatch"] is None
+
+
+@pytest.fixture(scope="module")
+def perturbed_bundle(toy_exported, tmp_path_factory) -> Path:
+    """The toy bundle with noise added to the decoder's output projection (hashes updated: a well-formed bundle)."""
+    import onnx
+    from onnx import numpy_helper
+
+    out = Path(shutil.copytree(toy_exported[1], tmp_path_factory.mktemp("perturbed") / "bundle"))
+    graph = onnx.load(str(out / "decoder.onnx"))
+    vocab_matrices = [t for t in graph.graph.initializer if list(t.dims) == [64, 32]]
+    assert vocab_matrices, "no [vocab, d_model] initializer in decoder.onnx"
+    rng = np.random.default_rng(0)
+    for t in vocab_matrices:
+        w = numpy_helper.to_array(t)
+        t.CopyFrom(numpy_helper.from_array((w + rng.normal(0, 0.5, w.shape)).astype(np.float32), t.name))
+    onnx.save(graph, str(out / "decoder.onnx"))
+    manifest = json.loads((out / "manifest.json").read_text())
+    manifest["graphs"]["decoder"].update(sha256=sha256_file(out / "decoder.onnx"),
+                                         bytes=(out / "decoder.onnx").stat().st_size)
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    return out
+
+
+def test_parity_outside_tolerance_exits_1(toy_exported, perturbed_bundle):
+    result = parity(toy_exported[0], perturbed_bundle, *FAST)
+    assert result.exit_code == 1, result.output
+    assert "parity FAILED on cpu fp32" in result.output and "decoder output" in result.output
+    assert "generation parity FAILED" in result.output and "first mismatch" in result.output
+    as_json = parity(toy_exported[0], perturbed_bundle, "--json", *FAST)
+    assert as_json.exit_code == 1
+    report = json.loads(as_json.stdout)
+    assert report["ok"] is False and report["generation"]["ok"] is False
+    assert report["generation"]["checks"][0]["first_mismatch"]["position"] >= 0
+
+
+@pytest.fixture
+def other_checkpoint(tmp_path) -> Path:
+    return save_checkpoint(tmp_path / "other", Transformer(preset("tiny", d_model=16), seed=3))
+
+
+@pytest.mark.parametrize("case, message", [
+    ("no bundle", "does not exist"),
+    ("other model", "exported from another model"),
+    ("samples 0", "--samples must be at least 1"),
+    ("beam 0", "--beam must be at least 1"),
+])
+def test_bad_input_exits_2(toy_exported, other_checkpoint, tmp_path, case, message):
+    checkpoint, bundle = toy_exported
+    args = {"no bundle": [checkpoint, tmp_path / "nothing"], "other model": [other_checkpoint, bundle],
+            "samples 0": [checkpoint, bundle, "--samples", "0"], "beam 0": [checkpoint, bundle, "--beam", "0"]}[case]
+    result = parity(*args)
+    assert result.exit_code == 2, result.output
+    assert message in result.output and "Traceback" not in result.output
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="this onnxruntime has CUDA")
+def test_cuda_without_cuda_exits_2(toy_exported):
+    result = parity(*toy_exported, "--provider", "cuda")
+    assert result.exit_code == 2 and "CUDAExecutionProvider is not available" in result.output
+
+
+# ------------------------------------------------------------------------------------------ the comparison
+
+def test_compare_tokens_counts_positions_and_lengths():
+    same, tokens, first = compare_tokens([[1, 2, 3], [4, 5], [6]], [[1, 2, 3], [4, 9, 7], [6]])
+    assert same == pytest.approx(2 / 3)
+    assert tokens == pytest.approx((3 + 1 + 1) / (3 + 3 + 1))          # the longer output counts
+    assert first == {"index": 1, "position": 1, "pytorch": [4, 5], "onnxruntime": [4, 9, 7]}
+    assert compare_tokens([[]], [[]]) == (1.0, 1.0, None)
+
+
+def test_generation_parity_detects_a_different_model(varied_toy_factory):
+    model = varied_toy_factory()
+    other = copy.deepcopy(model)
+    with torch.no_grad():
+        other.embed.lut.weight.add_(torch.randn(other.embed.lut.weight.shape, generator=torch.Generator().manual_seed(0)))
+    seqs, source = parity_inputs(model.config, None, 12)
+    same = generation_parity(TorchEngine(model), TorchEngine(model), seqs, tolerance("fp32", "cpu"), "cpu", "fp32",
+                             beams=(1, 2), max_new_tokens=10, source=source)
+    assert same.ok and [c.tokens_equal for c in same.checks] == [1.0, 1.0]
+    differ = generation_parity(TorchEngine(model), TorchEngine(other), seqs, tolerance("fp32", "cpu"), "cpu", "fp32",
+                               beams=(1,), max_new_tokens=10, source=source)
+    assert not differ.ok and differ.checks[0].tokens_equal < 1.0
+    assert "generation parity FAILED" in differ.summary() and differ.checks[0].first_mismatch["input"] in seqs
+
+
+def test_thresholds_come_from_the_tolerance_table():
+    assert [tolerance(p, q).token_match for p, q in (("fp32", "cpu"), ("fp16", "cuda"), ("int8", "cpu"))] == \
+        [1.0, 0.99, 0.98]
+
+
+def test_inputs_are_dates_examples_for_a_dates_model_else_random():
+    dates = pytest.importorskip("toolkit.tasks.dates")
+    tok = dates.make_tokenizer()
+    config = preset("tiny", vocab_size=tok.vocab_size, max_len=dates.MAX_SOURCE_LEN)
+    seqs, source = parity_inputs(config, tok, 30)
+    assert source == "30 dates held-out examples"
+    assert [tok.decode(s) for s in seqs] == [s for s, _ in dates.held_out_examples()[:30]]
+    random_seqs, source = parity_inputs(config, CharTokenizer("abc"), 30)
+    assert "random id sequences" in source and len({len(s) for s in random_seqs}) > 5
+    assert all(3 <= t < config.vocab_size for s in random_seqs for t in s)

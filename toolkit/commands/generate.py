@@ -1,0 +1,95 @@
+"""onnxformer generate: run greedy or beam search on a checkpoint (PyTorch) or a bundle (ONNX Runtime)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from runtime.errors import InputError
+from toolkit.commands._common import friendly
+
+
+def parse_ids(text: str) -> list[int]:
+    """'5 6 7' (spaces or commas) -> [5, 6, 7]."""
+    parts = text.replace(",", " ").split()
+    if not parts:
+        raise InputError("--ids got an empty list; pass token ids like --ids \"5 6 7\"")
+    try:
+        return [int(p) for p in parts]
+    except ValueError:
+        raise InputError(f"--ids {text!r} is not a list of integers; pass token ids like --ids \"5 6 7\"") from None
+
+
+def read_inputs(texts: tuple[str, ...], input_file: str | None, ids: tuple[str, ...]) -> list[str | list[int]]:
+    """Inputs in order: TEXT arguments, then the lines of --input, then each --ids."""
+    inputs: list[str | list[int]] = list(texts)
+    if input_file is not None:
+        try:
+            lines = click.open_file(input_file, encoding="utf-8").read().splitlines()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise InputError(f"cannot read --input {input_file}: {exc}; pass a UTF-8 text file, one input a line") from None
+        for n, line in enumerate(lines, 1):
+            if not line.strip():
+                raise InputError(f"--input {input_file} line {n} is empty; remove blank lines (one input a line)")
+        inputs += lines
+    inputs += [parse_ids(s) for s in ids]
+    if not inputs:
+        raise InputError("no inputs given; pass TEXT arguments, --input FILE or --ids \"5 6 7\"")
+    return inputs
+
+
+def encode_inputs(inputs: list[str | list[int]], tokenizer) -> list[list[int]]:
+    """Token ids of every input; text needs a tokenizer."""
+    seqs = []
+    for i, item in enumerate(inputs):
+        if isinstance(item, list):
+            seqs.append(item)
+        elif tokenizer is None:
+            raise InputError(f"input {i} is text, but this model has no tokenizer (tokenizer.json); "
+                             f"pass token ids with --ids \"5 6 7\"")
+        else:
+            seqs.append(tokenizer.encode(item))
+    return seqs
+
+
+@click.command("generate")
+@click.argument("model", type=click.Path(path_type=Path))
+@click.argument("texts", nargs=-1)
+@click.option("--input", "input_file", type=click.Path(allow_dash=True), help="file with one input a line ('-': stdin)")
+@click.option("--ids", multiple=True, help='token ids of one input, e.g. "5 6 7" (repeatable)')
+@click.option("--beam", default=1, show_default=True, help="beam width (1 = greedy)")
+@click.option("--num-return", default=1, show_default=True, help="hypotheses returned per input (<= beam)")
+@click.option("--length-penalty", default=1.0, show_default=True, help="beam scores are log-prob / length ** this")
+@click.option("--max-new-tokens", type=int, help="most tokens generated per input [default: min(64, max_len)]")
+@click.option("--provider", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
+@click.option("--threads", type=int, help="intra-op threads (default: the library's choice)")
+@click.option("--json", "as_json", is_flag=True, help="one JSON object a line for each returned hypothesis")
+@friendly
+def command(model, texts, input_file, ids, beam, num_return, length_penalty, max_new_tokens, provider, threads, as_json):
+    """Generate from MODEL (a checkpoint or a bundle) for each TEXT, --input line and --ids.
+
+    Prints one line per input: the generated text (or ids, for models without a tokenizer); with
+    --num-return N the N hypotheses are tab-separated, best first.
+    """
+    from runtime.generate import generate_ids, to_outputs
+    from runtime.search import SearchOptions
+    from toolkit.engines import open_model
+
+    inputs = read_inputs(texts, input_file, ids)
+    opened = open_model(model, provider=provider, threads=threads)
+    engine, tokenizer = opened.engine, opened.tokenizer
+    seqs = encode_inputs(inputs, tokenizer)
+    opts = SearchOptions(max_new_tokens=min(64, engine.max_len) if max_new_tokens is None else max_new_tokens,
+                         beam=beam, num_return=num_return, length_penalty=length_penalty)
+    outputs = to_outputs(generate_ids(engine, seqs, opts), engine.eos_id, tokenizer)
+    if as_json:
+        for out in outputs:
+            click.echo(json.dumps({"input": inputs[out.index], **out.to_dict()}, ensure_ascii=False))
+        return
+    lines: list[list[str]] = [[] for _ in inputs]
+    for out in outputs:
+        lines[out.index].append(out.text if out.text is not None else " ".join(map(str, out.ids)))
+    for hyps in lines:
+        click.echo("\t".join(hyps))

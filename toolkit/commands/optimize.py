@@ -1,0 +1,45 @@
+"""onnxformer optimize: bundle -> fused / converted bundle, with a report of rewrites and parity."""
+
+import click
+
+from toolkit.commands._common import friendly, require
+
+
+@click.command("optimize")
+@click.argument("bundle", type=click.Path())
+@click.option("--out", required=True, type=click.Path(), help="bundle directory to write")
+@click.option("--target", default="cpu", show_default=True, help="cpu | cuda: the provider the bundle is for")
+@click.option("--precision", default="fp32", show_default=True,
+              help="fp32 | fp16 (cuda) | int8 (cpu, dynamic quantization of MatMul weights)")
+@click.option("--fuse/--no-fuse", default=True, show_default=True, help="rewrite attention, LayerNorm and GELU blocks")
+@click.option("--attention", default="ort", show_default=True,
+              help="ort: com.microsoft.MultiHeadAttention | onnx: the standard Attention op (opset 23)")
+@click.option("--per-channel/--per-tensor", default=True, show_default=True, help="int8 weight scales")
+@click.option("--force", is_flag=True, help="replace an existing bundle at --out")
+@click.option("--json", "as_json", is_flag=True, help="print the report as JSON")
+@friendly
+def command(bundle, out, target, precision, fuse, attention, per_channel, force, as_json):
+    """Optimize a bundle for ONNX Runtime: attention/LayerNorm/GELU fusion, fp16 or int8, checked for parity."""
+    require("export")
+    from exporters.optimize import optimize_bundle
+    from runtime.errors import ParityError
+
+    def progress(message: str) -> None:
+        if not as_json:
+            click.echo(f"  {message}")
+
+    try:
+        _, report = optimize_bundle(bundle, out, target=target, precision=precision, fuse=fuse, attention=attention,
+                                    force=force, per_channel=per_channel, progress=progress)
+    except ParityError as exc:
+        if isinstance(exc.report, dict) and not as_json:
+            from toolkit.parity.graphs import record_table
+            click.echo(record_table(exc.report))
+        raise
+    if as_json:
+        import json
+
+        click.echo(json.dumps(report.to_dict(), indent=2))
+    else:
+        click.echo(report.format())
+        click.echo(f"wrote {out}")

@@ -59,6 +59,7 @@ def stage_bundle(out_dir: str | Path, force: bool = False):
     try:
         out_dir.absolute().parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.absolute().parent))
+        os.chmod(tmp, 0o777 & ~_umask())                 # mkdtemp makes 0700; a bundle is shared like any directory
     except OSError as exc:
         raise BundleError(f"cannot write {out_dir} ({exc.strerror}); choose another --out") from None
     try:
@@ -67,6 +68,12 @@ def stage_bundle(out_dir: str | Path, force: bool = False):
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def _commit(tmp: Path, out_dir: Path, force: bool) -> None:

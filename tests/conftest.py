@@ -73,33 +73,9 @@ TOY_CHARS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ012345678"   # 
 
 
 @pytest.fixture(scope="session")
-def varied_toy_factory():
-    """A function (**config_overrides) -> tiny model trained 300 steps (dropout 0, lr scale 0.5), cached."""
-    from toolkit.config import preset
-    from toolkit.model import Transformer
-    from toolkit.tasks.toy import toy_batches
-    from toolkit.train import train_steps
-
-    cache = {}
-
-    def make(**overrides):
-        key = tuple(sorted(overrides.items()))
-        if key not in cache:
-            import torch
-
-            threads = torch.get_num_threads()
-            torch.set_num_threads(1)
-            try:
-                config = preset("tiny", **{"dropout": 0.0, **overrides})
-                model = Transformer(config, seed=0)
-                with torch.enable_grad():
-                    train_steps(model, toy_batches(config, 32, 1, 12, seed=0), 300, warmup=100, lr_scale=0.5, seed=0)
-                cache[key] = model.eval()
-            finally:
-                torch.set_num_threads(threads)
-        return cache[key]
-
-    return make
+def varied_toy_factory(toy_model_factory):
+    """A function (**config_overrides) -> the tiny toy model of toy_model_factory (same cache, same weights)."""
+    return lambda **overrides: toy_model_factory(**overrides)
 
 
 @pytest.fixture(scope="session")

@@ -57,6 +57,10 @@ def save_checkpoint(path: str | Path, model: Transformer, tokenizer: CharTokeniz
             tokenizer.save(tmp / TOKENIZER)
         if training is not None:
             (tmp / TRAINING).write_text(json.dumps(training, indent=2) + "\n")
+        mask = os.umask(0)
+        os.umask(mask)
+        for f in (tmp, *tmp.iterdir()):                  # mkdtemp makes 0700; checkpoints are shared like any file
+            os.chmod(f, (0o777 if f.is_dir() else 0o666) & ~mask)
         if path.exists():
             shutil.rmtree(path)
         os.replace(tmp, path)

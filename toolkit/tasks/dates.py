@@ -196,7 +196,7 @@ def dates_accuracy(engine, tokenizer: CharTokenizer, examples: Sequence[tuple[st
 RECIPE = {
     "model": {"d_model": 128, "n_heads": 4, "n_encoder_layers": 2, "n_decoder_layers": 2, "d_ff": 256,
               "max_len": MAX_SOURCE_LEN, "dropout": 0.05},
-    "batch": 64, "steps": 3000, "warmup": 300, "lr_scale": 1.0, "label_smoothing": 0.1, "eval_every": 250,
+    "batch": 64, "steps": 4000, "warmup": 300, "lr_scale": 1.0, "label_smoothing": 0.1, "eval_every": 250,
     # formats drawn twice as often as the rest: the long, worded ones, where a single-digit day or a year far
     # from the start is easiest to misread
     "format_weights": {"month_day_year": 2.0, "month_ordinal_year": 2.0, "day_month_year": 2.0,

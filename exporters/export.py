@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import logging
 import time
 import warnings
 from pathlib import Path
@@ -23,6 +22,7 @@ from torch.export import Dim
 
 import runtime.spec as S
 from exporters.bundle import build_manifest, check_destination, copy_tokenizer, graph_entry, stage_bundle, write_manifest
+from exporters.logs import quiet_loggers
 from exporters.validate import check_graph
 from runtime.errors import ConfigError, ParityError
 from runtime.spec import GraphSpec, cache_name, graph_specs
@@ -112,7 +112,7 @@ def _export(module: torch.nn.Module, spec: GraphSpec, config, path: Path, opset:
     else:
         dyn = shapes
     quiet = io.StringIO()
-    with warnings.catch_warnings(), contextlib.redirect_stdout(quiet), _quiet_loggers():
+    with warnings.catch_warnings(), contextlib.redirect_stdout(quiet), quiet_loggers("torch.onnx", "torch.export", "torch._dynamo", "onnxscript"):
         warnings.simplefilter("ignore")
         program = torch.onnx.export(module, args, None, input_names=spec.input_names, output_names=spec.output_names,
                                     dynamic_shapes=dyn, opset_version=opset, dynamo=True, verbose=False)
@@ -121,20 +121,6 @@ def _export(module: torch.nn.Module, spec: GraphSpec, config, path: Path, opset:
     proto.doc_string = f"onnxformer {spec.name} graph"
     onnx.save_model(proto, str(path))
     return proto
-
-
-@contextlib.contextmanager
-def _quiet_loggers():
-    """The exporter logs progress at INFO/WARNING; keep the command line's output ours."""
-    loggers = [logging.getLogger(n) for n in ("torch.onnx", "torch.export", "torch._dynamo", "onnxscript")]
-    levels = [lg.level for lg in loggers]
-    for lg in loggers:
-        lg.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        for lg, level in zip(loggers, levels):
-            lg.setLevel(level)
 
 
 def name_output_dims(proto: onnx.ModelProto, spec: GraphSpec) -> None:

@@ -10,8 +10,7 @@ so a failure (bad input, parity out of tolerance) leaves nothing behind.
 
 from __future__ import annotations
 
-import contextlib
-import logging
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +23,8 @@ import onnxruntime as ort
 from exporters.bundle import build_manifest, copy_tokenizer, graph_entry, op_counts, stage_bundle, write_manifest
 from exporters.compare import compare_graphs
 from exporters.fusions import ATTENTION_TARGETS, attention_rules, fusion_passes, quantization_prepasses
+from exporters.logs import quiet_loggers
+from exporters.ort_format import add_ort_format, check_convertible
 from exporters.passes import PassManager, explain_misses
 from exporters.precision import precision_pass
 from runtime.errors import OnnxformerError, ParityError
@@ -167,13 +168,20 @@ def check_source(bundle_dir: Path, out_dir: Path, manifest: dict, precision: str
 
 
 def optimize_bundle(bundle_dir: str | Path, out_dir: str | Path, target: str = "cpu", precision: str = "fp32",
-                    fuse: bool = True, attention: str = "ort", force: bool = False, per_channel: bool = True,
-                    samples: int = 32, progress: Callable[[str], None] | None = None) -> tuple[Path, OptimizeReport]:
-    """Fuse and/or convert a bundle into out_dir; returns (out_dir, report). Bad input: OptimizeError/BundleError."""
+                    fuse: bool = True, attention: str = "ort", force: bool = False, per_channel: bool | None = None,
+                    samples: int = 32, progress: Callable[[str], None] | None = None,
+                    ort_format: bool = False) -> tuple[Path, OptimizeReport]:
+    """Fuse and/or convert a bundle into out_dir; returns (out_dir, report). Bad input: OptimizeError/BundleError.
+
+    per_channel (int8): None chooses per tensor, which is faster, unless its greedy tokens miss the tolerance
+    table's int8 row and per-channel scales do better; True/False force one.
+    """
     progress = progress or (lambda msg: None)
     start = time.perf_counter()
     bundle_dir, out_dir = Path(bundle_dir), Path(out_dir)
     check_options(target, precision, attention, fuse)
+    if ort_format:                                        # .ort graphs are for the CPU provider's minimal builds
+        check_convertible({"precision": precision, "target": target})
     manifest = read_manifest(bundle_dir)
     verify_hashes(bundle_dir, manifest, which=("graphs",))
     check_source(bundle_dir, out_dir, manifest, precision, fuse, attention)
@@ -184,28 +192,42 @@ def optimize_bundle(bundle_dir: str | Path, out_dir: str | Path, target: str = "
         report.notes.append("the source's ORT-format (.ort) graphs are not carried over; convert the new graphs again")
 
     with stage_bundle(out_dir, force) as tmp:
-        paths, src_paths = {}, {}
+        src_paths = {g: bundle_dir / manifest["graphs"][g]["file"] for g in GRAPHS}
+        paths = {g: tmp / manifest["graphs"][g]["file"] for g in GRAPHS}
+        models = {}
         for g in GRAPHS:
-            entry = manifest["graphs"][g]
-            src_paths[g] = bundle_dir / entry["file"]
-            paths[g] = tmp / entry["file"]
-            report.before[g] = {"nodes": entry.get("nodes"), "op_counts": entry.get("op_counts", {}),
-                                "bytes": entry.get("bytes", src_paths[g].stat().st_size)}
-            if report.before[g]["nodes"] is None:
-                counts = op_counts(onnx.load(str(src_paths[g]), load_external_data=False).graph)
-                report.before[g].update(nodes=sum(counts.values()), op_counts=dict(counts))
+            report.before[g] = _counts(manifest["graphs"][g], src_paths[g])
             t0 = time.perf_counter()
-            model, counts, applied = _optimize_graph(src_paths[g], fuse, attention, precision, per_channel,
-                                                     entry.get("opset") or manifest.get("opset") or 20)
-            report.fusions[g] = counts
+            models[g], report.fusions[g], applied = _fuse_graph(
+                src_paths[g], fuse, attention, precision, manifest["graphs"][g].get("opset") or manifest.get("opset"))
             report.passes = sorted(set(report.passes) | set(applied), key=_pass_rank)
-            _check_fused(g, model, config, fuse, attention, report)
-            ir.save(model, paths[g])
-            e = graph_entry(paths[g])
-            report.after[g] = {"nodes": e["nodes"], "op_counts": e["op_counts"], "bytes": e["bytes"]}
-            progress(f"{g}: {sum(counts.values())} rewrites, {report.before[g]['nodes']} -> {e['nodes']} nodes "
-                     f"in {time.perf_counter() - t0:.1f} s")
-        report.parity = _parity(manifest, bundle_dir, src_paths, paths, target, precision, samples, progress)
+            _check_fused(g, models[g], config, fuse, attention, report)
+            progress(f"{g}: {sum(report.fusions[g].values())} rewrites in {time.perf_counter() - t0:.1f} s")
+        choices = [per_channel] if precision != "int8" or per_channel is not None else [False, True]
+        tried = []
+        for choice in choices:
+            step = precision_pass(precision, bool(choice))
+            folder = tmp if len(choices) == 1 else tmp / f".per_channel_{choice}"
+            folder.mkdir(exist_ok=True)
+            for g in GRAPHS:
+                with quiet_loggers("root", "onnxruntime", "onnxruntime.quantization"):
+                    converted = step(models[g]).model if step is not None else models[g]
+                ir.save(converted, folder / paths[g].name)
+            parity = _parity(manifest, bundle_dir, src_paths, {g: folder / paths[g].name for g in GRAPHS}, target,
+                             precision, samples, progress)
+            tried.append((choice, folder, parity))
+            if parity.get("verified") or len(choices) == 1:
+                break
+        choice, folder, report.parity = _choose(tried, report)
+        if step is not None:
+            report.passes.append(step.name)
+        if folder != tmp:
+            for g in GRAPHS:
+                (folder / paths[g].name).replace(paths[g])
+            for _, other, _ in tried:
+                shutil.rmtree(other, ignore_errors=True)
+        for g in GRAPHS:
+            report.after[g] = _counts(graph_entry(paths[g]), paths[g])
         if report.parity.get("judged") and not report.parity["verified"]:
             raise ParityError(f"optimized graphs differ from the source bundle: {report.parity['summary']}; "
                               f"nothing was written to {out_dir}", report.parity)
@@ -217,40 +239,56 @@ def optimize_bundle(bundle_dir: str | Path, out_dir: str | Path, target: str = "
                   "target": manifest.get("target", "any"), "passes": manifest.get("passes") or [],
                   "graphs": {g: {"sha256": manifest["graphs"][g]["sha256"], **report.before[g]} for g in GRAPHS},
                   "options": {"target": target, "precision": precision, "fuse": fuse, "attention": attention,
-                              "per_channel": per_channel},
+                              "per_channel": choice if precision == "int8" else None},
                   "fusions_by_graph": report.fusions}
         new = build_manifest(config, {g: graph_entry(paths[g]) for g in GRAPHS}, precision=precision, target=target,
                              fusions=fusions, passes=(manifest.get("passes") or []) + report.passes,
                              parity=report.parity, tokenizer=_tokenizer(bundle_dir, manifest, tmp), source=source)
+        if ort_format:
+            add_ort_format(tmp, new, progress=progress)   # adds encoder.ort, decoder.ort, required_operators.config
         write_manifest(tmp, new)
     report.seconds = time.perf_counter() - start
     return out_dir, report
 
 
-def _optimize_graph(path: Path, fuse: bool, attention: str, precision: str, per_channel: bool,
-                    opset: int) -> tuple[ir.Model, dict[str, int], list[str]]:
-    """Load one graph, run the fusion passes until nothing changes, then the precision pass once."""
+def _counts(entry: dict, path: Path) -> dict:
+    """{nodes, op_counts, bytes} of a graph, from its manifest entry (or the file when the entry lacks them)."""
+    if entry.get("nodes") is None or "op_counts" not in entry:
+        counts = op_counts(onnx.load(str(path), load_external_data=False).graph)
+        return {"nodes": sum(counts.values()), "op_counts": dict(counts), "bytes": path.stat().st_size}
+    return {"nodes": entry["nodes"], "op_counts": entry["op_counts"], "bytes": entry.get("bytes", path.stat().st_size)}
+
+
+def _choose(tried: list, report: OptimizeReport) -> tuple:
+    """The int8 weight scales to keep: the first that meets the token row, else the best; say why."""
+    if len(tried) == 1:
+        return tried[0]
+    best = max(tried, key=lambda t: t[2]["generation"]["tokens_equal"])
+    names = {False: "per-tensor", True: "per-channel"}
+    tokens = ", ".join(f"{names[c]} {p['generation']['tokens_equal']:.2%}" for c, _, p in tried)
+    report.notes.append(f"int8 weight scales: per-tensor missed the int8 token row, so both were tried "
+                        f"(greedy tokens equal: {tokens}); kept {names[best[0]]}")
+    return best
+
+
+def _fuse_graph(path: Path, fuse: bool, attention: str, precision: str,
+                opset: int | None) -> tuple[ir.Model, dict[str, int], list[str]]:
+    """Load one graph and run the fusion passes until nothing changes (plus the int8 preparation passes)."""
     model = ir.load(path)
     counts, applied = {}, []
     if fuse:
-        result = PassManager(fusion_passes(attention, opset))(model)
+        result = PassManager(fusion_passes(attention, opset or 20))(model)
         model, counts, applied = result.model, result.counts, list(result.applied)
     if precision == "int8":
         result = PassManager(quantization_prepasses(), steps=2)(model)
         model = result.model
         counts = {**counts, **{k: counts.get(k, 0) + v for k, v in result.counts.items()}}
         applied += [p for p in result.applied if p not in applied]
-    step = precision_pass(precision, per_channel)
-    if step is not None:
-        with _quiet():
-            result = step(model)
-        model = result.model
-        applied.append(step.name)
     return model, counts, applied
 
 
 PIPELINE = ("opset_23", "fuse_attention", "fuse_layer_norm", "fuse_erf_gelu", "fuse_skip_layer_norm", "fuse_bias_gelu",
-            "cleanup", "fold_transposed_weights", "float16", "quantize_int8")
+            "pack_matmuls", "cleanup", "fold_transposed_weights", "float16", "quantize_int8")
 
 
 def _pass_rank(name: str) -> tuple[int, str]:
@@ -329,20 +367,6 @@ def _generation(config, bundle_dir, manifest, src_paths, paths, provider, precis
     check = report.checks[0]
     return {"tokens_equal": check.tokens_equal, "sequences_equal": check.sequences_equal, "samples": check.samples,
             "token_match": tol.token_match, "source": source, "distinct_outputs": check.distinct_outputs}
-
-
-@contextlib.contextmanager
-def _quiet():
-    """onnxruntime's quantizer and float16 converter log advice at WARNING; keep the report ours."""
-    loggers = [logging.getLogger(n) for n in ("root", "onnxruntime", "onnxruntime.quantization")]
-    levels = [lg.level for lg in loggers]
-    for lg in loggers:
-        lg.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        for lg, level in zip(loggers, levels):
-            lg.setLevel(level)
 
 
 __all__ = ["optimize_bundle", "OptimizeReport", "OptimizeError", "check_options", "PRECISIONS", "TARGETS"]

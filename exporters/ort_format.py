@@ -37,6 +37,7 @@ from typing import Callable
 
 import onnxruntime as ort
 
+from exporters.logs import quiet_loggers
 from exporters.bundle import check_destination, stage_bundle, write_manifest
 from runtime.errors import BundleError, OnnxformerError, ParityError
 from runtime.manifest import GRAPHS, read_manifest, sha256_file, verify_hashes
@@ -104,7 +105,7 @@ def _convert(sources: dict[str, Path], out_dir: Path, target_platform: str | Non
         for path in sources.values():
             _link_or_copy(path, Path(scratch) / path.name)
         quiet = io.StringIO()
-        with contextlib.redirect_stdout(quiet), _quiet_logger("ort_format_model.utils"):
+        with contextlib.redirect_stdout(quiet), quiet_loggers("ort_format_model.utils", level=logging.WARNING):
             try:
                 convert_onnx_models_to_ort(pathlib.Path(scratch), output_dir=pathlib.Path(out_dir),
                                            optimization_styles=[OptimizationStyle.Fixed],
@@ -120,18 +121,6 @@ def _link_or_copy(src: Path, dst: Path) -> None:
         os.link(src, dst)                      # same filesystem: no copy of a large graph
     except OSError:
         shutil.copyfile(src, dst)
-
-
-@contextlib.contextmanager
-def _quiet_logger(name: str):
-    """The converter's helper logs 'Created config in ...' at INFO; keep the command's output ours."""
-    logger = logging.getLogger(name)
-    level = logger.level
-    logger.setLevel(logging.WARNING)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
 
 
 def _relative_config_comments(config: Path) -> None:

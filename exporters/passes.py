@@ -64,16 +64,6 @@ class RewritePass(Pass):
         return PassResult(model, any(counts.values()), dict(counts))
 
 
-class IrPass(Pass):
-    """Wraps an in-place onnx_ir pass (CSE, dead-code removal, sorting) under a name."""
-
-    def __init__(self, name: str, make: Callable[[], ir.passes.PassBase]):
-        self.name, self.make = name, make
-
-    def call(self, model: ir.Model) -> PassResult:
-        return PassResult(model, bool(self.make()(model).modified))
-
-
 class CleanupPass(Pass):
     """Common-subexpression elimination (this is what leaves one attention bias per graph), dead nodes, order."""
 

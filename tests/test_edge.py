@@ -60,8 +60,8 @@ def bundles(toy_exported, tmp_path_factory):
     root = tmp_path_factory.mktemp("edge")
     fp32 = toy_exported[1]
     int8, _ = optimize_bundle(fp32, root / "int8", target="cpu", precision="int8", samples=8)
-    return {"fp32": fp32, "int8": int8, "fp32-ort": ort_format_bundle(fp32, root / "fp32-ort"),
-            "int8-ort": ort_format_bundle(int8, root / "int8-ort")}
+    int8_ort, _ = optimize_bundle(fp32, root / "int8-ort", target="cpu", precision="int8", samples=8, ort_format=True)
+    return {"fp32": fp32, "int8": int8, "fp32-ort": ort_format_bundle(fp32, root / "fp32-ort"), "int8-ort": int8_ort}
 
 
 @pytest.fixture(scope="module")
@@ -262,7 +262,7 @@ def test_cpu_install_generates_without_torch(cpu_env, bundles, toy_exported, seq
     assert out.splitlines() == [tokenizer.decode(t[0]) for t in want]          # PyTorch's tokens, as text
     here = CliRunner().invoke(__import__("toolkit.cli", fromlist=["main"]).main, ["generate", str(bundle), *TEXTS])
     there = run([onnxformer, "generate", bundle, *TEXTS], env=env, cwd=root).stdout
-    assert there == here.output and len(set(there.splitlines())) > 1
+    assert there == here.stdout and len(set(there.splitlines())) > 1
     assert run([python, SCRIPT, bundle, *TEXTS], env=env, cwd=root).stdout == there
     assert "precision int8" in run([onnxformer, "inspect", bundle], env=env, cwd=root).stdout
     bench = run([onnxformer, "bench", bundle, "--batch-sizes", "1", "--src-len", "4", "--new-tokens", "4",
@@ -283,11 +283,10 @@ def test_example_model_int8_ort_bundle_on_a_cpu_install(cpu_env, tmp_path):
         pytest.fail(f"the example checkpoint {DATES} is missing; see examples/dates/README.md to train it")
     from exporters.export import export_checkpoint
     from exporters.optimize import optimize_bundle
-    from exporters.ort_format import ort_format_bundle
 
     fp32 = export_checkpoint(DATES, tmp_path / "fp32")
     int8, _ = optimize_bundle(fp32, tmp_path / "int8", target="cpu", precision="int8")
-    edge = ort_format_bundle(int8, tmp_path / "edge")
+    edge, _ = optimize_bundle(fp32, tmp_path / "edge", target="cpu", precision="int8", ort_format=True)
     texts = ["Monday, 30 November 2026", "11/30/26", "30.11.2026", "Nov 30th 2026", "1999-02-03"]
     opts = SearchOptions(max_new_tokens=12)
     enc = load_bundle(edge, provider="cpu").tokenizer.encode

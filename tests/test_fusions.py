@@ -12,8 +12,8 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from exporters.fusions import (attention_rules, bias_gelu_rules, erf_gelu_rules, fusion_passes, layernorm_rules,
-                               quantization_prepasses, skip_layernorm_rules)
+from exporters.fusions import (PackMatMulsPass, attention_rules, bias_gelu_rules, erf_gelu_rules, fusion_passes,
+                               layernorm_rules, quantization_prepasses, skip_layernorm_rules)
 from exporters.passes import CleanupPass, OpsetPass, Pass, PassManager, PassResult, RewritePass, explain_misses
 
 FILL = float(np.finfo(np.float32).min)   # what torch's masked_fill writes
@@ -358,6 +358,26 @@ def test_erf_gelu_then_bias_gelu(form, opset, domain):
     assert counts["erf_gelu"] == 2 and counts["bias_gelu"] == 2
     assert ops["BiasGelu"] == 2 and "Erf" not in ops and "Gelu" not in ops
     assert_same(model, fused, residual_feeds())
+
+
+# ------------------------------------------------------------------------------------------ packed projections
+
+def test_projections_sharing_an_input_are_packed():
+    """Q/K/V with biases (packed with their Adds), two bias-free projections of another input, one lone MatMul."""
+    g = Builder()
+    x, y = g.input("x", ["batch", "seq", D]), g.input("y", ["batch", "seq", D])
+    qkv = [g.op("Add", g.op("MatMul", x, g.weight(D, D)), g.weight(D, scale=0.1)) for _ in range(3)]
+    kv = [g.op("MatMul", y, g.weight(D, 2 * D)) for _ in range(2)]
+    lone = g.op("MatMul", g.op("Relu", x), g.weight(D, D))
+    for i, v in enumerate(qkv + kv + [lone]):
+        g.output(g.op("Identity", v, out=f"out{i}"))
+    g.output(g.op("Add", qkv[0], qkv[1], out="sum"))         # a packed output with two users
+    model = g.model()
+    fused, counts, ops = fuse(model, [PackMatMulsPass(), CleanupPass()])
+    assert counts["packed_matmul"] == 2
+    assert ops["MatMul"] == 3 and ops["Split"] == 2 and ops["Add"] == 2      # one packed bias Add + "sum"
+    assert_same(model, fused, {"x": np.random.default_rng(3).standard_normal((2, 3, D)).astype(np.float32),
+                               "y": np.random.default_rng(4).standard_normal((2, 3, D)).astype(np.float32)})
 
 
 # ------------------------------------------------------------------------------------------ tied weights

@@ -47,7 +47,9 @@ def assert_fused(bundle: Path, config, fusions: dict) -> None:
     assert enc.get("com.microsoft.MultiHeadAttention") == config.n_encoder_layers
     assert dec.get("com.microsoft.MultiHeadAttention") == 2 * config.n_decoder_layers
     assert "Softmax" not in enc and "Softmax" not in dec
-    assert enc["MatMul"] == 4 * config.n_encoder_layers + 2 * config.n_encoder_layers + 2 * config.n_decoder_layers
+    # projections only, Q/K/V packed into one MatMul per layer and the cross K/V of all decoder layers into one
+    assert enc["MatMul"] == 4 * config.n_encoder_layers + 1 and dec["MatMul"] == 6 * config.n_decoder_layers + 1
+    assert fusions["packed_matmul"] == config.n_encoder_layers + 1 + config.n_decoder_layers
     assert fusions["attention_self"] == config.n_encoder_layers
     assert fusions["attention_past"] == fusions["attention_cross"] == config.n_decoder_layers
     # the mask -> additive bias conversion is computed once per mask and shared by all layers
@@ -89,7 +91,7 @@ def test_toy_manifest_records_what_was_done(toy):
     verify_hashes(fused, manifest)
     assert manifest["precision"] == "fp32" and manifest["target"] == "cpu"
     assert manifest["fusions"] == {k: v for k, v in report.totals.items() if v}
-    assert manifest["passes"] == ["fuse_attention", "fuse_skip_layer_norm", "cleanup"]
+    assert manifest["passes"] == ["fuse_attention", "fuse_skip_layer_norm", "pack_matmuls", "cleanup"]
     src = read_manifest(source)
     for g in ("encoder", "decoder"):
         before = manifest["source"]["graphs"][g]
@@ -146,8 +148,8 @@ def test_int8_on_fused_bundle_is_allowed_and_reports_token_agreement(toy, tmp_pa
     assert manifest["precision"] == "int8" and manifest["passes"][-1] == "quantize_int8"
     assert manifest["fusions"] == read_manifest(fused)["fusions"]          # the fusions carried over
     dec = manifest["graphs"]["decoder"]["op_counts"]
-    # every weight MatMul quantized: per decoder layer self q/k/v/out, cross q/out, two FFN; plus the logits
-    assert "MatMul" not in dec and dec["MatMulInteger"] == 8 * model.config.n_decoder_layers + 1
+    # every weight MatMul quantized: per decoder layer packed q/k/v, self out, cross q/out, two FFN; the logits
+    assert "MatMul" not in dec and dec["MatMulInteger"] == 6 * model.config.n_decoder_layers + 1
     assert dec["com.microsoft.MultiHeadAttention"] == 2 * model.config.n_decoder_layers
     parity = manifest["parity"]
     assert parity["precision"] == "int8" and parity["tolerance"] is None     # logits: report only

@@ -16,7 +16,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from toolkit.config import ModelConfig

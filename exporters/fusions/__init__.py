@@ -4,6 +4,7 @@
     layernorm.py        decomposed LayerNorm -> LayerNormalization
     skip_layernorm.py   residual Add + LayerNormalization -> com.microsoft.SkipLayerNormalization
     gelu.py             Erf-spelled GELU -> Gelu; bias Add + Gelu -> com.microsoft.BiasGelu / FastGelu
+    pack_matmul.py      constant-weight MatMuls sharing an input (Q/K/V, cross K/V) -> one MatMul + Split
     transposed_weight.py  MatMul(x, Transpose(W)) -> MatMul(x, W^T): run before int8 quantization only
 
 Target "ort" (onnxruntime) gets every rule; target "onnx" (other runtimes) only rules that emit standard ops.
@@ -14,6 +15,7 @@ from __future__ import annotations
 from exporters.fusions.attention import AttentionFusion, attention_rules
 from exporters.fusions.gelu import bias_gelu_rules, erf_gelu_rules
 from exporters.fusions.layernorm import layernorm_rules
+from exporters.fusions.pack_matmul import PackMatMulsPass
 from exporters.fusions.skip_layernorm import skip_layernorm_rules
 from exporters.fusions.transposed_weight import transposed_weight_rules
 from exporters.passes import CleanupPass, OpsetPass, Pass, RewritePass
@@ -37,6 +39,7 @@ def fusion_passes(attention: str = "ort", opset: int = 20, tracer=None) -> list[
     if attention == "ort":
         passes.append(RewritePass("fuse_skip_layer_norm", skip_layernorm_rules(), tracer))
         passes.append(RewritePass("fuse_bias_gelu", bias_gelu_rules(), tracer))
+    passes.append(PackMatMulsPass())
     passes.append(CleanupPass())
     return passes
 
@@ -46,6 +49,6 @@ def quantization_prepasses() -> list[Pass]:
     return [RewritePass("fold_transposed_weights", transposed_weight_rules()), CleanupPass()]
 
 
-__all__ = ["AttentionFusion", "attention_rules", "layernorm_rules", "skip_layernorm_rules", "erf_gelu_rules",
-           "bias_gelu_rules", "transposed_weight_rules", "fusion_passes", "quantization_prepasses",
+__all__ = ["AttentionFusion", "PackMatMulsPass", "attention_rules", "layernorm_rules", "skip_layernorm_rules",
+           "erf_gelu_rules", "bias_gelu_rules", "transposed_weight_rules", "fusion_passes", "quantization_prepasses",
            "ATTENTION_TARGETS"]

@@ -84,6 +84,8 @@ def command(model, texts, input_file, ids, beam, num_return, length_penalty, max
     opts = SearchOptions(max_new_tokens=min(64, engine.max_len) if max_new_tokens is None else max_new_tokens,
                          beam=beam, num_return=num_return, length_penalty=length_penalty)
     outputs = to_outputs(generate_ids(engine, seqs, opts), engine.eos_id, tokenizer)
+    if provider == "auto":                                 # say what "auto" chose (stderr: stdout stays the output)
+        click.echo(f"generated with {opened.describe()}", err=True)
     if as_json:
         for out in outputs:
             click.echo(json.dumps({"input": inputs[out.index], **out.to_dict()}, ensure_ascii=False))

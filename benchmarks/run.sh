@@ -59,6 +59,7 @@ bench base "$WORK/base/base-checkpoint" --step-profile
 
 if [[ -n "$DATES" ]]; then
     bundles dates "$DATES"
-    bench dates "$DATES"
+    # the example model serves at most 48 tokens each way: a date is ~25 characters in, 11 tokens out
+    bench dates "$DATES" --src-len "${DATES_SRC_LEN:-24}" --new-tokens "${DATES_NEW_TOKENS:-16}"
 fi
 log "done: results in $RESULTS/ (base${DATES:+, dates}: .json and .png)"

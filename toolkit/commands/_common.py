@@ -24,7 +24,8 @@ def require(extra: str = "export"):
         except ImportError:
             missing.append(module)
     if missing:
-        raise MissingExtra(f"this command needs {', '.join(missing)}, which is not installed; "
+        verb = "is" if len(missing) == 1 else "are"
+        raise MissingExtra(f"this command needs {', '.join(missing)}, which {verb} not installed; "
                            f"install it with: pip install 'onnxformer[export]'")
 
 

@@ -52,6 +52,10 @@ PROFILE_WINDOW = 2              # a past length's step time is the median over s
 THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 
 
+# Engines run in separate worker processes on few cores: after a call, ORT's and OpenMP's thread pools spin
+# for a while before sleeping, and would steal the cores of the next engine's call. A short idle gap first.
+SETTLE_S = 0.05
+
 @dataclass(frozen=True)
 class BenchSettings:
     """Everything that defines a benchmark run (recorded verbatim in the report)."""
@@ -509,6 +513,7 @@ def run_bench(models: list[str], settings: BenchSettings, progress=None) -> dict
                 run.worker.call(op="phase")
             for rnd in range(s.warmup + s.repeat):
                 for run in runs:
+                    time.sleep(SETTLE_S)            # let the previous engine's spinning threads go idle
                     reply = run.worker.call(op="run", ids=ids, new_tokens=s.new_tokens)
                     if rnd >= s.warmup:
                         run.calls.setdefault(batch, []).append(reply)
@@ -517,6 +522,7 @@ def run_bench(models: list[str], settings: BenchSettings, progress=None) -> dict
                     tick(f"batch {batch} {what}: {Path(run.info.path).name} [{run.name}]")
         for rnd in range(s.repeat if profiled else 0):
             for run in profiled:
+                time.sleep(SETTLE_S)
                 new_tokens, _ = profile_plan(run.info.config)
                 run.profile.append(run.worker.call(op="run", ids=src[:1].tolist(), new_tokens=new_tokens,
                                                    all_steps=True))

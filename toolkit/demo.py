@@ -86,7 +86,7 @@ def run_demo(out: Path, checkpoint: Path = EXAMPLE, held_out: int = 300, bench: 
         from toolkit.bench import BenchSettings, run_bench
         from toolkit.commands.bench import print_tables
 
-        settings = BenchSettings(batch_sizes=(1, 8), src_len=24, new_tokens=16, repeat=3, nocache=False)
+        settings = BenchSettings(batch_sizes=(1, 8), src_len=24, new_tokens=16, repeat=15, warmup=2, nocache=False)
         report = run_bench([str(checkpoint), str(fp32), str(fused), str(int8)], settings)
         print_tables(report)
         summary["bench"] = report["rows"]

@@ -27,13 +27,13 @@ import numpy as np
 import onnxruntime as ort
 import torch
 
-from runtime.errors import BundleError, InputError, ParityError, ProviderError
+from runtime.errors import BundleError, InputError, ParityError
 from runtime.manifest import read_manifest
+from runtime.session import choose_provider, make_session
 from runtime.spec import cache_name, graph_specs
 from toolkit.model import Transformer
 from toolkit.parity.tolerances import MIN_REFERENCE_STD, Tolerance, tolerance
 
-EXECUTION_PROVIDERS = {"cpu": ["CPUExecutionProvider"], "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"]}
 
 
 @dataclass
@@ -148,14 +148,8 @@ def record_table(record: dict) -> str:
 
 
 def session(path: str | Path, provider: str = "cpu") -> ort.InferenceSession:
-    """An ONNX Runtime session with default (full) graph optimizations on the given provider."""
-    if provider not in EXECUTION_PROVIDERS:
-        raise ProviderError(f"unknown provider {provider!r}; choose one of: {', '.join(EXECUTION_PROVIDERS)}")
-    wanted = EXECUTION_PROVIDERS[provider]
-    if wanted[0] not in ort.get_available_providers():
-        raise ProviderError(f"provider {provider!r} needs {wanted[0]}, which this onnxruntime lacks "
-                            f"(available: {', '.join(ort.get_available_providers())}); use --provider cpu")
-    return ort.InferenceSession(str(path), providers=wanted)
+    """An ONNX Runtime session with default (full) graph optimizations, as the runtime makes it."""
+    return make_session(path, choose_provider(provider))
 
 
 def graph_paths(model: Transformer, bundle: str | Path | dict, precision: str | None = None) -> tuple[dict, str]:

@@ -1,11 +1,14 @@
-"""Per-step decode time of several bundles of one model (ad-hoc timing for the optimize study; not a test).
+"""Per-step decode time of several bundles of one model, and where the time goes (ad-hoc study; not a test).
 
     python benchmarks/fusion_step_time.py unfused=out/base fused=out/base-fused int8=out/base-int8 --batches 1,8
+    python benchmarks/fusion_step_time.py int8=out/base-int8 --batches 1 --profile out/profiles   # + op table
 
-Runs the encoder once on a random source, then `--steps` one-token cached decoder steps with greedy tokens,
-in sessions configured as the runtime configures them (ORT_ENABLE_ALL). Bundles are measured in turn, round
-after round (`--rounds`), so load from other processes spreads evenly; a cell is the median step time of the
-best round. `--profile DIR` also writes ORT profiles (one decode run per bundle and batch) for a per-op look.
+Each bundle is loaded as the runtime loads it (runtime.bundle.load_bundle: its engine, data path and session
+options), the encoder runs once on a random source, then `--steps` one-token decoder steps with greedy tokens.
+Bundles are measured in turn, round after round (`--rounds`), so load from other processes spreads evenly; a
+cell is the median step time of the best round. `--profile DIR` also runs one decode per bundle and batch with
+ORT's profiler on and prints, per op type, the kernel time per step and its share; "outside kernels" is the
+measured step time minus the kernels' sum (ORT's executor, the binding or feeding, Python).
 """
 
 from __future__ import annotations
@@ -13,58 +16,54 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
 
-from runtime.manifest import read_manifest
-from runtime.session import SessionConfig, make_session
+from runtime.bundle import load_bundle
+from runtime.session import SessionConfig
 
 
 class Decoder:
-    """One bundle's sessions and a cached greedy decode loop that records each step's time."""
+    """One bundle's engine and a greedy decode loop that records each step's time."""
 
-    def __init__(self, bundle: Path, profile: Path | None = None, threads: int = 0):
-        manifest = read_manifest(bundle)
-        self.config = manifest["model"]
-        options = SessionConfig(intra_op_threads=threads)
-        self.encoder = make_session(bundle / manifest["graphs"]["encoder"]["file"], "cpu", options)
-        opts = options.to_ort()
-        if profile is not None:
-            opts.enable_profiling = True
-            opts.profile_file_prefix = str(profile)
-        import onnxruntime as ort
-        self.decoder = ort.InferenceSession(str(bundle / manifest["graphs"]["decoder"]["file"]), opts,
-                                            providers=["CPUExecutionProvider"])
-        self.names = [o.name for o in self.decoder.get_outputs()]
+    def __init__(self, bundle: Path, profile: str | None = None, threads: int = 0):
+        options = SessionConfig(intra_op_threads=threads, profile_prefix=profile)
+        self.bundle = load_bundle(bundle, "cpu", session_options=options)
+        self.engine, self.config = self.bundle.engine, self.bundle.manifest["model"]
 
     def run(self, batch: int, src_len: int, steps: int, seed: int = 0) -> list[float]:
-        c = self.config
         rng = np.random.default_rng(seed)
-        ids = rng.integers(3, c["vocab_size"], (batch, src_len)).astype(np.int64)
-        mask = np.ones_like(ids)
-        enc = dict(zip([o.name for o in self.encoder.get_outputs()],
-                       self.encoder.run(None, {"input_ids": ids, "attention_mask": mask})))
-        heads, head_dim = c["n_heads"], c["d_model"] // c["n_heads"]
-        feeds = {"encoder_attention_mask": mask}
-        for i in range(c["n_decoder_layers"]):
-            empty = np.zeros((batch, heads, 0, head_dim), np.float32)
-            feeds.update({f"past_key_values.{i}.decoder.key": empty, f"past_key_values.{i}.decoder.value": empty,
-                          f"past_key_values.{i}.encoder.key": enc[f"present.{i}.encoder.key"],
-                          f"past_key_values.{i}.encoder.value": enc[f"present.{i}.encoder.value"]})
-        tokens = np.full((batch, 1), c["bos_id"], np.int64)
+        ids = rng.integers(3, self.config["vocab_size"], (batch, src_len)).astype(np.int64)
+        state = self.engine.start(ids, np.ones_like(ids), 1)
+        tokens = np.full(batch, self.config["bos_id"], dtype=np.int64)
         times = []
         for _ in range(steps):
             start = time.perf_counter()
-            out = dict(zip(self.names, self.decoder.run(self.names, {"input_ids": tokens, **feeds})))
+            logits = state.step(tokens, None)
             times.append(time.perf_counter() - start)
-            for name in self.names[1:]:
-                feeds[name.replace("present.", "past_key_values.")] = out[name]
-            tokens = out["logits"][:, -1].argmax(-1)[:, None].astype(np.int64)
+            tokens = logits.argmax(-1).astype(np.int64)
         return times
 
     def end_profiling(self) -> str:
-        return self.decoder.end_profiling()
+        self.engine.encoder.end_profiling()
+        return self.engine.decoder.end_profiling()
+
+
+def op_table(profile: str, skip: int, step_ms: float) -> list[tuple[str, float, float]]:
+    """(op type, ms per step, share of the step) from an ORT profile, largest first, over the decoder runs after
+    the first `skip` (warm-up: arena growth, first-run costs); then the rest of the measured step."""
+    events = json.loads(Path(profile).read_text())
+    runs = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("name") == "model_run")[skip:]
+    per_op: dict[str, float] = defaultdict(float)
+    for e in events:
+        if e.get("cat") == "Node" and e.get("name", "").endswith("_kernel_time"):
+            if any(lo <= e["ts"] <= hi for lo, hi in runs):
+                per_op[e["args"].get("op_name", "?")] += e["dur"] / 1e3 / len(runs)
+    rows = sorted(((op, ms, ms / step_ms) for op, ms in per_op.items()), key=lambda r: -r[1])
+    outside = step_ms - sum(ms for _, ms, _ in rows)
+    return rows + [("outside kernels (executor, binding, Python)", outside, outside / step_ms)]
 
 
 def main() -> None:
@@ -90,21 +89,32 @@ def main() -> None:
             for name, d in decoders.items():
                 median = float(np.median(d.run(b, args.src_len, args.steps)[1:])) * 1e3
                 best[(name, b)] = min(best.get((name, b), float("inf")), median)
-    if args.json:
-        print(json.dumps({f"{n}@{b}": round(v, 3) for (n, b), v in best.items()}, indent=2))
-    else:
-        print(f"median ms per decoder step (best of {args.rounds} rounds; src_len {args.src_len}, "
-              f"{args.steps} steps, past 1..{args.steps}, intra-op threads {args.threads or 'default'})")
-        print(f"{'bundle':<16}" + "".join(f"{'batch ' + str(b):>12}" for b in batches))
-        for name in decoders:
-            print(f"{name:<16}" + "".join(f"{best[(name, b)]:>12.3f}" for b in batches))
+    result = {"step_ms": {f"{n}@{b}": round(v, 3) for (n, b), v in best.items()}, "profiles": {}}
     if args.profile:
         args.profile.mkdir(parents=True, exist_ok=True)
         for name, path in named.items():
             for b in batches:
-                d = Decoder(Path(path), args.profile / f"{name}_b{b}", args.threads)
-                d.run(b, args.src_len, args.steps)
-                print("profile:", d.end_profiling())
+                d = Decoder(Path(path), str(args.profile / f"{name}_b{b}"), args.threads)
+                for _ in range(2):                                    # warm-up, then the profiled decode
+                    times = d.run(b, args.src_len, args.steps)
+                step_ms = float(np.median(times[1:])) * 1e3
+                rows = op_table(d.end_profiling(), args.steps + 1, step_ms)
+                result["profiled_step_ms"] = {**result.get("profiled_step_ms", {}), f"{name}@{b}": round(step_ms, 3)}
+                result["profiles"][f"{name}@{b}"] = [{"op": op, "ms_per_step": round(ms, 4), "share": round(sh, 4)}
+                                                     for op, ms, sh in rows]
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return
+    print(f"median ms per decoder step (best of {args.rounds} rounds; src_len {args.src_len}, "
+          f"{args.steps} steps, past 1..{args.steps}, intra-op threads {args.threads or 'default'})")
+    print(f"{'bundle':<16}" + "".join(f"{'batch ' + str(b):>12}" for b in batches))
+    for name in decoders:
+        print(f"{name:<16}" + "".join(f"{best[(name, b)]:>12.3f}" for b in batches))
+    for key, rows in result["profiles"].items():
+        print(f"\n{key}: step {result['profiled_step_ms'][key]:.3f} ms with the profiler on "
+              f"({result['step_ms'][key]:.3f} ms off)\n| op | ms/step | share |\n|---|---|---|")
+        for r in rows[:10] + ([rows[-1]] if len(rows) > 10 else []):
+            print(f"| {r['op']} | {r['ms_per_step']:.3f} | {r['share']:.0%} |")
 
 
 if __name__ == "__main__":

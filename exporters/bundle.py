@@ -145,7 +145,7 @@ def producer_versions() -> dict[str, str]:
 def build_manifest(config: dict, graphs: dict[str, dict], precision: str = "fp32", target: str = "any",
                    opset: int | None = None, fusions: dict | None = None, passes: list | None = None,
                    parity: dict | None = None, tokenizer: str | None = None, ort_graphs: dict | None = None,
-                   source: dict | None = None) -> dict:
+                   source: dict | None = None, kv_cache: str = "dynamic") -> dict:
     """The manifest dict (format_version 1). graphs: {name: graph_entry(path)}; parity: a report's to_dict()."""
     if precision not in PRECISIONS:
         raise BundleError(f"unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
@@ -153,7 +153,7 @@ def build_manifest(config: dict, graphs: dict[str, dict], precision: str = "fp32
         raise BundleError(f"unknown target {target!r}; choose one of {', '.join(TARGETS)}")
     manifest = {
         "format": FORMAT, "format_version": FORMAT_VERSION, "model": dict(config), "precision": precision,
-        "target": target, "opset": opset if opset is not None else graphs["encoder"].get("opset"),
+        "target": target, "opset": opset if opset is not None else graphs["encoder"].get("opset"), "kv_cache": kv_cache,
         "graphs": graphs, "ort_graphs": ort_graphs or {}, "tokenizer": tokenizer,
         "fusions": dict(fusions or {}), "passes": list(passes or []), "producer": producer_versions(),
         "parity": parity if parity is not None else {"verified": False},

@@ -3,7 +3,8 @@
 Both sides run in sessions with ORT's graph optimizations on (runtime.session defaults). The encoder runs
 once on a padded batch; the decoder runs a first step (empty past, two tokens) and `steps` cached one-token
 steps, each side fed with its own encoder outputs and presents, both with the same tokens (the reference's
-greedy choice). Errors are judged with the tolerance table (toolkit.parity.tolerances), output by output.
+greedy choice). A static-cache decoder is run through runtime.static_cache.DynamicView, so both sides are fed
+and compared in the dynamic contract. Errors are judged with the tolerance table (toolkit.parity.tolerances), output by output.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import numpy as np
 
 from runtime.session import SessionConfig, make_session
 from runtime.spec import graph_specs
+from runtime.static_cache import dynamic_view
 from toolkit.config import ModelConfig
 from toolkit.parity.graphs import default_src_lens, sample_inputs
 from toolkit.parity.tolerances import MIN_REFERENCE_STD, Tolerance
@@ -58,8 +60,8 @@ def compare_graphs(reference: dict[str, Path], candidate: dict[str, Path], confi
     c = ModelConfig.from_dict(config)
     specs = graph_specs(config)
     options = SessionConfig()                    # ORT_ENABLE_ALL, as the runtime runs bundles
-    ref = {g: make_session(p, provider, options) for g, p in reference.items()}
-    new = {g: make_session(p, provider, options) for g, p in candidate.items()}
+    ref = {g: dynamic_view(make_session(p, provider, options)) for g, p in reference.items()}
+    new = {g: dynamic_view(make_session(p, provider, options)) for g, p in candidate.items()}
     checks: dict[tuple[str, str], Worst] = {}
     agree = total = 0
 

@@ -27,13 +27,16 @@ from exporters.logs import quiet_loggers
 from exporters.ort_format import add_ort_format, check_convertible
 from exporters.passes import PassManager, explain_misses
 from exporters.precision import precision_pass
+from exporters.static_cache import StaticCachePass, StaticCacheError
 from runtime.errors import OnnxformerError, ParityError
 from runtime.manifest import GRAPHS, read_manifest, verify_hashes
+from runtime.spec import KV_CACHES
 from toolkit.parity.tolerances import tolerance
 
 TARGETS = ("cpu", "cuda")
 PRECISIONS = ("fp32", "fp16", "int8")
 ATTENTION_OPS = {"ort": "com.microsoft.MultiHeadAttention", "onnx": "Attention"}
+STATIC_ATTENTION_OP = "DecoderMaskedMultiHeadAttention"   # the static cache's decoder self-attention
 
 
 class OptimizeError(OnnxformerError):
@@ -49,6 +52,7 @@ class OptimizeReport:
     target: str
     precision: str
     attention: str | None
+    kv_cache: str = "dynamic"
     fusions: dict[str, dict[str, int]] = field(default_factory=dict)      # graph -> rule -> count
     passes: list[str] = field(default_factory=list)
     before: dict[str, dict] = field(default_factory=dict)                # graph -> {nodes, op_counts, bytes}
@@ -67,14 +71,14 @@ class OptimizeReport:
 
     def to_dict(self) -> dict:
         return {"source": self.source, "out": self.out, "target": self.target, "precision": self.precision,
-                "attention": self.attention, "fusions": self.fusions, "fusion_totals": self.totals,
+                "attention": self.attention, "kv_cache": self.kv_cache, "fusions": self.fusions, "fusion_totals": self.totals,
                 "passes": self.passes, "before": self.before, "after": self.after, "parity": self.parity,
                 "notes": self.notes, "seconds": self.seconds}
 
     def format(self) -> str:
         """The command's report: rewrites, node and op counts, file sizes, parity."""
         lines = [f"optimized {self.source} -> {self.out}  (target {self.target}, precision {self.precision}, "
-                 f"attention {self.attention or 'not fused'}, {self.seconds:.1f} s)"]
+                 f"attention {self.attention or 'not fused'}, KV cache {self.kv_cache}, {self.seconds:.1f} s)"]
         totals = self.totals
         if totals:
             fired = {rule: n for rule, n in totals.items() if n}
@@ -142,9 +146,29 @@ def check_options(target: str, precision: str, attention: str, fuse: bool) -> No
                             "drop --no-fuse or choose --precision int8/fp16")
 
 
+def resolve_kv_cache(kv_cache: str, target: str, fuse: bool, attention: str, manifest: dict) -> str:
+    """'auto' -> static on CPU when the attention is (or will be) fused for onnxruntime, else the source's cache."""
+    source = manifest.get("kv_cache", "dynamic")
+    fused_ort = (fuse and attention == "ort") or attention_state(manifest) == "ort"
+    if kv_cache == "auto":
+        return "static" if source == "static" or (target == "cpu" and fused_ort) else "dynamic"
+    if kv_cache not in KV_CACHES:
+        raise OptimizeError(f"unknown KV cache {kv_cache!r}; choose auto, static or dynamic")
+    if kv_cache == "dynamic" and source == "static":
+        raise OptimizeError("the source bundle already has a static KV cache; optimize the exported bundle for "
+                            "--kv-cache dynamic")
+    if kv_cache == "static" and not fused_ort:
+        raise OptimizeError("--kv-cache static needs the decoder's self-attention fused into onnxruntime's "
+                            "MultiHeadAttention: use --attention ort (the default) without --no-fuse, or pass "
+                            "--kv-cache dynamic")
+    return kv_cache
+
+
 def attention_state(manifest: dict) -> str | None:
     """Which attention op the bundle's graphs already hold: 'ort', 'onnx' or None (decomposed)."""
     ops = {op for g in GRAPHS for op in manifest["graphs"][g].get("op_counts", {})}
+    if f"com.microsoft.{STATIC_ATTENTION_OP}" in ops or STATIC_ATTENTION_OP in ops:
+        return "ort"
     for name, op in ATTENTION_OPS.items():
         if op in ops:
             return name
@@ -170,8 +194,12 @@ def check_source(bundle_dir: Path, out_dir: Path, manifest: dict, precision: str
 def optimize_bundle(bundle_dir: str | Path, out_dir: str | Path, target: str = "cpu", precision: str = "fp32",
                     fuse: bool = True, attention: str = "ort", force: bool = False, per_channel: bool | None = None,
                     samples: int = 32, progress: Callable[[str], None] | None = None,
-                    ort_format: bool = False) -> tuple[Path, OptimizeReport]:
+                    ort_format: bool = False, kv_cache: str = "auto") -> tuple[Path, OptimizeReport]:
     """Fuse and/or convert a bundle into out_dir; returns (out_dir, report). Bad input: OptimizeError/BundleError.
+
+    kv_cache: "static" rewrites the decoder for a preallocated cache updated in place (exporters/static_cache);
+    "auto" chooses it for CPU targets with fused attention (DecoderMaskedMultiHeadAttention has no float16 CPU
+    kernel, and CUDA keeps the dynamic cache until it is measured on a GPU).
 
     per_channel (int8): None chooses per tensor, which is faster, unless its greedy tokens miss the tolerance
     table's int8 row and per-channel scales do better; True/False force one.
@@ -185,9 +213,10 @@ def optimize_bundle(bundle_dir: str | Path, out_dir: str | Path, target: str = "
     manifest = read_manifest(bundle_dir)
     verify_hashes(bundle_dir, manifest, which=("graphs",))
     check_source(bundle_dir, out_dir, manifest, precision, fuse, attention)
+    kv_cache = resolve_kv_cache(kv_cache, target, fuse, attention, manifest)
     config = manifest["model"]
     progress(f"optimizing {bundle_dir} -> {out_dir}")
-    report = OptimizeReport(str(bundle_dir), str(out_dir), target, precision, attention if fuse else None)
+    report = OptimizeReport(str(bundle_dir), str(out_dir), target, precision, attention if fuse else None, kv_cache)
     if manifest.get("ort_graphs"):
         report.notes.append("the source's ORT-format (.ort) graphs are not carried over; convert the new graphs again")
 
@@ -199,7 +228,8 @@ def optimize_bundle(bundle_dir: str | Path, out_dir: str | Path, target: str = "
             report.before[g] = _counts(manifest["graphs"][g], src_paths[g])
             t0 = time.perf_counter()
             models[g], report.fusions[g], applied = _fuse_graph(
-                src_paths[g], fuse, attention, precision, manifest["graphs"][g].get("opset") or manifest.get("opset"))
+                src_paths[g], fuse, attention, precision, manifest["graphs"][g].get("opset") or manifest.get("opset"),
+                config["max_len"] if kv_cache == "static" and g == "decoder" else None)
             report.passes = sorted(set(report.passes) | set(applied), key=_pass_rank)
             _check_fused(g, models[g], config, fuse, attention, report)
             progress(f"{g}: {sum(report.fusions[g].values())} rewrites in {time.perf_counter() - t0:.1f} s")
@@ -239,11 +269,13 @@ def optimize_bundle(bundle_dir: str | Path, out_dir: str | Path, target: str = "
                   "target": manifest.get("target", "any"), "passes": manifest.get("passes") or [],
                   "graphs": {g: {"sha256": manifest["graphs"][g]["sha256"], **report.before[g]} for g in GRAPHS},
                   "options": {"target": target, "precision": precision, "fuse": fuse, "attention": attention,
+                              "kv_cache": kv_cache,
                               "per_channel": choice if precision == "int8" else None},
                   "fusions_by_graph": report.fusions}
         new = build_manifest(config, {g: graph_entry(paths[g]) for g in GRAPHS}, precision=precision, target=target,
                              fusions=fusions, passes=(manifest.get("passes") or []) + report.passes,
-                             parity=report.parity, tokenizer=_tokenizer(bundle_dir, manifest, tmp), source=source)
+                             parity=report.parity, tokenizer=_tokenizer(bundle_dir, manifest, tmp), source=source,
+                             kv_cache=kv_cache)
         if ort_format:
             add_ort_format(tmp, new, progress=progress)   # adds encoder.ort, decoder.ort, required_operators.config
         write_manifest(tmp, new)
@@ -271,14 +303,21 @@ def _choose(tried: list, report: OptimizeReport) -> tuple:
     return best
 
 
-def _fuse_graph(path: Path, fuse: bool, attention: str, precision: str,
-                opset: int | None) -> tuple[ir.Model, dict[str, int], list[str]]:
-    """Load one graph and run the fusion passes until nothing changes (plus the int8 preparation passes)."""
+def _fuse_graph(path: Path, fuse: bool, attention: str, precision: str, opset: int | None,
+                static_cache_len: int | None = None) -> tuple[ir.Model, dict[str, int], list[str]]:
+    """Load one graph and run the fusion passes until nothing changes (then the static cache and int8 passes)."""
     model = ir.load(path)
     counts, applied = {}, []
     if fuse:
         result = PassManager(fusion_passes(attention, opset or 20))(model)
         model, counts, applied = result.model, result.counts, list(result.applied)
+    if static_cache_len is not None:
+        try:
+            result = StaticCachePass(static_cache_len)(model)
+        except StaticCacheError as exc:
+            raise OptimizeError(str(exc)) from None
+        counts = {**counts, **result.counts}
+        applied += [p for p in result.applied if p not in applied]
     if precision == "int8":
         result = PassManager(quantization_prepasses(), steps=2)(model)
         model = result.model
@@ -288,7 +327,7 @@ def _fuse_graph(path: Path, fuse: bool, attention: str, precision: str,
 
 
 PIPELINE = ("opset_23", "fuse_attention", "fuse_layer_norm", "fuse_erf_gelu", "fuse_skip_layer_norm", "fuse_bias_gelu",
-            "pack_matmuls", "cleanup", "fold_transposed_weights", "float16", "quantize_int8")
+            "pack_matmuls", "cleanup", "static_kv_cache", "fold_transposed_weights", "float16", "quantize_int8")
 
 
 def _pass_rank(name: str) -> tuple[int, str]:
@@ -302,8 +341,8 @@ def _check_fused(graph: str, model: ir.Model, config: dict, fuse: bool, attentio
     if not fuse:
         return
     expected = config["n_encoder_layers"] if graph == "encoder" else 2 * config["n_decoder_layers"]
-    op_type = ATTENTION_OPS[attention].rsplit(".", 1)[-1]
-    found = sum(1 for n in model.graph if n.op_type == op_type)
+    op_types = {ATTENTION_OPS[attention].rsplit(".", 1)[-1], STATIC_ATTENTION_OP}
+    found = sum(1 for n in model.graph if n.op_type in op_types)
     left = sum(1 for n in model.graph if n.op_type == "Softmax")
     if found != expected or left:
         reasons = explain_misses(model, attention_rules(attention)) if left else {}
@@ -369,4 +408,5 @@ def _generation(config, bundle_dir, manifest, src_paths, paths, provider, precis
             "token_match": tol.token_match, "source": source, "distinct_outputs": check.distinct_outputs}
 
 
-__all__ = ["optimize_bundle", "OptimizeReport", "OptimizeError", "check_options", "PRECISIONS", "TARGETS"]
+__all__ = ["optimize_bundle", "OptimizeReport", "OptimizeError", "check_options", "resolve_kv_cache", "PRECISIONS",
+           "TARGETS"]

@@ -27,7 +27,8 @@ from runtime.tokenizer import CharTokenizer
 _LOAD_ERRORS = (ort_errors.Fail, ort_errors.InvalidGraph, ort_errors.InvalidProtobuf, ort_errors.NotImplemented,
                 ort_errors.RuntimeException, ort_errors.InvalidArgument, ort_errors.NoSuchFile)
 _MODEL_KEYS = ("vocab_size", "d_model", "n_heads", "n_decoder_layers", "max_len", "pad_id", "bos_id", "eos_id")
-_ORT_TYPES = {"tensor(int64)": "int64", "tensor(float)": "float32", "tensor(float16)": "float16"}
+_ORT_TYPES = {"tensor(int64)": "int64", "tensor(int32)": "int32", "tensor(float)": "float32",
+              "tensor(float16)": "float16"}
 
 
 @dataclass
@@ -66,7 +67,7 @@ def load_bundle(path: str | Path, provider: str = "auto", threads: int | None = 
 
 def _sessions(path: Path, manifest: dict, provider: str, config: SessionConfig) -> tuple[dict, dict]:
     """Both graphs' sessions, each checked against the manifest and against the interface the engine feeds."""
-    expected = graph_specs(manifest["model"])
+    expected = graph_specs(manifest["model"], kv_cache=manifest.get("kv_cache", "dynamic"))
     recorded = manifest_specs(manifest)
     sessions, files = {}, {}
     for name in GRAPHS:

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 from runtime.errors import BundleError
-from runtime.spec import GraphSpec, TensorSpec
+from runtime.spec import KV_CACHES, GraphSpec, TensorSpec
 
 FORMAT = "onnxformer-bundle"
 FORMAT_VERSION = 1
@@ -65,6 +65,9 @@ def validate_manifest(manifest, where: str | Path = MANIFEST) -> None:
         raise BundleError(f"{where} lacks field(s) {', '.join(missing)}; re-export the bundle")
     if manifest["precision"] not in PRECISIONS:
         raise BundleError(f"{where} has unknown precision {manifest['precision']!r} (known: {', '.join(PRECISIONS)})")
+    if manifest.get("kv_cache", "dynamic") not in KV_CACHES:
+        raise BundleError(f"{where} has unknown kv_cache {manifest.get('kv_cache')!r} (known: {', '.join(KV_CACHES)}); "
+                          f"re-optimize the bundle with this onnxformer")
     if not isinstance(manifest["model"], dict):
         raise BundleError(f"{where}: 'model' must be the model config object; re-export the bundle")
     graphs = manifest["graphs"]
@@ -129,7 +132,8 @@ def inspect_report(bundle_dir: str | Path) -> dict:
     return {
         "bundle": str(bundle_dir), "format_version": manifest["format_version"], "model": manifest["model"],
         "precision": manifest["precision"], "target": manifest.get("target", "any"), "opset": manifest.get("opset"),
-        "graphs": graphs, "ort_graphs": manifest.get("ort_graphs") or {}, "external_data": extra,
+        "kv_cache": manifest.get("kv_cache", "dynamic"), "graphs": graphs,
+        "ort_graphs": manifest.get("ort_graphs") or {}, "external_data": extra,
         "tokenizer": manifest.get("tokenizer"), "fusions": manifest.get("fusions") or {},
         "passes": manifest.get("passes") or [], "producer": manifest.get("producer") or {},
         "parity": _parity_summary(manifest.get("parity")), "created": manifest.get("created"),
@@ -169,6 +173,7 @@ def format_inspect(report: dict, max_io: int = 8) -> str:
              f"{m.get('n_heads')} heads, d_ff {m.get('d_ff')}, vocab {m.get('vocab_size')}, norm {m.get('norm')}, "
              f"{m.get('activation')}, {'tied' if m.get('tie_embeddings') else 'untied'}",
              f"precision {report['precision']}, target {report['target']}, opset {report['opset']}, "
+             f"KV cache {report.get('kv_cache', 'dynamic')}, "
              f"tokenizer {report['tokenizer'] or 'none'}"]
     for name, g in report["graphs"].items():
         lines.append(f"\n{name}: {g['file']}  {_size(g['bytes'])}  opset {g['opset']}  {g['nodes']} nodes  "

@@ -4,8 +4,10 @@
     state = engine.start(input_ids, attention_mask, expand)   # encoder once; rows repeated for beams
     logits = state.step(tokens, keep)                          # one decoder step, presents become pasts
 
-Two data paths share the state logic (DecodeState) and differ only in where tensors live:
+Three data paths share the state logic (DecodeState) and differ only in where tensors live:
 - HostPath: `session.run` with numpy arrays; every output comes back to the host each step.
+- StaticPath (runtime/static_cache.py): for decoders optimized with a static KV cache: one preallocated buffer
+  per cache tensor, bound as both past and present, written in place (no per-step copy of the cache).
 - BoundPath: IO binding with OrtValues; the cross K/V and the KV cache stay on the device (on CPU that is
   host memory without a copy; on CUDA no host round trip per step): each step binds the previous
   step's presents as pasts, and only the logits are copied to the host. Rows are reordered on the
@@ -23,6 +25,7 @@ import onnxruntime as ort
 
 from runtime.session import FLOAT, SessionConfig, device_of, gather_model, make_session
 from runtime.spec import cache_name
+from runtime.static_cache import StaticPath, is_static
 
 
 class HostPath:
@@ -36,6 +39,8 @@ class HostPath:
 
     def take(self, tensors: list, rows: np.ndarray) -> list:
         return [np.take(t, rows, axis=0) for t in tensors]            # one gather per tensor
+
+    take_past = take
 
     def mask(self, mask: np.ndarray):
         return mask
@@ -90,6 +95,8 @@ class BoundPath:
         self.gather().run_with_iobinding(binding)
         return binding.get_outputs()
 
+    take_past = take
+
     def mask(self, mask: np.ndarray):
         return ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(mask), self.device, 0)  # copied once per move
 
@@ -124,7 +131,7 @@ class OrtState:
     def step(self, tokens: np.ndarray, keep: np.ndarray | None) -> np.ndarray:
         if keep is not None:                                           # reorder/drop rows before the step
             keep = np.asarray(keep, dtype=np.int64)
-            self.past = self.path.take(self.past, keep)
+            self.past = self.path.take_past(self.past, keep)
             moved = self.sources[keep]
             if not np.array_equal(moved, self.sources):                # rows changed input: cross K/V and mask follow
                 self.cross = self.path.take(self.cross, keep)
@@ -150,10 +157,17 @@ class OrtEngine:
         self.cross_names = [cache_name("present", i, "encoder", kv) for i in layers for kv in kvs]
         self.cross_in_names = [cache_name("past_key_values", i, "encoder", kv) for i in layers for kv in kvs]
         self.past_names = [cache_name("past_key_values", i, "decoder", kv) for i in layers for kv in kvs]
-        self.decoder_out_names = ["logits"] + [cache_name("present", i, "decoder", kv) for i in layers for kv in kvs]
-        self.io_binding = default_io_binding(provider) if io_binding is None else io_binding
-        self.path = BoundPath(self) if self.io_binding else HostPath(self)
-        self.name = f"ort-{provider}" + ("-iobinding" if self.io_binding else "")
+        self.present_names = [cache_name("present", i, "decoder", kv) for i in layers for kv in kvs]
+        self.decoder_out_names = ["logits"] + self.present_names
+        self.static_cache = is_static(decoder)
+        if self.static_cache:                                          # one buffer per cache, bound as past and present
+            self.io_binding = True
+            self.path = StaticPath(self, device_of(provider))
+        else:
+            self.io_binding = default_io_binding(provider) if io_binding is None else io_binding
+            self.path = BoundPath(self) if self.io_binding else HostPath(self)
+        self.name = f"ort-{provider}" + ("-static-cache" if self.static_cache else
+                                         "-iobinding" if self.io_binding else "")
 
     def start(self, input_ids: np.ndarray, attention_mask: np.ndarray, expand: int) -> OrtState:
         ids = np.ascontiguousarray(input_ids, dtype=np.int64)          # [B, S]

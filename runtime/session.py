@@ -35,6 +35,7 @@ class SessionConfig:
     spinning: bool = True                 # intra-op threads spin while waiting: off costs 5-27% per step
     execution_mode: str = "sequential"    # "sequential" | "parallel"
     log_severity: int = 3                 # 0 verbose .. 3 errors only (CUDA's "nodes placed on CPU" notes are noise)
+    profile_prefix: str | None = None     # write an ORT profile (JSON, per-node kernel times) with this file prefix
 
     def with_(self, **changes) -> "SessionConfig":
         """A copy with the given fields changed (None values are ignored)."""
@@ -53,6 +54,9 @@ class SessionConfig:
         opts.execution_mode = _MODES[self.execution_mode]
         opts.log_severity_level = int(self.log_severity)
         opts.add_session_config_entry("session.intra_op.allow_spinning", "1" if self.spinning else "0")
+        if self.profile_prefix:
+            opts.enable_profiling = True
+            opts.profile_file_prefix = self.profile_prefix
         return opts
 
 

@@ -16,6 +16,8 @@ from dataclasses import asdict, dataclass
 
 # symbolic dimension names
 BATCH, SRC_LEN, NEW_LEN, PAST_LEN, TOTAL_LEN = "batch", "src_len", "new_len", "past_len", "total_len"
+PAST_SEQUENCE_LENGTH = "past_sequence_length"   # static-cache decoders: how many buffer rows are filled
+KV_CACHES = ("dynamic", "static")
 
 
 @dataclass(frozen=True)
@@ -75,29 +77,41 @@ def encoder_spec(n_decoder_layers: int, n_heads: int, d_model: int, float_type: 
 
 
 def decoder_spec(n_decoder_layers: int, n_heads: int, d_model: int, vocab_size: int,
-                 float_type: str = "float32") -> GraphSpec:
-    """decoder.onnx: one cached step. Per layer, past self K/V and cross K/V in; logits and present self K/V out."""
+                 float_type: str = "float32", cache_len: int | None = None) -> GraphSpec:
+    """decoder.onnx: one cached step. Per layer, past self K/V and cross K/V in; logits and present self K/V out.
+
+    cache_len None: the dynamic cache (present = past + new rows, a new tensor each step). An int: the static
+    cache (exporters/static_cache.py): past and present are one [B, H, cache_len, Dh] buffer the runtime binds
+    twice, `past_sequence_length` says how many rows are filled, and a step takes exactly one token.
+    """
     head_dim = d_model // n_heads
-    inputs = [TensorSpec("input_ids", "int64", (BATCH, NEW_LEN)),
+    new_len = NEW_LEN if cache_len is None else 1
+    past_len, total_len = (PAST_LEN, TOTAL_LEN) if cache_len is None else (cache_len, cache_len)
+    inputs = [TensorSpec("input_ids", "int64", (BATCH, new_len)),
               TensorSpec("encoder_attention_mask", "int64", (BATCH, SRC_LEN))]
-    outputs = [TensorSpec("logits", float_type, (BATCH, NEW_LEN, vocab_size))]
+    if cache_len is not None:
+        inputs.append(TensorSpec(PAST_SEQUENCE_LENGTH, "int32", (1,)))
+    outputs = [TensorSpec("logits", float_type, (BATCH, new_len, vocab_size))]
     for i in range(n_decoder_layers):
         for kv in ("key", "value"):
             inputs.append(TensorSpec(cache_name("past_key_values", i, "decoder", kv), float_type,
-                                     (BATCH, n_heads, PAST_LEN, head_dim)))
+                                     (BATCH, n_heads, past_len, head_dim)))
         for kv in ("key", "value"):
             inputs.append(TensorSpec(cache_name("past_key_values", i, "encoder", kv), float_type,
                                      (BATCH, n_heads, SRC_LEN, head_dim)))
         for kv in ("key", "value"):
             outputs.append(TensorSpec(cache_name("present", i, "decoder", kv), float_type,
-                                      (BATCH, n_heads, TOTAL_LEN, head_dim)))
+                                      (BATCH, n_heads, total_len, head_dim)))
     return GraphSpec("decoder", inputs=tuple(inputs), outputs=tuple(outputs))
 
 
-def graph_specs(config: dict, float_type: str = "float32") -> dict[str, GraphSpec]:
+def graph_specs(config: dict, float_type: str = "float32", kv_cache: str = "dynamic") -> dict[str, GraphSpec]:
     """Both graphs' specs from a model config given as a dict (as stored in config.json and the manifest)."""
+    if kv_cache not in KV_CACHES:
+        raise ValueError(f"unknown kv_cache {kv_cache!r}; one of {KV_CACHES}")
     L, H, D, V = config["n_decoder_layers"], config["n_heads"], config["d_model"], config["vocab_size"]
-    return {"encoder": encoder_spec(L, H, D, float_type), "decoder": decoder_spec(L, H, D, V, float_type)}
+    cache_len = config["max_len"] if kv_cache == "static" else None
+    return {"encoder": encoder_spec(L, H, D, float_type), "decoder": decoder_spec(L, H, D, V, float_type, cache_len)}
 
 
-__all__ = ["TensorSpec", "GraphSpec", "cache_name", "encoder_spec", "decoder_spec", "graph_specs", "asdict"]
+__all__ = ["TensorSpec", "GraphSpec", "PAST_SEQUENCE_LENGTH", "KV_CACHES", "cache_name", "encoder_spec", "decoder_spec", "graph_specs", "asdict"]

@@ -22,6 +22,19 @@ EXAMPLE_CHECKPOINT = ROOT / "examples" / "dates" / "checkpoint"
 TOY_STEPS = 300          # with dropout 0 (and train_toy's lr scale 0.5): every output input-dependent
 
 
+def copy_with_manifest(bundle: Path, dest: Path, **fields) -> Path:
+    """A copy of a bundle whose manifest.json has the given top-level fields replaced (a broken or lying bundle)."""
+    import json
+    import shutil
+
+    if not dest.exists():
+        shutil.copytree(bundle, dest)
+    manifest = json.loads((dest / "manifest.json").read_text())
+    manifest.update(fields)
+    (dest / "manifest.json").write_text(json.dumps(manifest))
+    return dest
+
+
 @pytest.fixture(scope="session")
 def toy_model_factory():
     """A function (steps=300, seed=0, **config_overrides) -> trained tiny Transformer in eval mode, cached."""

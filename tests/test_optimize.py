@@ -8,7 +8,6 @@ post-norm, ReLU, tied, 4 heads of 8) and a pre-norm / GELU / untied / head_dim 6
 from __future__ import annotations
 
 import itertools
-import json
 import shutil
 from pathlib import Path
 
@@ -32,6 +31,8 @@ from toolkit.model import Transformer
 from toolkit.parity.graphs import graph_parity
 from toolkit.parity.tolerances import tolerance
 
+from conftest import copy_with_manifest
+
 
 def leftovers(parent: Path) -> list[str]:
     return sorted(p.name for p in parent.iterdir() if ".tmp-" in p.name or ".old-" in p.name)
@@ -42,10 +43,17 @@ def ops(bundle: Path, graph: str) -> dict:
 
 
 def assert_fused(bundle: Path, config, fusions: dict) -> None:
-    """One MultiHeadAttention per encoder layer, two per decoder layer, no decomposed attention left."""
+    """One fused attention per encoder layer, two per decoder layer, no decomposed attention left.
+
+    With the static KV cache (the CPU default) the decoder's self-attention is DecoderMaskedMultiHeadAttention
+    and the causal bias is gone; cross-attention stays MultiHeadAttention.
+    """
     enc, dec = ops(bundle, "encoder"), ops(bundle, "decoder")
+    static = read_manifest(bundle)["kv_cache"] == "static"
     assert enc.get("com.microsoft.MultiHeadAttention") == config.n_encoder_layers
-    assert dec.get("com.microsoft.MultiHeadAttention") == 2 * config.n_decoder_layers
+    assert dec.get("com.microsoft.MultiHeadAttention") == (1 if static else 2) * config.n_decoder_layers
+    assert dec.get("com.microsoft.DecoderMaskedMultiHeadAttention", 0) == (config.n_decoder_layers if static else 0)
+    assert fusions.get("static_kv_cache", 0) == (config.n_decoder_layers if static else 0)
     assert "Softmax" not in enc and "Softmax" not in dec
     # projections only, Q/K/V packed into one MatMul per layer and the cross K/V of all decoder layers into one
     assert enc["MatMul"] == 4 * config.n_encoder_layers + 1 and dec["MatMul"] == 6 * config.n_decoder_layers + 1
@@ -53,7 +61,8 @@ def assert_fused(bundle: Path, config, fusions: dict) -> None:
     assert fusions["attention_self"] == config.n_encoder_layers
     assert fusions["attention_past"] == fusions["attention_cross"] == config.n_decoder_layers
     # the mask -> additive bias conversion is computed once per mask and shared by all layers
-    assert enc["Where"] == 1 and dec["Where"] == 2 and enc.get("Expand", 0) == 1 and dec.get("Expand", 0) == 1
+    assert enc["Where"] == 1 and dec["Where"] == (1 if static else 2)
+    assert enc.get("Expand", 0) == 1 and dec.get("Expand", 0) == 1
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +100,8 @@ def test_toy_manifest_records_what_was_done(toy):
     verify_hashes(fused, manifest)
     assert manifest["precision"] == "fp32" and manifest["target"] == "cpu"
     assert manifest["fusions"] == {k: v for k, v in report.totals.items() if v}
-    assert manifest["passes"] == ["fuse_attention", "fuse_skip_layer_norm", "pack_matmuls", "cleanup"]
+    assert manifest["passes"] == ["fuse_attention", "fuse_skip_layer_norm", "pack_matmuls", "cleanup", "static_kv_cache"]
+    assert manifest["kv_cache"] == "static" and manifest["source"]["options"]["kv_cache"] == "static"
     src = read_manifest(source)
     for g in ("encoder", "decoder"):
         before = manifest["source"]["graphs"][g]
@@ -150,7 +160,9 @@ def test_int8_on_fused_bundle_is_allowed_and_reports_token_agreement(toy, tmp_pa
     dec = manifest["graphs"]["decoder"]["op_counts"]
     # every weight MatMul quantized: per decoder layer packed q/k/v, self out, cross q/out, two FFN; the logits
     assert "MatMul" not in dec and dec["MatMulInteger"] == 6 * model.config.n_decoder_layers + 1
-    assert dec["com.microsoft.MultiHeadAttention"] == 2 * model.config.n_decoder_layers
+    assert dec["com.microsoft.MultiHeadAttention"] == model.config.n_decoder_layers             # cross
+    assert dec["com.microsoft.DecoderMaskedMultiHeadAttention"] == model.config.n_decoder_layers  # self, static
+    assert manifest["kv_cache"] == "static"
     parity = manifest["parity"]
     assert parity["precision"] == "int8" and parity["tolerance"] is None     # logits: report only
     gen = parity["generation"]
@@ -205,11 +217,7 @@ def test_already_converted_or_differently_fused_bundles_are_refused(toy, tmp_pat
     _, source, fused, _ = toy
     with pytest.raises(OptimizeError, match="already holds com.microsoft.MultiHeadAttention.*--attention ort"):
         optimize_bundle(fused, tmp_path / "x", attention="onnx")
-    fake = tmp_path / "int8"
-    shutil.copytree(fused, fake)
-    manifest = json.loads((fake / "manifest.json").read_text())
-    manifest["precision"] = "int8"
-    (fake / "manifest.json").write_text(json.dumps(manifest))
+    fake = copy_with_manifest(fused, tmp_path / "int8", precision="int8")
     with pytest.raises(OptimizeError, match="already int8"):
         optimize_bundle(fake, tmp_path / "y", precision="int8")
     with pytest.raises(OptimizeError, match="is the source bundle"):

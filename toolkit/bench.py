@@ -106,6 +106,7 @@ class ModelInfo:
     model_bytes: int = 0            # all files in the directory
     weight_bytes: int | None = None  # decoder weights a step reads (bundles; checkpoints: measured by the worker)
     weight_source: str = ""
+    kv_cache: str = "dynamic"       # bundles: the manifest's "static" | "dynamic"; PyTorch eager grows its cache
 
 
 def describe_model(path: str | Path) -> ModelInfo:
@@ -122,7 +123,7 @@ def describe_model(path: str | Path) -> ModelInfo:
         fusions = {k: int(v) for k, v in (manifest.get("fusions") or {}).items()}
         weight_bytes, source = decoder_weight_bytes(path, manifest)
         return ModelInfo(str(path), kind, manifest["model"], manifest["precision"], sum(fusions.values()) > 0,
-                         fusions, size, weight_bytes, source)
+                         fusions, size, weight_bytes, source, manifest.get("kv_cache", "dynamic"))
     try:
         config = json.loads((path / "config.json").read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -574,7 +575,7 @@ def engine_row(s: BenchSettings, machine: dict, run: EngineRun, batch: int) -> d
     info = run.info
     row = {"model": info.path, "label": Path(info.path).name, "kind": info.kind, "engine": run.name,
            "provider": run.loaded.get("provider"), "precision": info.precision, "fused": info.fused,
-           "batch_size": batch, "src_len": s.src_len, "new_tokens": s.new_tokens,
+           "kv_cache": kv_cache(run), "batch_size": batch, "src_len": s.src_len, "new_tokens": s.new_tokens,
            "tokens_generated": min(tokens), "tokens_generated_max": max(tokens),
            "tokens_per_s": round(batch * s.new_tokens / p50, 2),
            "latency_ms_p50": round(p50 * 1e3, 3), "latency_ms_p90": round(float(np.percentile(lat, 90)) * 1e3, 3),
@@ -589,6 +590,11 @@ def engine_row(s: BenchSettings, machine: dict, run: EngineRun, batch: int) -> d
     return row
 
 
+def kv_cache(run: EngineRun) -> str:
+    """How the engine keeps its self-attention cache: static (in place), dynamic (grown each step), none."""
+    return run.info.kv_cache if run.use_cache else "none"
+
+
 def profile_row(run: EngineRun) -> dict:
     """Median engine step time at each profiled past length (batch 1), and the longest over the shortest."""
     new_tokens, pasts = profile_plan(run.info.config)
@@ -598,12 +604,12 @@ def profile_row(run: EngineRun) -> dict:
         at[str(past)] = round(float(np.median([t for c in run.profile for t in c["steps"][lo:hi + 1]])) * 1e3, 4)
     first, last = at[str(pasts[0])], at[str(pasts[-1])]
     return {"model": run.info.path, "label": Path(run.info.path).name, "engine": run.name,
-            "precision": run.info.precision, "fused": run.info.fused, "batch_size": 1,
+            "precision": run.info.precision, "fused": run.info.fused, "kv_cache": kv_cache(run), "batch_size": 1,
             "new_tokens": new_tokens, "step_ms_at_past": at, "window": PROFILE_WINDOW,
             "ratio": round(last / first, 3), "target_ratio": 1.15, "rounds": len(run.profile)}
 
 
-TABLE_COLUMNS = ("model", "engine", "prec", "fused", "batch", "tok/s", "p50 ms", "p90 ms", "enc ms", "step ms",
+TABLE_COLUMNS = ("model", "engine", "prec", "fused", "cache", "batch", "tok/s", "p50 ms", "p90 ms", "enc ms", "step ms",
                  "roofline", "peak MB", "size MB", "ratio")
 
 
@@ -613,21 +619,22 @@ def table_rows(report: dict) -> list[tuple[str, ...]]:
     for r in report["rows"]:
         frac = r["roofline_fraction"]
         roof = f"{frac * 100:.0f}% {r['roofline_bound'][:3]}" if frac is not None else "-"
-        out.append((r["label"], r["engine"], r["precision"], "yes" if r["fused"] else "no", str(r["batch_size"]),
+        out.append((r["label"], r["engine"], r["precision"], "yes" if r["fused"] else "no", r.get("kv_cache", "-"),
+                    str(r["batch_size"]),
                     f"{r['tokens_per_s']:.1f}", f"{r['latency_ms_p50']:.1f}", f"{r['latency_ms_p90']:.1f}",
                     f"{r['encoder_ms']:.2f}", f"{r['step_ms']:.2f}", roof, f"{r['peak_rss_mb']:.0f}",
                     f"{r['model_mb']:.1f}", f"{r['ratio_to_first']:.2f}x"))
     return out
 
 
-PROFILE_COLUMNS = ("model", "engine", "prec", "fused", "step ms by past length", "ratio", "target")
+PROFILE_COLUMNS = ("model", "engine", "prec", "fused", "cache", "step ms by past length", "ratio", "target")
 
 
 def profile_table_rows(report: dict) -> list[tuple[str, ...]]:
     out = []
     for p in report.get("step_profile", []):
         at = ", ".join(f"{k}: {v:.2f}" for k, v in p["step_ms_at_past"].items())
-        out.append((p["label"], p["engine"], p["precision"], "yes" if p["fused"] else "no", at,
+        out.append((p["label"], p["engine"], p["precision"], "yes" if p["fused"] else "no", p.get("kv_cache", "-"), at,
                     f"{p['ratio']:.2f}x", f"<= {p['target_ratio']:.2f}x"))
     return out
 

@@ -47,17 +47,24 @@ def greedy(encoder, decoder, config: dict, sources: list[list[int]], max_new_tok
     enc_names = [o.name for o in encoder.get_outputs()]
     encoded = dict(zip(enc_names, encoder.run(None, {"input_ids": ids, "attention_mask": mask})))
     # 2. decoder inputs: past_key_values.{i}.encoder.* = the encoder's present.{i}.encoder.*; self-attention
-    #    caches start empty (past_len 0)
+    #    caches start empty: past_len 0, or, for a static-cache decoder (manifest "kv_cache": "static"), a
+    #    zeroed [B, H, max_len, Dh] buffer and past_sequence_length 0
     head_dim = config["d_model"] // config["n_heads"]
-    empty = np.zeros((batch, config["n_heads"], 0, head_dim), dtype=np.float32)
+    static = any(i.name == "past_sequence_length" for i in decoder.get_inputs())
+    cache_len = config["max_len"] if static else 0
+    empty = np.zeros((batch, config["n_heads"], cache_len, head_dim), dtype=np.float32)
     feeds = {i.name: encoded.get(i.name.replace("past_key_values.", "present."), empty)
              for i in decoder.get_inputs() if i.name.startswith("past_key_values.")}
     out_names = [o.name for o in decoder.get_outputs()]                      # logits, present.{i}.decoder.*
     tokens = np.full(batch, config["bos_id"], dtype=np.int64)
     live = np.arange(batch)                                                  # the input each row belongs to
     results = [[] for _ in sources]
-    for _ in range(max_new_tokens):
-        # 3. one cached step: the newest token in, logits [N, 1, V] and the grown self-attention caches out
+    for step in range(max_new_tokens):
+        # 3. one cached step: the newest token in, logits [N, 1, V] and the self-attention caches out (grown by
+        #    one position, or the static buffers with position `step` written; onnxformer's runtime binds each
+        #    static buffer as both input and output with IO binding, so nothing is copied)
+        if static:
+            feeds["past_sequence_length"] = np.array([step], dtype=np.int32)
         logits, *presents = decoder.run(out_names, {"input_ids": tokens[:, None],
                                                     "encoder_attention_mask": mask, **feeds})
         tokens = logits[:, -1].argmax(-1).astype(np.int64)
@@ -70,7 +77,7 @@ def greedy(encoder, decoder, config: dict, sources: list[list[int]], max_new_tok
         #    graphs quantize activations per tensor, so the batch's rows are part of every row's numbers)
         feeds.update({n.replace("present.", "past_key_values."): v for n, v in zip(out_names[1:], presents)})
         if not alive.all():
-            feeds = {name: value[alive] for name, value in feeds.items()}
+            feeds = {name: value[alive] if value.ndim == 4 else value for name, value in feeds.items()}
             mask, live, tokens = mask[alive], live[alive], tokens[alive]
     return results
 

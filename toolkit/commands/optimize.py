@@ -14,6 +14,10 @@ from toolkit.commands._common import friendly, require
 @click.option("--fuse/--no-fuse", default=True, show_default=True, help="rewrite attention, LayerNorm and GELU blocks")
 @click.option("--attention", default="ort", show_default=True,
               help="ort: com.microsoft.MultiHeadAttention | onnx: the standard Attention op (opset 23)")
+@click.option("--kv-cache", default="auto", show_default=True,
+              type=click.Choice(["auto", "static", "dynamic"]),
+              help="static: a preallocated decoder cache updated in place (no per-step copy); dynamic: the exported "
+                   "concat cache; auto: static for --target cpu with fused attention")
 @click.option("--per-channel/--per-tensor", default=None,
               help="int8 weight scales [default: per tensor (faster) unless per channel is needed to keep tokens]")
 @click.option("--ort-format", is_flag=True,
@@ -21,7 +25,7 @@ from toolkit.commands._common import friendly, require
 @click.option("--force", is_flag=True, help="replace an existing bundle at --out")
 @click.option("--json", "as_json", is_flag=True, help="print the report as JSON")
 @friendly
-def command(bundle, out, target, precision, fuse, attention, per_channel, ort_format, force, as_json):
+def command(bundle, out, target, precision, fuse, attention, kv_cache, per_channel, ort_format, force, as_json):
     """Optimize a bundle for ONNX Runtime: attention/LayerNorm/GELU fusion, fp16 or int8, checked for parity."""
     require("export")
     from exporters.optimize import optimize_bundle
@@ -34,7 +38,7 @@ def command(bundle, out, target, precision, fuse, attention, per_channel, ort_fo
     try:
         _, report = optimize_bundle(bundle, out, target=target, precision=precision, fuse=fuse, attention=attention,
                                     force=force, per_channel=per_channel, progress=progress,
-                                    ort_format=ort_format)
+                                    ort_format=ort_format, kv_cache=kv_cache)
     except ParityError as exc:
         if isinstance(exc.report, dict) and not as_json:
             from toolkit.parity.graphs import record_table

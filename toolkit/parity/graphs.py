@@ -31,6 +31,7 @@ from runtime.errors import BundleError, InputError, ParityError
 from runtime.manifest import read_manifest
 from runtime.session import choose_provider, make_session
 from runtime.spec import cache_name, graph_specs
+from runtime.static_cache import dynamic_view
 from toolkit.model import Transformer
 from toolkit.parity.tolerances import MIN_REFERENCE_STD, Tolerance, tolerance
 
@@ -230,7 +231,7 @@ def graph_parity(model: Transformer, bundle: str | Path | dict, provider: str = 
         raise InputError(f"source length {max(src_lens)} or target length {first_len + steps} exceeds the model's "
                          f"max_len {c.max_len}; use fewer steps or shorter sources")
     specs = graph_specs(c.to_dict())
-    enc_sess, dec_sess = session(paths["encoder"], provider), session(paths["decoder"], provider)
+    enc_sess, dec_sess = session(paths["encoder"], provider), dynamic_view(session(paths["decoder"], provider))
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device

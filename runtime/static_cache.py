@@ -1,0 +1,187 @@
+"""Running decoders with a static KV cache (exporters/static_cache.py writes them; `optimize --kv-cache static`).
+
+A static decoder takes its self-attention cache as one preallocated buffer per layer and tensor,
+[rows, heads, max_len, head_dim], plus `past_sequence_length` (how many positions are filled). Its
+DecoderMaskedMultiHeadAttention nodes write the new key/value at that position and attend over the filled
+part. The runtime binds the same buffer as past input and present output, so a step copies nothing: the
+step time no longer grows with a copy of the whole cache.
+
+    StaticPath        the OrtEngine data path for such decoders (IO binding; buffers in host memory on CPU,
+                      on the device on CUDA)
+    DynamicView       runs a static decoder with the dynamic contract's feeds and outputs (past [B,H,P,Dh] in,
+                      present [B,H,P+T,Dh] out, T tokens fed one at a time): parity checks use it to compare a
+                      static graph with its source step by step
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+
+from runtime.errors import BundleError, InputError
+from runtime.spec import PAST_SEQUENCE_LENGTH
+
+
+def is_static(session: ort.InferenceSession) -> bool:
+    """Whether a decoder session takes the static cache (it has a past_sequence_length input)."""
+    return any(i.name == PAST_SEQUENCE_LENGTH for i in session.get_inputs())
+
+
+def cache_length(session: ort.InferenceSession, past_name: str) -> int:
+    """The buffer length (positions) of a static decoder's cache input."""
+    dims = next(i.shape for i in session.get_inputs() if i.name == past_name)
+    if len(dims) != 4 or not isinstance(dims[2], int):
+        raise BundleError(f"static-cache decoder input {past_name} has shape {dims}, not [batch, heads, "
+                              f"max_len, head_dim]; re-optimize the bundle")
+    return dims[2]
+
+
+class StaticCache:
+    """A request's self-attention buffers: `rows` live rows of capacity `buffers[0].shape[0]`, `length` filled.
+
+    `binding` is the decoder's IO binding with the buffers, cross K/V and mask bound; it lives until the rows
+    change (a reorder), so a step binds only its token ids and past_sequence_length.
+    """
+
+    def __init__(self, buffers: list, rows: int):
+        self.buffers, self.rows, self.length = buffers, rows, 0
+        self.binding = None
+
+
+class StaticPath:
+    """OrtEngine data path for static-cache decoders: past and present bound to one buffer, updated in place.
+
+    On the CPU the buffers are numpy arrays (IO binding wraps them without a copy); a beam reorder or dropped
+    rows move only the filled part, in place. On CUDA they are OrtValues on the device, and a reorder gathers
+    them into new buffers with the engine's Gather graph.
+    """
+
+    def __init__(self, engine, device: str):
+        self.e, self.device = engine, device
+        self.on_host = device == "cpu"
+        self.length = cache_length(engine.decoder, engine.past_names[0])
+        if not self.on_host:
+            from runtime.ort_engine import BoundPath
+            self._bound = BoundPath(engine)                         # encode/take/mask on the device
+
+    # cross K/V and the mask: host arrays on CPU, device OrtValues on CUDA
+    def encode(self, ids: np.ndarray, mask: np.ndarray) -> list:
+        if self.on_host:
+            return self.e.encoder.run(self.e.cross_names, {"input_ids": ids, "attention_mask": mask})
+        return self._bound.encode(ids, mask)
+
+    def take(self, tensors: list, rows: np.ndarray) -> list:
+        if self.on_host:
+            return [np.take(t, rows, axis=0) for t in tensors]
+        return self._bound.take(tensors, rows)
+
+    def mask(self, mask: np.ndarray):
+        return mask if self.on_host else self._bound.mask(mask)
+
+    def empty_past(self, n: int) -> StaticCache:
+        shape = (n, self.e.n_heads, self.length, self.e.head_dim)
+        if self.on_host:
+            buffers = [np.zeros(shape, dtype=np.float32) for _ in self.e.past_names]
+        else:
+            buffers = [ort.OrtValue.ortvalue_from_shape_and_type(shape, np.float32, self.device, 0)
+                       for _ in self.e.past_names]
+        return StaticCache(buffers, n)
+
+    def take_past(self, cache: StaticCache, rows: np.ndarray) -> StaticCache:
+        """Keep rows `rows` (beam reorder, finished rows dropped): only the filled positions move."""
+        n, filled = len(rows), cache.length
+        if self.on_host and n <= cache.buffers[0].shape[0]:
+            for buf in cache.buffers:
+                buf[:n, :, :filled] = buf[rows, :, :filled]         # the right side is gathered first: safe in place
+            cache.rows, cache.binding = n, None                     # rows (and maybe cross K/V, mask) changed
+            return cache
+        moved = self.take([self._view(b, cache.rows) for b in cache.buffers] if self.on_host else cache.buffers, rows)
+        new = StaticCache(moved, n)
+        new.length = filled
+        return new
+
+    def _view(self, buf, rows: int):
+        return buf[:rows]                                           # leading rows of a C-order array: contiguous
+
+    def decode(self, tokens: np.ndarray, mask, cache: StaticCache, cross: list) -> tuple[np.ndarray, StaticCache]:
+        if cache.length >= self.length:
+            raise InputError(f"the static KV cache holds {self.length} positions (the model's max_len) and is "
+                                  f"full; ask for at most {self.length} new tokens")
+        if cache.binding is None:
+            cache.binding = self._bind(mask, cache, cross)
+        binding = cache.binding
+        binding.bind_cpu_input("input_ids", tokens)
+        binding.bind_cpu_input(PAST_SEQUENCE_LENGTH, np.array([cache.length], dtype=np.int32))
+        self.e.decoder.run_with_iobinding(binding)
+        cache.length += 1
+        return binding.get_outputs()[0].numpy().copy(), cache        # ORT reuses the bound output's memory next step
+
+    def _bind(self, mask, cache: StaticCache, cross: list):
+        """A binding with everything but the step's token ids and position: mask, cross K/V, the buffers."""
+        binding = self.e.decoder.io_binding()
+        if self.on_host:
+            binding.bind_cpu_input("encoder_attention_mask", mask)
+            for name, value in zip(self.e.cross_in_names, cross):
+                binding.bind_cpu_input(name, value)
+        else:
+            binding.bind_ortvalue_input("encoder_attention_mask", mask)
+            for name, value in zip(self.e.cross_in_names, cross):
+                binding.bind_ortvalue_input(name, value)
+        binding.bind_output("logits", "cpu")                         # the one tensor the search reads on the host
+        for past, present, buf in zip(self.e.past_names, self.e.present_names, cache.buffers):
+            value = ort.OrtValue.ortvalue_from_numpy(self._view(buf, cache.rows)) if self.on_host else buf
+            binding.bind_ortvalue_input(past, value)
+            binding.bind_ortvalue_output(present, value)              # the same buffer: written in place
+        return binding
+
+
+class DynamicView:
+    """A static decoder seen through the dynamic contract: feeds past [B,H,P,Dh] and T tokens, returns
+    logits [B,T,V] and presents [B,H,P+T,Dh]. Tokens go through one at a time (the graph's one-token step)."""
+
+    def __init__(self, session: ort.InferenceSession):
+        self.session = session
+        self.inputs = [i.name for i in session.get_inputs()]
+        self.pasts = [n for n in self.inputs if n.startswith("past_key_values.") and ".decoder." in n]
+        self.length = cache_length(session, self.pasts[0])
+
+    def get_inputs(self):
+        return self.session.get_inputs()
+
+    def get_outputs(self):
+        return self.session.get_outputs()
+
+    def run(self, names: list[str] | None, feeds: dict) -> list[np.ndarray]:
+        names = names or [o.name for o in self.session.get_outputs()]
+        tokens = feeds["input_ids"]
+        filled = feeds[self.pasts[0]].shape[2]
+        if filled + tokens.shape[1] > self.length:
+            raise InputError(f"{filled} cached + {tokens.shape[1]} new positions exceed the static cache's "
+                                  f"{self.length}")
+        buffers = {}
+        for name in self.pasts:
+            past = feeds[name]
+            buf = np.zeros(past.shape[:2] + (self.length,) + past.shape[3:], dtype=past.dtype)
+            buf[:, :, :filled] = past
+            buffers[name] = buf
+        fixed = {k: v for k, v in feeds.items() if k in self.inputs and k not in buffers and k != "input_ids"}
+        out_names = [o.name for o in self.session.get_outputs()]
+        logits = []
+        for t in range(tokens.shape[1]):
+            outs = dict(zip(out_names, self.session.run(out_names, {
+                **fixed, **buffers, "input_ids": np.ascontiguousarray(tokens[:, t:t + 1]),
+                PAST_SEQUENCE_LENGTH: np.array([filled + t], dtype=np.int32)})))
+            logits.append(outs["logits"])
+            buffers = {name: outs[name.replace("past_key_values.", "present.")] for name in self.pasts}
+        result = {"logits": np.concatenate(logits, axis=1)}
+        for name in self.pasts:
+            result[name.replace("past_key_values.", "present.")] = buffers[name][:, :, :filled + tokens.shape[1]]
+        return [result[n] for n in names]
+
+
+def dynamic_view(session: ort.InferenceSession):
+    """The session itself for dynamic decoders (and encoders); a DynamicView for static decoders."""
+    return DynamicView(session) if is_static(session) else session
+
+
+__all__ = ["StaticPath", "StaticCache", "DynamicView", "dynamic_view", "is_static", "cache_length"]

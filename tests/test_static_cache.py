@@ -1,0 +1,226 @@
+"""The static KV cache: the graph rewrite (exporters/static_cache.py), the runtime path that binds one buffer as
+past and present (runtime/static_cache.py), its parity with the dynamic cache, and the options that refuse it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx_ir as ir
+import onnxruntime as ort
+import pytest
+from click.testing import CliRunner
+
+from exporters.optimize import OptimizeError, optimize_bundle, resolve_kv_cache
+from exporters.static_cache import StaticCacheError, StaticCachePass
+from runtime.bundle import load_bundle
+from runtime.errors import BundleError, InputError
+from runtime.generate import generate_ids
+from runtime.manifest import read_manifest
+from runtime.search import SearchOptions
+from runtime.session import make_session
+from runtime.spec import PAST_SEQUENCE_LENGTH, graph_specs
+from runtime.static_cache import DynamicView, is_static
+from toolkit.checkpoint import load_checkpoint
+from toolkit.cli import main
+from toolkit.parity.graphs import graph_parity
+
+from conftest import copy_with_manifest
+
+SEQS = [[5, 6, 7], [40, 41, 42, 43, 44, 45, 46], [9], [12, 13, 14, 15]]
+
+
+@pytest.fixture(scope="module")
+def bundles(toy_exported, tmp_path_factory):
+    """(model, exported, fused with the dynamic cache, fused with the static cache) of conftest's trained toy."""
+    checkpoint, exported = toy_exported
+    root = tmp_path_factory.mktemp("static")
+    dynamic, _ = optimize_bundle(exported, root / "dynamic", kv_cache="dynamic")
+    static, report = optimize_bundle(exported, root / "static")             # auto: static for the CPU target
+    assert report.kv_cache == "static"
+    return load_checkpoint(checkpoint).model, Path(exported), dynamic, static
+
+
+def test_rewrite_gives_the_static_interface(bundles):
+    model, _, dynamic, _ = bundles
+    c = model.config
+    graph = ir.load(dynamic / "decoder.onnx")
+    result = StaticCachePass(c.max_len)(graph)
+    assert result.modified and result.counts == {"static_kv_cache": c.n_decoder_layers}
+    assert not StaticCachePass(c.max_len)(graph).modified                    # already static: a no-op
+    ops = [n.op_type for n in graph.graph]
+    assert ops.count("DecoderMaskedMultiHeadAttention") == ops.count("MultiHeadAttention") == c.n_decoder_layers
+    spec = graph_specs(c.to_dict(), kv_cache="static")["decoder"]
+    got = [(v.name, v.dtype.name, [d if isinstance(d, int) else "dyn" for d in v.shape]) for v in graph.graph.inputs]
+    want = [(t.name, {"int64": "INT64", "int32": "INT32", "float32": "FLOAT"}[t.dtype],
+             [d if isinstance(d, int) else "dyn" for d in t.shape]) for t in spec.inputs]
+    assert got == want
+    assert spec.inputs[2].name == PAST_SEQUENCE_LENGTH
+    assert [v.name for v in graph.graph.outputs] == spec.output_names
+    for v in graph.graph.outputs[1:]:
+        assert list(v.shape)[2] == c.max_len
+
+
+def test_rewrite_refuses_unfused_self_attention(bundles):
+    _, exported, _, _ = bundles
+    graph = ir.load(exported / "decoder.onnx")
+    with pytest.raises(StaticCacheError, match="needs the decoder's self-attention fused.*--kv-cache dynamic"):
+        StaticCachePass(64)(graph)
+
+
+def _decoder_feeds(session, c, rng, batch=2, src=5):
+    cross = {i.name: rng.standard_normal((batch, c.n_heads, src, c.head_dim)).astype(np.float32)
+             for i in session.get_inputs() if ".encoder." in i.name}
+    mask = np.ones((batch, src), np.int64)
+    mask[1, 3:] = 0
+    return cross, mask
+
+
+def test_static_step_writes_in_place_and_reads_only_filled_rows(bundles):
+    """Unfilled buffer rows hold NaN: the logits still equal the dynamic graph's, and the new keys land in the
+    very numpy buffer that was bound (no copy)."""
+    model, _, dynamic, static = bundles
+    c = model.config
+    dyn, sta = make_session(dynamic / "decoder.onnx", "cpu"), make_session(static / "decoder.onnx", "cpu")
+    assert is_static(sta) and not is_static(dyn)
+    rng = np.random.default_rng(0)
+    cross, mask = _decoder_feeds(dyn, c, rng)
+    past_names = [i.name for i in dyn.get_inputs() if ".decoder." in i.name]
+    out_names = [o.name for o in dyn.get_outputs()]
+    past = {n: np.zeros((2, c.n_heads, 0, c.head_dim), np.float32) for n in past_names}
+    buffers = {n: np.full((2, c.n_heads, c.max_len, c.head_dim), np.nan, np.float32) for n in past_names}
+    values = {n: ort.OrtValue.ortvalue_from_numpy(b) for n, b in buffers.items()}
+    for step, token in enumerate([1, 17, 23, 5, 40, 8]):
+        ids = np.full((2, 1), token, np.int64)
+        want = dict(zip(out_names, dyn.run(out_names, {"input_ids": ids, "encoder_attention_mask": mask,
+                                                       **cross, **past})))
+        binding = sta.io_binding()
+        binding.bind_cpu_input("input_ids", ids)
+        binding.bind_cpu_input("encoder_attention_mask", mask)
+        binding.bind_cpu_input(PAST_SEQUENCE_LENGTH, np.array([step], np.int32))
+        for name, value in cross.items():
+            binding.bind_cpu_input(name, value)
+        binding.bind_output("logits", "cpu")
+        for name, value in values.items():
+            binding.bind_ortvalue_input(name, value)
+            binding.bind_ortvalue_output(name.replace("past_key_values.", "present."), value)
+        sta.run_with_iobinding(binding)
+        logits = binding.get_outputs()[0].numpy()
+        np.testing.assert_allclose(logits, want["logits"], atol=1e-5, rtol=0)
+        for name in past_names:
+            present = want[name.replace("past_key_values.", "present.")]
+            np.testing.assert_allclose(buffers[name][:, :, :step + 1], present, atol=1e-5, rtol=0)
+            assert np.isnan(buffers[name][:, :, step + 1:]).all()               # untouched beyond the filled rows
+            past[name] = present
+
+
+def test_dynamic_view_feeds_several_tokens_one_at_a_time(bundles):
+    model, _, dynamic, static = bundles
+    c = model.config
+    dyn, view = make_session(dynamic / "decoder.onnx", "cpu"), DynamicView(make_session(static / "decoder.onnx", "cpu"))
+    rng = np.random.default_rng(1)
+    cross, mask = _decoder_feeds(dyn, c, rng)
+    names = [o.name for o in dyn.get_outputs()]
+    past = {i.name: rng.standard_normal((2, c.n_heads, 3, c.head_dim)).astype(np.float32)
+            for i in dyn.get_inputs() if ".decoder." in i.name}
+    feeds = {"input_ids": np.array([[7, 8], [9, 10]], np.int64), "encoder_attention_mask": mask, **cross, **past}
+    for want, got in zip(dyn.run(names, feeds), view.run(names, feeds)):
+        assert want.shape == got.shape
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+
+
+def test_static_bundle_generates_the_tokens_of_the_dynamic_one(bundles):
+    """Greedy and beam search (beams reorder the buffers in place; finished rows leave the batch)."""
+    model, _, dynamic, static = bundles
+    b_dyn, b_sta = load_bundle(dynamic, "cpu"), load_bundle(static, "cpu")
+    assert b_sta.engine.static_cache and b_sta.engine.name == "ort-cpu-static-cache"
+    assert not b_dyn.engine.static_cache
+    for beam in (1, 3):
+        opts = SearchOptions(max_new_tokens=20, beam=beam, num_return=beam)
+        want = [[h.tokens for h in hyps] for hyps in generate_ids(b_dyn.engine, SEQS, opts)]
+        got = [[h.tokens for h in hyps] for hyps in generate_ids(b_sta.engine, SEQS, opts)]
+        assert got == want
+    lengths = {len(h[0].tokens) for h in generate_ids(b_sta.engine, SEQS, SearchOptions(max_new_tokens=20))}
+    assert len(lengths) > 1                                                  # rows did finish at different steps
+
+
+def test_static_bundle_parity_with_pytorch(bundles):
+    model, _, _, static = bundles
+    record = graph_parity(model, static, provider="cpu", precision="fp32")   # first step of 2 tokens: via DynamicView
+    assert record.ok, record.summary()
+
+
+def test_logits_of_a_step_survive_the_next_step(bundles):
+    """The binding persists across steps and ORT reuses its output memory: each step must hand out its own array."""
+    _, _, _, static = bundles
+    engine = load_bundle(static, "cpu").engine
+    state = engine.start(np.array([[5, 6, 7, 8]], np.int64), np.ones((1, 4), np.int64), 1)
+    first = state.step(np.array([1]), None)
+    kept = first.copy()
+    second = state.step(np.array([20]), None)
+    assert np.array_equal(first, kept) and not np.array_equal(first, second)
+
+
+def test_full_cache_is_a_clear_error(bundles):
+    model, _, _, static = bundles
+    engine = load_bundle(static, "cpu").engine
+    state = engine.start(np.array([[5, 6, 7]], np.int64), np.ones((1, 3), np.int64), 1)
+    state.past.length = model.config.max_len                                 # as if max_len steps had run
+    with pytest.raises(InputError, match="static KV cache holds 64 positions"):
+        state.step(np.array([1]), None)
+
+
+def test_cache_full_generation_fits_exactly(bundles):
+    """The longest request the runtime accepts (max_new_tokens = max_len) fills the buffer and no more."""
+    model, _, dynamic, static = bundles
+    opts = SearchOptions(max_new_tokens=model.config.max_len, ignore_eos=True)
+    got = generate_ids(load_bundle(static, "cpu").engine, [[5, 6]], opts)[0][0].tokens
+    assert len(got) == model.config.max_len
+    assert got == generate_ids(load_bundle(dynamic, "cpu").engine, [[5, 6]], opts)[0][0].tokens
+
+
+def test_kv_cache_choices():
+    unfused = {"graphs": {"encoder": {"op_counts": {}}, "decoder": {"op_counts": {}}}}
+    fused = {"graphs": {"encoder": {"op_counts": {"com.microsoft.MultiHeadAttention": 2}},
+                        "decoder": {"op_counts": {"com.microsoft.MultiHeadAttention": 4}}}}
+    static = {**fused, "kv_cache": "static"}
+    assert resolve_kv_cache("auto", "cpu", True, "ort", unfused) == "static"
+    assert resolve_kv_cache("auto", "cuda", True, "ort", unfused) == "dynamic"
+    assert resolve_kv_cache("auto", "cpu", True, "onnx", unfused) == "dynamic"
+    assert resolve_kv_cache("auto", "cpu", False, "ort", unfused) == "dynamic"
+    assert resolve_kv_cache("auto", "cpu", False, "ort", fused) == "static"      # int8 of a fused bundle
+    assert resolve_kv_cache("auto", "cpu", False, "ort", static) == "static"
+    assert resolve_kv_cache("static", "cuda", True, "ort", unfused) == "static"
+    with pytest.raises(OptimizeError, match="needs the decoder's self-attention fused"):
+        resolve_kv_cache("static", "cpu", True, "onnx", unfused)
+    with pytest.raises(OptimizeError, match="needs the decoder's self-attention fused"):
+        resolve_kv_cache("static", "cpu", False, "ort", unfused)
+    with pytest.raises(OptimizeError, match="already has a static KV cache"):
+        resolve_kv_cache("dynamic", "cpu", False, "ort", static)
+    with pytest.raises(OptimizeError, match="unknown KV cache"):
+        resolve_kv_cache("paged", "cpu", True, "ort", unfused)
+
+
+def test_cli_dynamic_option_and_inspect(bundles, tmp_path):
+    model, exported, _, static = bundles
+    result = CliRunner().invoke(main, ["optimize", str(exported), "--out", str(tmp_path / "d"), "--kv-cache", "dynamic"])
+    assert result.exit_code == 0, result.output
+    assert "KV cache dynamic" in result.output
+    manifest = read_manifest(tmp_path / "d")
+    assert manifest["kv_cache"] == "dynamic"
+    assert manifest["graphs"]["decoder"]["op_counts"]["com.microsoft.MultiHeadAttention"] == 2 * model.config.n_decoder_layers
+    result = CliRunner().invoke(main, ["inspect", str(static)])
+    assert result.exit_code == 0 and "KV cache static" in result.output and PAST_SEQUENCE_LENGTH in result.output
+    result = CliRunner().invoke(main, ["optimize", str(exported), "--out", str(tmp_path / "x"), "--attention", "onnx",
+                                       "--kv-cache", "static"])
+    assert result.exit_code == 2 and "--kv-cache dynamic" in result.output and not (tmp_path / "x").exists()
+
+
+def test_manifest_with_unknown_kv_cache_is_refused(bundles, tmp_path):
+    _, _, _, static = bundles
+    copy = copy_with_manifest(static, tmp_path / "copy", kv_cache="paged")
+    with pytest.raises(BundleError, match="unknown kv_cache 'paged'"):
+        load_bundle(copy, "cpu")
+    copy_with_manifest(static, copy, kv_cache="dynamic")                      # says dynamic, graph is static
+    with pytest.raises(BundleError, match="interface differs"):
+        load_bundle(copy, "cpu")

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The RESULTS.md benchmark set (`make bench`). For two models, the paper's base preset with vocab 8000
 # (random weights) and the trained dates example, it builds the unfused fp32 export, the fused fp32 and
-# the fused int8 bundles, then benchmarks PyTorch (torch-cache, torch-nocache) and the three bundles side
-# by side. The base set also profiles one decode step at past length 8 vs 255 (batch 1).
+# the fused int8 bundles (static KV cache, optimize's CPU default) and, to show what the static cache buys,
+# fused fp32 and int8 with the exported dynamic cache; then it benchmarks PyTorch (torch-cache,
+# torch-nocache) and the five bundles side by side. The base set also profiles one decode step at past
+# length 8 vs 255 (batch 1).
 #
 # Writes benchmarks/base.json, base.png, dates.json, dates.png (tables go to stdout).
 # Intermediate models go to $WORK (default out/bench, ignored by git).
@@ -31,15 +33,21 @@ fi
 start=$SECONDS
 log() { printf '==> [%4ds] %s\n' $((SECONDS - start)) "$*" >&2; }
 
-# bundles NAME CHECKPOINT: NAME-fp32-unfused (export), NAME-fp32-fused and NAME-int8 (optimize)
+# bundles NAME CHECKPOINT: NAME-fp32-unfused (export); NAME-fp32-fused and NAME-int8 (optimize, static KV
+# cache); NAME-fp32-fused-dynamic and NAME-int8-dynamic (optimize --kv-cache dynamic)
+VARIANTS=(fp32-unfused fp32-fused-dynamic fp32-fused int8-dynamic int8)
 bundles() {
-    local name=$1 ckpt=$2 dir=$WORK/$1
+    local name=$1 ckpt=$2 dir=$WORK/$1 v
     log "$name: export and optimize $ckpt into $dir"
-    rm -rf "$dir/$name-fp32-unfused" "$dir/$name-fp32-fused" "$dir/$name-int8"
+    for v in "${VARIANTS[@]}"; do rm -rf "${dir:?}/$name-$v"; done
     mkdir -p "$dir"
     "$OX" export "$ckpt" --out "$dir/$name-fp32-unfused"
     "$OX" optimize "$dir/$name-fp32-unfused" --out "$dir/$name-fp32-fused" --target cpu --precision fp32
     "$OX" optimize "$dir/$name-fp32-unfused" --out "$dir/$name-int8" --target cpu --precision int8
+    "$OX" optimize "$dir/$name-fp32-unfused" --out "$dir/$name-fp32-fused-dynamic" --target cpu --precision fp32 \
+        --kv-cache dynamic
+    "$OX" optimize "$dir/$name-fp32-unfused" --out "$dir/$name-int8-dynamic" --target cpu --precision int8 \
+        --kv-cache dynamic
 }
 
 # bench NAME CHECKPOINT [extra bench options]
@@ -47,7 +55,9 @@ bench() {
     local name=$1 ckpt=$2 dir=$WORK/$1
     shift 2
     log "$name: bench (${BENCH_ARGS[*]} $*)"
-    "$OX" bench "$ckpt" "$dir/$name-fp32-unfused" "$dir/$name-fp32-fused" "$dir/$name-int8" "${BENCH_ARGS[@]}" \
+    local models=() v
+    for v in "${VARIANTS[@]}"; do models+=("$dir/$name-$v"); done
+    "$OX" bench "$ckpt" "${models[@]}" "${BENCH_ARGS[@]}" \
         --save "$RESULTS/$name.json" --plot "$RESULTS/$name.png" "$@"
 }
 

@@ -146,7 +146,8 @@ def check_options(target: str, precision: str, attention: str, fuse: bool) -> No
                             "drop --no-fuse or choose --precision int8/fp16")
 
 
-def resolve_kv_cache(kv_cache: str, target: str, fuse: bool, attention: str, manifest: dict) -> str:
+def resolve_kv_cache(kv_cache: str, target: str, fuse: bool, attention: str, manifest: dict,
+                     precision: str = "fp32") -> str:
     """'auto' -> static on CPU when the attention is (or will be) fused for onnxruntime, else the source's cache."""
     source = manifest.get("kv_cache", "dynamic")
     fused_ort = (fuse and attention == "ort") or attention_state(manifest) == "ort"
@@ -157,6 +158,10 @@ def resolve_kv_cache(kv_cache: str, target: str, fuse: bool, attention: str, man
     if kv_cache == "dynamic" and source == "static":
         raise OptimizeError("the source bundle already has a static KV cache; optimize the exported bundle for "
                             "--kv-cache dynamic")
+    if kv_cache == "static" and precision == "fp16":
+        raise OptimizeError("--kv-cache static is not available with --precision fp16: the fp16 graphs keep float32 "
+                            "inputs and outputs, so the cache buffer would be cast (copied) every step; use "
+                            "--kv-cache dynamic, or --precision fp32 with --kv-cache static")
     if kv_cache == "static" and not fused_ort:
         raise OptimizeError("--kv-cache static needs the decoder's self-attention fused into onnxruntime's "
                             "MultiHeadAttention: use --attention ort (the default) without --no-fuse, or pass "
@@ -213,7 +218,7 @@ def optimize_bundle(bundle_dir: str | Path, out_dir: str | Path, target: str = "
     manifest = read_manifest(bundle_dir)
     verify_hashes(bundle_dir, manifest, which=("graphs",))
     check_source(bundle_dir, out_dir, manifest, precision, fuse, attention)
-    kv_cache = resolve_kv_cache(kv_cache, target, fuse, attention, manifest)
+    kv_cache = resolve_kv_cache(kv_cache, target, fuse, attention, manifest, precision)
     config = manifest["model"]
     progress(f"optimizing {bundle_dir} -> {out_dir}")
     report = OptimizeReport(str(bundle_dir), str(out_dir), target, precision, attention if fuse else None, kv_cache)
@@ -229,7 +234,7 @@ def optimize_bundle(bundle_dir: str | Path, out_dir: str | Path, target: str = "
             t0 = time.perf_counter()
             models[g], report.fusions[g], applied = _fuse_graph(
                 src_paths[g], fuse, attention, precision, manifest["graphs"][g].get("opset") or manifest.get("opset"),
-                config["max_len"] if kv_cache == "static" and g == "decoder" else None)
+                kv_cache == "static" and g == "decoder")
             report.passes = sorted(set(report.passes) | set(applied), key=_pass_rank)
             _check_fused(g, models[g], config, fuse, attention, report)
             progress(f"{g}: {sum(report.fusions[g].values())} rewrites in {time.perf_counter() - t0:.1f} s")
@@ -304,16 +309,16 @@ def _choose(tried: list, report: OptimizeReport) -> tuple:
 
 
 def _fuse_graph(path: Path, fuse: bool, attention: str, precision: str, opset: int | None,
-                static_cache_len: int | None = None) -> tuple[ir.Model, dict[str, int], list[str]]:
+                static_cache: bool = False) -> tuple[ir.Model, dict[str, int], list[str]]:
     """Load one graph and run the fusion passes until nothing changes (then the static cache and int8 passes)."""
     model = ir.load(path)
     counts, applied = {}, []
     if fuse:
         result = PassManager(fusion_passes(attention, opset or 20))(model)
         model, counts, applied = result.model, result.counts, list(result.applied)
-    if static_cache_len is not None:
+    if static_cache:
         try:
-            result = StaticCachePass(static_cache_len)(model)
+            result = StaticCachePass()(model)
         except StaticCacheError as exc:
             raise OptimizeError(str(exc)) from None
         counts = {**counts, **result.counts}

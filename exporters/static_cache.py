@@ -1,8 +1,8 @@
 """Static KV cache: the decoder's self-attention cache becomes a preallocated buffer that is updated in place.
 
     dynamic (the export's contract)            static (this pass)
-    past   [B, H, past_len, Dh]     in         past   [B, H, max_len, Dh]   in  (the buffer)
-    present [B, H, past_len+new, Dh] out       present [B, H, max_len, Dh]  out (the same buffer, bound twice)
+    past   [B, H, past_len, Dh]     in         past   [B, H, cache_len, Dh]   in  (the buffer)
+    present [B, H, past_len+new, Dh] out       present [B, H, cache_len, Dh]  out (the same buffer, bound twice)
     input_ids [B, new_len]                     input_ids [B, 1], past_sequence_length int32 [1] in
 
 With the dynamic contract onnxruntime's MultiHeadAttention concatenates past and new key/value into a new
@@ -16,7 +16,8 @@ What changes besides the attention nodes:
   `past_sequence_length` input;
 - the causal attention bias is dropped: with one new token every cached position is visible, which is what
   the bias said (DecoderMaskedMultiHeadAttention takes exactly one token a step);
-- graph inputs and outputs get the fixed buffer length (the model's max_len).
+- the caches' length axis becomes `cache_len`: the runtime sizes the buffer per request (the tokens it may
+  generate, at most the model's max_len).
 Parity with the dynamic graph is proved by optimize, as for every pass.
 """
 
@@ -29,7 +30,7 @@ from onnx_ir.passes.common import RemoveUnusedNodesPass, TopologicalSortPass
 
 from exporters.passes import Pass, PassResult
 from runtime.errors import OnnxformerError
-from runtime.spec import PAST_SEQUENCE_LENGTH
+from runtime.spec import CACHE_LEN, PAST_SEQUENCE_LENGTH
 
 _PAST = re.compile(r"past_key_values\.\d+\.decoder\.(key|value)$")
 MS = "com.microsoft"
@@ -45,9 +46,6 @@ class StaticCachePass(Pass):
     """Decoder self-attention with past/present -> DecoderMaskedMultiHeadAttention over a shared buffer."""
 
     name = "static_kv_cache"
-
-    def __init__(self, max_len: int):
-        self.max_len = int(max_len)
 
     def call(self, model: ir.Model) -> PassResult:
         graph = model.graph
@@ -69,10 +67,10 @@ class StaticCachePass(Pass):
         for node in attention:
             _replace_attention(graph, node, psl)
         for v in pasts:
-            v.shape = _with_len(v.shape, self.max_len)
+            v.shape = _with_len(v.shape, CACHE_LEN)
         for v in graph.outputs:
             if v.name and v.name.startswith("present.") and ".decoder." in v.name:
-                v.shape = _with_len(v.shape, self.max_len)
+                v.shape = _with_len(v.shape, CACHE_LEN)
             elif v.name == "logits" and v.shape is not None:
                 v.shape = ir.Shape([v.shape[0], 1, *list(v.shape)[2:]])
         ids = next(v for v in graph.inputs if v.name == "input_ids")
@@ -156,7 +154,7 @@ def _replace_attention(graph: ir.Graph, node: ir.Node, psl: ir.Value) -> None:
     ir.convenience.replace_nodes_and_values(graph, node, [node], [new], old, list(new.outputs)[:len(old)])
 
 
-def _with_len(shape: ir.Shape | None, length: int) -> ir.Shape | None:
+def _with_len(shape: ir.Shape | None, length: str) -> ir.Shape | None:
     """[B, H, any, Dh] -> [B, H, length, Dh]."""
     if shape is None:
         return None

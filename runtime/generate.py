@@ -2,7 +2,8 @@
 
 An engine (PyTorch in toolkit/, ONNX Runtime in runtime/) provides
 
-    engine.start(input_ids [B, S] int64, attention_mask [B, S] int64, expand: int) -> DecodeState
+    engine.start(input_ids [B, S] int64, attention_mask [B, S] int64, expand: int, max_steps: int | None)
+        -> DecodeState      (max_steps: the most steps the state will take; engines may size caches by it)
 
 which runs the encoder once and returns a state whose rows are the inputs, each repeated `expand`
 times (row b * expand + j), ready for `runtime.search`.
@@ -26,7 +27,8 @@ class Engine(Protocol):
     vocab_size: int
     max_len: int
 
-    def start(self, input_ids: np.ndarray, attention_mask: np.ndarray, expand: int) -> DecodeState: ...
+    def start(self, input_ids: np.ndarray, attention_mask: np.ndarray, expand: int,
+              max_steps: int | None = None) -> DecodeState: ...
 
 
 @dataclass
@@ -85,7 +87,7 @@ def generate_ids(engine: Engine, sequences: Sequence[Sequence[int]], opts: Searc
     if opts.max_new_tokens == 0:
         return search(None, len(sequences), engine.bos_id, engine.eos_id, opts)
     ids, mask = pad_batch(sequences, engine.pad_id)
-    state = engine.start(ids, mask, opts.beam)          # encoder runs once here
+    state = engine.start(ids, mask, opts.beam, opts.max_new_tokens)   # encoder runs once here
     return search(state, len(sequences), engine.bos_id, engine.eos_id, opts)
 
 

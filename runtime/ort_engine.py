@@ -1,7 +1,7 @@
 """The ONNX Runtime engine: runtime.generate's Engine over an encoder session and a cached decoder session.
 
     engine = OrtEngine(encoder_session, decoder_session, config, provider="cpu", io_binding=False)
-    state = engine.start(input_ids, attention_mask, expand)   # encoder once; rows repeated for beams
+    state = engine.start(input_ids, attention_mask, expand, max_steps)   # encoder once; rows repeated for beams
     logits = state.step(tokens, keep)                          # one decoder step, presents become pasts
 
 Three data paths share the state logic (DecodeState) and differ only in where tensors live:
@@ -45,7 +45,7 @@ class HostPath:
     def mask(self, mask: np.ndarray):
         return mask
 
-    def empty_past(self, n: int) -> list:
+    def empty_past(self, n: int, steps: int | None = None) -> list:
         empty = np.zeros((n, self.e.n_heads, 0, self.e.head_dim), dtype=np.float32)
         return [empty] * len(self.e.past_names)
 
@@ -100,7 +100,7 @@ class BoundPath:
     def mask(self, mask: np.ndarray):
         return ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(mask), self.device, 0)  # copied once per move
 
-    def empty_past(self, n: int) -> list:
+    def empty_past(self, n: int, steps: int | None = None) -> list:
         empty = np.zeros((n, self.e.n_heads, 0, self.e.head_dim), dtype=np.float32)
         return [ort.OrtValue.ortvalue_from_numpy(empty)] * len(self.e.past_names)   # zero bytes: host is fine
 
@@ -122,11 +122,11 @@ class BoundPath:
 class OrtState:
     """Decoder state of one request: the mask, cross K/V and self-attention cache of its current rows."""
 
-    def __init__(self, path, mask: np.ndarray, cross: list, sources: np.ndarray):
+    def __init__(self, path, mask: np.ndarray, cross: list, sources: np.ndarray, steps: int | None = None):
         self.path, self.cross, self.sources = path, cross, sources     # sources: the input each row belongs to
         self.host_mask = mask                                          # [N, S] int64
         self.mask = path.mask(mask)
-        self.past = path.empty_past(len(mask))                         # [N, H, 0, Dh] per tensor
+        self.past = path.empty_past(len(mask), steps)                  # [N, H, 0, Dh] per tensor, or static buffers
 
     def step(self, tokens: np.ndarray, keep: np.ndarray | None) -> np.ndarray:
         if keep is not None:                                           # reorder/drop rows before the step
@@ -169,7 +169,8 @@ class OrtEngine:
         self.name = f"ort-{provider}" + ("-static-cache" if self.static_cache else
                                          "-iobinding" if self.io_binding else "")
 
-    def start(self, input_ids: np.ndarray, attention_mask: np.ndarray, expand: int) -> OrtState:
+    def start(self, input_ids: np.ndarray, attention_mask: np.ndarray, expand: int,
+              max_steps: int | None = None) -> OrtState:
         ids = np.ascontiguousarray(input_ids, dtype=np.int64)          # [B, S]
         mask = np.ascontiguousarray(attention_mask, dtype=np.int64)
         cross = self.path.encode(ids, mask)                            # 2 * layers tensors [B, H, S, Dh]
@@ -178,7 +179,7 @@ class OrtEngine:
             sources = np.repeat(sources, expand)
             cross = self.path.take(cross, sources)
             mask = mask[sources]
-        return OrtState(self.path, mask, cross, sources)
+        return OrtState(self.path, mask, cross, sources, max_steps)
 
 
 def default_io_binding(provider: str) -> bool:

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 # symbolic dimension names
 BATCH, SRC_LEN, NEW_LEN, PAST_LEN, TOTAL_LEN = "batch", "src_len", "new_len", "past_len", "total_len"
 PAST_SEQUENCE_LENGTH = "past_sequence_length"   # static-cache decoders: how many buffer rows are filled
+CACHE_LEN = "cache_len"                          # static-cache decoders: buffer length (<= max_len, chosen per request)
 KV_CACHES = ("dynamic", "static")
 
 
@@ -77,19 +78,20 @@ def encoder_spec(n_decoder_layers: int, n_heads: int, d_model: int, float_type: 
 
 
 def decoder_spec(n_decoder_layers: int, n_heads: int, d_model: int, vocab_size: int,
-                 float_type: str = "float32", cache_len: int | None = None) -> GraphSpec:
+                 float_type: str = "float32", static_cache: bool = False) -> GraphSpec:
     """decoder.onnx: one cached step. Per layer, past self K/V and cross K/V in; logits and present self K/V out.
 
-    cache_len None: the dynamic cache (present = past + new rows, a new tensor each step). An int: the static
-    cache (exporters/static_cache.py): past and present are one [B, H, cache_len, Dh] buffer the runtime binds
-    twice, `past_sequence_length` says how many rows are filled, and a step takes exactly one token.
+    The dynamic cache: present = past + new rows, a new tensor each step. The static cache
+    (exporters/static_cache.py): past and present are one [B, H, cache_len, Dh] buffer the runtime allocates per
+    request (cache_len = the tokens it may generate, at most max_len) and binds twice; `past_sequence_length` says
+    how many rows are filled, and a step takes exactly one token.
     """
     head_dim = d_model // n_heads
-    new_len = NEW_LEN if cache_len is None else 1
-    past_len, total_len = (PAST_LEN, TOTAL_LEN) if cache_len is None else (cache_len, cache_len)
+    new_len = 1 if static_cache else NEW_LEN
+    past_len, total_len = (CACHE_LEN, CACHE_LEN) if static_cache else (PAST_LEN, TOTAL_LEN)
     inputs = [TensorSpec("input_ids", "int64", (BATCH, new_len)),
               TensorSpec("encoder_attention_mask", "int64", (BATCH, SRC_LEN))]
-    if cache_len is not None:
+    if static_cache:
         inputs.append(TensorSpec(PAST_SEQUENCE_LENGTH, "int32", (1,)))
     outputs = [TensorSpec("logits", float_type, (BATCH, new_len, vocab_size))]
     for i in range(n_decoder_layers):
@@ -110,8 +112,8 @@ def graph_specs(config: dict, float_type: str = "float32", kv_cache: str = "dyna
     if kv_cache not in KV_CACHES:
         raise ValueError(f"unknown kv_cache {kv_cache!r}; one of {KV_CACHES}")
     L, H, D, V = config["n_decoder_layers"], config["n_heads"], config["d_model"], config["vocab_size"]
-    cache_len = config["max_len"] if kv_cache == "static" else None
-    return {"encoder": encoder_spec(L, H, D, float_type), "decoder": decoder_spec(L, H, D, V, float_type, cache_len)}
+    static = kv_cache == "static"
+    return {"encoder": encoder_spec(L, H, D, float_type), "decoder": decoder_spec(L, H, D, V, float_type, static)}
 
 
-__all__ = ["TensorSpec", "GraphSpec", "PAST_SEQUENCE_LENGTH", "KV_CACHES", "cache_name", "encoder_spec", "decoder_spec", "graph_specs", "asdict"]
+__all__ = ["TensorSpec", "GraphSpec", "PAST_SEQUENCE_LENGTH", "CACHE_LEN", "KV_CACHES", "cache_name", "encoder_spec", "decoder_spec", "graph_specs", "asdict"]

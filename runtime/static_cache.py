@@ -1,7 +1,8 @@
 """Running decoders with a static KV cache (exporters/static_cache.py writes them; `optimize --kv-cache static`).
 
 A static decoder takes its self-attention cache as one preallocated buffer per layer and tensor,
-[rows, heads, max_len, head_dim], plus `past_sequence_length` (how many positions are filled). Its
+[rows, heads, cache_len, head_dim], plus `past_sequence_length` (how many positions are filled). The runtime
+sizes cache_len per request: the most tokens it may generate (at most the model's max_len). Its
 DecoderMaskedMultiHeadAttention nodes write the new key/value at that position and attend over the filled
 part. The runtime binds the same buffer as past input and present output, so a step copies nothing: the
 step time no longer grows with a copy of the whole cache.
@@ -18,22 +19,13 @@ from __future__ import annotations
 import numpy as np
 import onnxruntime as ort
 
-from runtime.errors import BundleError, InputError
+from runtime.errors import InputError
 from runtime.spec import PAST_SEQUENCE_LENGTH
 
 
 def is_static(session: ort.InferenceSession) -> bool:
     """Whether a decoder session takes the static cache (it has a past_sequence_length input)."""
     return any(i.name == PAST_SEQUENCE_LENGTH for i in session.get_inputs())
-
-
-def cache_length(session: ort.InferenceSession, past_name: str) -> int:
-    """The buffer length (positions) of a static decoder's cache input."""
-    dims = next(i.shape for i in session.get_inputs() if i.name == past_name)
-    if len(dims) != 4 or not isinstance(dims[2], int):
-        raise BundleError(f"static-cache decoder input {past_name} has shape {dims}, not [batch, heads, "
-                              f"max_len, head_dim]; re-optimize the bundle")
-    return dims[2]
 
 
 class StaticCache:
@@ -59,7 +51,6 @@ class StaticPath:
     def __init__(self, engine, device: str):
         self.e, self.device = engine, device
         self.on_host = device == "cpu"
-        self.length = cache_length(engine.decoder, engine.past_names[0])
         if not self.on_host:
             from runtime.ort_engine import BoundPath
             self._bound = BoundPath(engine)                         # encode/take/mask on the device
@@ -78,8 +69,10 @@ class StaticPath:
     def mask(self, mask: np.ndarray):
         return mask if self.on_host else self._bound.mask(mask)
 
-    def empty_past(self, n: int) -> StaticCache:
-        shape = (n, self.e.n_heads, self.length, self.e.head_dim)
+    def empty_past(self, n: int, steps: int | None = None) -> StaticCache:
+        """Zeroed buffers for n rows and `steps` positions (the request's new tokens; default the model's max_len)."""
+        length = self.e.max_len if steps is None else max(1, min(int(steps), self.e.max_len))
+        shape = (n, self.e.n_heads, length, self.e.head_dim)
         if self.on_host:
             buffers = [np.zeros(shape, dtype=np.float32) for _ in self.e.past_names]
         else:
@@ -104,9 +97,11 @@ class StaticPath:
         return buf[:rows]                                           # leading rows of a C-order array: contiguous
 
     def decode(self, tokens: np.ndarray, mask, cache: StaticCache, cross: list) -> tuple[np.ndarray, StaticCache]:
-        if cache.length >= self.length:
-            raise InputError(f"the static KV cache holds {self.length} positions (the model's max_len) and is "
-                                  f"full; ask for at most {self.length} new tokens")
+        capacity = cache.buffers[0].shape[2]
+        if cache.length >= capacity:
+            raise InputError(f"the static KV cache holds {capacity} positions and is full: the request was started "
+                             f"for {capacity} steps (engine.start max_steps; at most the model's max_len "
+                             f"{self.e.max_len})")
         if cache.binding is None:
             cache.binding = self._bind(mask, cache, cross)
         binding = cache.binding
@@ -143,7 +138,6 @@ class DynamicView:
         self.session = session
         self.inputs = [i.name for i in session.get_inputs()]
         self.pasts = [n for n in self.inputs if n.startswith("past_key_values.") and ".decoder." in n]
-        self.length = cache_length(session, self.pasts[0])
 
     def get_inputs(self):
         return self.session.get_inputs()
@@ -155,13 +149,11 @@ class DynamicView:
         names = names or [o.name for o in self.session.get_outputs()]
         tokens = feeds["input_ids"]
         filled = feeds[self.pasts[0]].shape[2]
-        if filled + tokens.shape[1] > self.length:
-            raise InputError(f"{filled} cached + {tokens.shape[1]} new positions exceed the static cache's "
-                                  f"{self.length}")
+        length = filled + tokens.shape[1]                                # room for exactly this call
         buffers = {}
         for name in self.pasts:
             past = feeds[name]
-            buf = np.zeros(past.shape[:2] + (self.length,) + past.shape[3:], dtype=past.dtype)
+            buf = np.zeros(past.shape[:2] + (length,) + past.shape[3:], dtype=past.dtype)
             buf[:, :, :filled] = past
             buffers[name] = buf
         fixed = {k: v for k, v in feeds.items() if k in self.inputs and k not in buffers and k != "input_ids"}
@@ -184,4 +176,4 @@ def dynamic_view(session: ort.InferenceSession):
     return DynamicView(session) if is_static(session) else session
 
 
-__all__ = ["StaticPath", "StaticCache", "DynamicView", "dynamic_view", "is_static", "cache_length"]
+__all__ = ["StaticPath", "StaticCache", "DynamicView", "dynamic_view", "is_static"]

@@ -43,31 +43,36 @@ log "GPU tests (pytest -m gpu)"
 tests_rc=${PIPESTATUS[0]}
 log "GPU tests exit code $tests_rc"
 
-log "base preset: init, export, optimize for CUDA (fused fp32, fp16)"
+log "base preset: init, export, optimize for CUDA (fused fp32, fp16, fp32 with the static KV cache)"
 ofx init --preset base --vocab 8000 --out "$WORK/base" >/dev/null &&
 ofx export "$WORK/base" --out "$WORK/base-fp32" >"$OUT/export.log" 2>&1 &&
 ofx optimize "$WORK/base-fp32" --out "$WORK/base-fused" --target cuda >"$OUT/optimize-fp32.log" 2>&1 &&
-ofx optimize "$WORK/base-fp32" --out "$WORK/base-fp16" --target cuda --precision fp16 >"$OUT/optimize-fp16.log" 2>&1 ||
+ofx optimize "$WORK/base-fp32" --out "$WORK/base-fp16" --target cuda --precision fp16 >"$OUT/optimize-fp16.log" 2>&1 &&
+ofx optimize "$WORK/base-fp32" --out "$WORK/base-static" --target cuda --kv-cache static \
+  >"$OUT/optimize-static.log" 2>&1 ||
   { log "export/optimize failed: see $OUT/*.log"; exit 1; }
 
 log "parity on CUDA (fp32 fused, fp16)"
 ofx parity "$WORK/base" "$WORK/base-fused" --provider cuda --samples 32 --json >"$OUT/parity-fp32.json"; p32=$?
 ofx parity "$WORK/base" "$WORK/base-fp16" --provider cuda --samples 32 --json >"$OUT/parity-fp16.json"; p16=$?
-log "parity exit codes: fp32 $p32, fp16 $p16 (0 = within tolerance)"
+ofx parity "$WORK/base" "$WORK/base-static" --provider cuda --samples 32 --json >"$OUT/parity-static.json"; pst=$?
+log "parity exit codes: fp32 $p32, fp16 $p16, fp32 static cache $pst (0 = within tolerance)"
 
 log "benchmark: PyTorch eager CUDA vs ONNX Runtime CUDA fp32 / fused fp32 / fp16, batch 1 and 32"
-ofx bench "$WORK/base" "$WORK/base-fp32" "$WORK/base-fused" "$WORK/base-fp16" --provider cuda --no-nocache \
+ofx bench "$WORK/base" "$WORK/base-fp32" "$WORK/base-fused" "$WORK/base-fp16" "$WORK/base-static" \
+  --provider cuda --no-nocache \
   --batch-sizes 1,32 --src-len 32 --new-tokens 64 --repeat 3 --json --plot "$OUT/bench.png" >"$OUT/bench.json" \
   2>"$OUT/bench.log"; bench_rc=$?
 log "bench exit code $bench_rc"
 "$PY" - "$OUT/bench.json" <<'EOF' | tee -a "$OUT/summary.txt"
 import json, sys
 rows = json.load(open(sys.argv[1]))["rows"]
-print(f"{'model':<12}{'engine':<14}{'precision':<10}{'batch':>6}{'tokens/s':>11}{'p50 ms':>9}{'x first':>8}")
+print(f"{'model':<18}{'engine':<14}{'precision':<10}{'cache':<9}{'batch':>6}{'tokens/s':>11}{'p50 ms':>9}{'x first':>8}")
 for r in rows:
     name = r["model"].rstrip("/").split("/")[-1]
-    print(f"{name:<12}{r['engine']:<14}{r['precision']:<10}{r['batch_size']:>6}{r['tokens_per_s']:>11.1f}"
+    print(f"{name:<18}{r['engine']:<14}{r['precision']:<10}{r.get('kv_cache', '-'):<9}{r['batch_size']:>6}"
+          f"{r['tokens_per_s']:>11.1f}"
           f"{r['latency_ms_p50']:>9.1f}{r['ratio_to_first']:>8.2f}")
 EOF
 log "done: $OUT"
-[ "$tests_rc" -eq 0 ] && [ "$p32" -eq 0 ] && [ "$p16" -eq 0 ] && [ "$bench_rc" -eq 0 ]
+[ "$tests_rc" -eq 0 ] && [ "$p32" -eq 0 ] && [ "$p16" -eq 0 ] && [ "$pst" -eq 0 ] && [ "$bench_rc" -eq 0 ]

@@ -94,3 +94,22 @@ def test_cuda_fp16_parity_within_the_fp16_row(toy, optimized):
     tokens = generation_parity(TorchEngine(model), load_bundle(optimized["fp16"], provider="cuda").engine, seqs,
                                tolerance("fp16", "cuda"), "cuda", "fp16")
     assert tokens.ok, tokens.table()
+
+
+@pytest.mark.parametrize("beam", [1, 4])
+def test_cuda_static_cache_tokens_equal_pytorch(toy, beam, tmp_path_factory):
+    """--kv-cache static for CUDA: the buffers live on the device and beams gather them there."""
+    from exporters.optimize import optimize_bundle
+    from runtime.bundle import load_bundle
+    from toolkit.torch_engine import TorchEngine
+
+    model, bundle, seqs = toy
+    static, report = optimize_bundle(bundle, tmp_path_factory.mktemp("cuda_static") / "b", target="cuda",
+                                     kv_cache="static")
+    assert report.kv_cache == "static"
+    engine = load_bundle(static, provider="cuda").engine
+    assert engine.static_cache
+    state = engine.start(*_padded(seqs[:3]), expand=1)
+    state.step(np.full(3, engine.bos_id), None)
+    assert all(v.device_name().lower() == "cuda" for v in state.past.buffers + state.cross)
+    assert _tokens(engine, seqs, beam) == _tokens(TorchEngine(model), seqs, beam)

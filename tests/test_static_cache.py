@@ -45,9 +45,9 @@ def test_rewrite_gives_the_static_interface(bundles):
     model, _, dynamic, _ = bundles
     c = model.config
     graph = ir.load(dynamic / "decoder.onnx")
-    result = StaticCachePass(c.max_len)(graph)
+    result = StaticCachePass()(graph)
     assert result.modified and result.counts == {"static_kv_cache": c.n_decoder_layers}
-    assert not StaticCachePass(c.max_len)(graph).modified                    # already static: a no-op
+    assert not StaticCachePass()(graph).modified                    # already static: a no-op
     ops = [n.op_type for n in graph.graph]
     assert ops.count("DecoderMaskedMultiHeadAttention") == ops.count("MultiHeadAttention") == c.n_decoder_layers
     spec = graph_specs(c.to_dict(), kv_cache="static")["decoder"]
@@ -57,15 +57,16 @@ def test_rewrite_gives_the_static_interface(bundles):
     assert got == want
     assert spec.inputs[2].name == PAST_SEQUENCE_LENGTH
     assert [v.name for v in graph.graph.outputs] == spec.output_names
-    for v in graph.graph.outputs[1:]:
-        assert list(v.shape)[2] == c.max_len
+    for v in list(graph.graph.inputs)[3:] + list(graph.graph.outputs)[1:]:
+        if ".decoder." in v.name:
+            assert str(list(v.shape)[2]) == "cache_len"
 
 
 def test_rewrite_refuses_unfused_self_attention(bundles):
     _, exported, _, _ = bundles
     graph = ir.load(exported / "decoder.onnx")
     with pytest.raises(StaticCacheError, match="needs the decoder's self-attention fused.*--kv-cache dynamic"):
-        StaticCachePass(64)(graph)
+        StaticCachePass()(graph)
 
 
 def _decoder_feeds(session, c, rng, batch=2, src=5):
@@ -164,10 +165,13 @@ def test_logits_of_a_step_survive_the_next_step(bundles):
 def test_full_cache_is_a_clear_error(bundles):
     model, _, _, static = bundles
     engine = load_bundle(static, "cpu").engine
-    state = engine.start(np.array([[5, 6, 7]], np.int64), np.ones((1, 3), np.int64), 1)
-    state.past.length = model.config.max_len                                 # as if max_len steps had run
-    with pytest.raises(InputError, match="static KV cache holds 64 positions"):
-        state.step(np.array([1]), None)
+    state = engine.start(np.array([[5, 6, 7]], np.int64), np.ones((1, 3), np.int64), 1, max_steps=3)
+    assert state.past.buffers[0].shape == (1, model.config.n_heads, 3, model.config.head_dim)   # sized per request
+    for token in (1, 9, 10):
+        state.step(np.array([token]), None)
+    with pytest.raises(InputError, match="static KV cache holds 3 positions and is full"):
+        state.step(np.array([11]), None)
+    assert engine.start(np.array([[5]]), np.ones((1, 1), np.int64), 1).past.buffers[0].shape[2] == model.config.max_len
 
 
 def test_cache_full_generation_fits_exactly(bundles):
@@ -197,6 +201,8 @@ def test_kv_cache_choices():
         resolve_kv_cache("static", "cpu", False, "ort", unfused)
     with pytest.raises(OptimizeError, match="already has a static KV cache"):
         resolve_kv_cache("dynamic", "cpu", False, "ort", static)
+    with pytest.raises(OptimizeError, match="not available with --precision fp16"):
+        resolve_kv_cache("static", "cuda", True, "ort", unfused, "fp16")
     with pytest.raises(OptimizeError, match="unknown KV cache"):
         resolve_kv_cache("paged", "cpu", True, "ort", unfused)
 

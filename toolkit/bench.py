@@ -267,7 +267,7 @@ def timed_generate(engine, ids: np.ndarray, new_tokens: int, sync=None) -> dict:
     mask = np.ones_like(ids)
     gc.collect()
     t0 = time.perf_counter()
-    state = engine.start(ids, mask, 1)
+    state = engine.start(ids, mask, 1, new_tokens)
     if sync:
         sync()                                          # CUDA torch: the encoder really finished
     t1 = time.perf_counter()

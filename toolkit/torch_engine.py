@@ -54,7 +54,8 @@ class TorchEngine:
         self.name = "torch-cache" if use_cache else "torch-nocache"
 
     @torch.no_grad()
-    def start(self, input_ids: np.ndarray, attention_mask: np.ndarray, expand: int) -> TorchState:
+    def start(self, input_ids: np.ndarray, attention_mask: np.ndarray, expand: int,
+              max_steps: int | None = None) -> TorchState:
         ids = torch.from_numpy(np.ascontiguousarray(input_ids)).to(self.device)
         mask = torch.from_numpy(np.ascontiguousarray(attention_mask)).to(self.device)
         _, cross = self.model.encode(ids, mask)

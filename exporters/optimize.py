@@ -397,14 +397,16 @@ def _parity(manifest, bundle_dir, src_paths, paths, target, precision, samples, 
 def _generation(config, bundle_dir, manifest, src_paths, paths, provider, precision, tol, samples) -> dict:
     """Greedy decoding with both bundles through the runtime engine; token agreement position by position."""
     from runtime.ort_engine import OrtEngine
-    from runtime.session import make_session
+    from runtime.session import SessionConfig, make_session
     from runtime.tokenizer import CharTokenizer
     from toolkit.config import ModelConfig
     from toolkit.parity.generation import generation_parity, parity_inputs
 
     tokenizer = CharTokenizer.load(bundle_dir / manifest["tokenizer"]) if manifest.get("tokenizer") else None
     seqs, source = parity_inputs(ModelConfig.from_dict(config), tokenizer, samples=samples)
-    engines = [OrtEngine(make_session(p["encoder"], provider), make_session(p["decoder"], provider), config, provider)
+    options = SessionConfig()
+    engines = [OrtEngine(make_session(p["encoder"], provider, options.for_graph("encoder")),
+                         make_session(p["decoder"], provider, options), config, provider)
                for p in (src_paths, paths)]
     report = generation_parity(engines[0], engines[1], seqs, tol, provider, precision, beams=(1,),
                                max_new_tokens=min(32, config["max_len"]), source=source)

@@ -73,7 +73,7 @@ def _sessions(path: Path, manifest: dict, provider: str, config: SessionConfig) 
     for name in GRAPHS:
         _check_recorded(path, name, recorded[name], expected[name])
         file = graph_file(manifest, name, provider)
-        sessions[name] = _session(path / file, provider, config)
+        sessions[name] = _session(path / file, provider, config.for_graph(name))
         _check_session(path / file, sessions[name], recorded[name])
         files[name] = file
     return sessions, files

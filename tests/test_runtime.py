@@ -238,6 +238,17 @@ def test_session_options_in_one_place():
         SessionConfig(graph_optimization="max").to_ort()
 
 
+def test_encoder_threads_do_not_spin(bundle):
+    """The encoder runs once a request; its spinning threads would take the cores from the decoder's steps."""
+    config = SessionConfig(intra_op_threads=2)
+    assert config.for_graph("encoder").spinning is False and config.for_graph("decoder").spinning is True
+    assert config.with_(encoder_spinning=True).for_graph("encoder").spinning is True
+    engine = load_bundle(bundle, "cpu", threads=2).engine
+    entry = "session.intra_op.allow_spinning"
+    assert engine.encoder.get_session_options().get_session_config_entry(entry) == "0"
+    assert engine.decoder.get_session_options().get_session_config_entry(entry) == "1"
+
+
 def test_default_data_path_per_provider():
     assert default_io_binding("cuda") is True and default_io_binding("cpu") is False
 

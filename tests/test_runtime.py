@@ -59,9 +59,16 @@ def bundle(toy_exported):
 
 
 @pytest.fixture(scope="module")
-def engines(bundle):
-    """The toy bundle loaded once per data path (shared, as a server would share it)."""
-    return {name: load_bundle(bundle, provider="cpu", io_binding=iob).engine for name, iob in PATHS.items()}
+def engines(bundle, tmp_path_factory):
+    """The toy bundle loaded once per data path (shared, as a server would share it), and its fused
+    static-cache optimization (runtime/static_cache.py's data path)."""
+    from exporters.optimize import optimize_bundle
+
+    loaded = {name: load_bundle(bundle, provider="cpu", io_binding=iob).engine for name, iob in PATHS.items()}
+    static, _ = optimize_bundle(bundle, tmp_path_factory.mktemp("static") / "fused")
+    loaded["static"] = load_bundle(static, provider="cpu").engine
+    assert loaded["static"].static_cache
+    return loaded
 
 
 def tokens_of(hyps) -> list[list[list[int]]]:

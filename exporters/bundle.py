@@ -24,7 +24,8 @@ from pathlib import Path
 import onnx
 
 from runtime.errors import BundleError
-from runtime.manifest import FORMAT, FORMAT_VERSION, MANIFEST, PRECISIONS, TARGETS, sha256_file, validate_manifest
+from runtime.manifest import (FORMAT, FORMAT_VERSION, MANIFEST, PRECISIONS, TARGETS, sha256_file, validate_manifest,
+                              verify_hashes)
 
 TENSOR_TYPES = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.FLOAT16: "float16", onnx.TensorProto.INT64: "int64",
                 onnx.TensorProto.INT32: "int32", onnx.TensorProto.BOOL: "bool", onnx.TensorProto.INT8: "int8",
@@ -168,7 +169,6 @@ def build_manifest(config: dict, graphs: dict[str, dict], precision: str = "fp32
 def write_manifest(bundle_dir: str | Path, manifest: dict) -> Path:
     """Write manifest.json (after checking every listed file is present with its recorded hash)."""
     bundle_dir = Path(bundle_dir)
-    from runtime.manifest import verify_hashes
     verify_hashes(bundle_dir, manifest)
     path = bundle_dir / MANIFEST
     path.write_text(json.dumps(manifest, indent=2, allow_nan=True) + "\n")
@@ -181,36 +181,3 @@ def copy_tokenizer(tokenizer: str | Path | None, bundle_dir: Path) -> str | None
         return None
     shutil.copyfile(tokenizer, bundle_dir / "tokenizer.json")
     return "tokenizer.json"
-
-
-def write_bundle(out_dir: str | Path, config: dict, graphs: dict, *, precision: str = "fp32", target: str = "any",
-                 opset: int | None = None, fusions: dict | None = None, passes: list | None = None,
-                 tokenizer: str | Path | None = None, ort_graphs: dict | None = None, verify=None,
-                 source: dict | None = None, force: bool = False) -> Path:
-    """Write a whole bundle atomically in one call (what optimize uses).
-
-    graphs: {"encoder": ModelProto or path, "decoder": ...}, saved as <name>.onnx; ort_graphs: {name: .ort path};
-    verify: called with {name: staged .onnx path} before the manifest is written, returns the parity record
-    (a report's to_dict()) or raises (e.g. ParityError) to abort, leaving nothing at out_dir.
-    """
-    with stage_bundle(out_dir, force) as tmp:
-        paths, entries = {}, {}
-        for name, graph in graphs.items():
-            paths[name] = tmp / f"{name}.onnx"
-            if isinstance(graph, onnx.ModelProto):
-                onnx.save_model(graph, str(paths[name]))
-            else:
-                shutil.copyfile(graph, paths[name])
-            entries[name] = graph_entry(paths[name], graph if isinstance(graph, onnx.ModelProto) else None)
-        ort_entries = {}
-        for name, path in (ort_graphs or {}).items():
-            target_path = tmp / f"{name}.ort"
-            shutil.copyfile(path, target_path)
-            ort_entries[name] = {"file": target_path.name, "sha256": sha256_file(target_path),
-                                 "bytes": target_path.stat().st_size}
-        parity = verify(paths) if verify is not None else None
-        manifest = build_manifest(config, entries, precision=precision, target=target, opset=opset, fusions=fusions,
-                                  passes=passes, parity=parity, tokenizer=copy_tokenizer(tokenizer, tmp),
-                                  ort_graphs=ort_entries, source=source)
-        write_manifest(tmp, manifest)
-    return Path(out_dir)

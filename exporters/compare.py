@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from runtime.session import SessionConfig, make_session
-from runtime.spec import graph_specs
+from runtime.spec import cache_name, graph_specs
 from runtime.static_cache import dynamic_view
 from toolkit.config import ModelConfig
 from toolkit.parity.graphs import default_src_lens, sample_inputs
@@ -69,7 +69,7 @@ def compare_graphs(reference: dict[str, Path], candidate: dict[str, Path], confi
         checks.setdefault((graph, name), Worst(graph, name)).fold(r, g, step, tol)
 
     src_lens = default_src_lens(batch)
-    ids, mask = sample_inputs(c, batch, src_lens, seed)
+    ids, mask = sample_inputs(c, src_lens, seed)
     names = specs["encoder"].output_names
     enc = [dict(zip(names, s.run(names, {"input_ids": ids, "attention_mask": mask}))) for s in (ref["encoder"],
                                                                                                new["encoder"])]
@@ -84,9 +84,9 @@ def compare_graphs(reference: dict[str, Path], candidate: dict[str, Path], confi
         feeds = {}
         for i in range(c.n_decoder_layers):
             empty = np.zeros((batch, c.n_heads, 0, c.head_dim), np.float32)
-            feeds.update({f"past_key_values.{i}.decoder.key": empty, f"past_key_values.{i}.decoder.value": empty,
-                          f"past_key_values.{i}.encoder.key": side[f"present.{i}.encoder.key"],
-                          f"past_key_values.{i}.encoder.value": side[f"present.{i}.encoder.value"]})
+            for kv in ("key", "value"):
+                feeds[cache_name("past_key_values", i, "decoder", kv)] = empty
+                feeds[cache_name("past_key_values", i, "encoder", kv)] = side[cache_name("present", i, "encoder", kv)]
         past.append(feeds)
     names = specs["decoder"].output_names
     logits_seen = []
@@ -117,7 +117,7 @@ def compare_graphs(reference: dict[str, Path], candidate: dict[str, Path], confi
         top = max(mine, key=lambda w: w.max_abs)
         per_graph[graph] = {"max_abs": top.max_abs, "max_rel": max(w.max_abs / max(w.scale, 1e-12) for w in mine),
                             "worst_output": top.output, "ok": all(w.ok for w in mine)}
-    judged = tol is not None and tol.atol is not None
+    judged = tol is not None and tol.judged
     ok = judged and not failed and not vacuous
     if vacuous:
         summary = f"not verified: reference outputs {', '.join(vacuous)} do not vary"

@@ -120,7 +120,6 @@ def _export(module: torch.nn.Module, spec: GraphSpec, config, path: Path, opset:
     name_output_dims(proto, spec)
     proto.doc_string = f"onnxformer {spec.name} graph"
     onnx.save_model(proto, str(path))
-    return proto
 
 
 def name_output_dims(proto: onnx.ModelProto, spec: GraphSpec) -> None:
@@ -137,10 +136,10 @@ def name_output_dims(proto: onnx.ModelProto, spec: GraphSpec) -> None:
 
 
 def export_graphs(model: Transformer, out_dir: Path, opset: int = DEFAULT_OPSET,
-                  progress: Callable[[str], None] | None = None) -> dict[str, Path]:
-    """Write encoder.onnx and decoder.onnx into out_dir, each checked by onnx and against its spec."""
+                  progress: Callable[[str], None] | None = None) -> dict[str, tuple[Path, onnx.ModelProto]]:
+    """Write encoder.onnx and decoder.onnx into out_dir, each checked by onnx and against its spec; returns
+    {name: (path, the checked model)}. The caller checks the opset (export_model)."""
     progress = progress or (lambda msg: None)
-    check_opset(opset)
     config = model.config
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
     if nbytes > MAX_PROTO_BYTES * 0.9:
@@ -155,10 +154,10 @@ def export_graphs(model: Transformer, out_dir: Path, opset: int = DEFAULT_OPSET,
             start = time.perf_counter()
             path = Path(out_dir) / f"{name}.onnx"
             _export(wrapper(model, specs[name]), specs[name], config, path, opset)
-            check_graph(path, specs[name])
+            checked = check_graph(path, specs[name])
             progress(f"exported {name}.onnx ({path.stat().st_size / 1e6:.1f} MB, opset {opset}) "
                      f"in {time.perf_counter() - start:.1f} s; onnx checker and spec check passed")
-            paths[name] = path
+            paths[name] = (path, checked)
     finally:
         model.train(was_training)
     return paths
@@ -171,7 +170,8 @@ def export_model(model: Transformer, out_dir: str | Path, opset: int = DEFAULT_O
     progress = progress or (lambda msg: None)
     check_opset(opset)
     with stage_bundle(out_dir, force) as tmp:
-        paths = export_graphs(model, tmp, opset, progress)
+        graphs = export_graphs(model, tmp, opset, progress)
+        paths = {name: path for name, (path, _) in graphs.items()}
         parity = None
         if check_parity:
             start = time.perf_counter()
@@ -181,7 +181,7 @@ def export_model(model: Transformer, out_dir: str | Path, opset: int = DEFAULT_O
                 raise ParityError(f"{report.summary()}; nothing was written to {out_dir}", report)
             parity = report.to_dict()
         manifest = build_manifest(
-            model.config.to_dict(), {name: graph_entry(path) for name, path in paths.items()},
+            model.config.to_dict(), {name: graph_entry(path, checked) for name, (path, checked) in graphs.items()},
             precision="fp32", target="any", opset=opset, parity=parity, tokenizer=copy_tokenizer(tokenizer, tmp))
         write_manifest(tmp, manifest)
         progress(f"wrote manifest.json; moving bundle into place at {out_dir}")

@@ -29,12 +29,11 @@ from exporters.passes import PassManager, explain_misses
 from exporters.precision import precision_pass
 from exporters.static_cache import StaticCachePass, StaticCacheError
 from runtime.errors import OnnxformerError, ParityError
-from runtime.manifest import GRAPHS, read_manifest, verify_hashes
+from runtime.manifest import GRAPHS, PRECISIONS, read_manifest, verify_hashes
 from runtime.spec import KV_CACHES
 from toolkit.parity.tolerances import tolerance
 
-TARGETS = ("cpu", "cuda")
-PRECISIONS = ("fp32", "fp16", "int8")
+TARGETS = ("cpu", "cuda")                        # bundle targets optimize writes (the manifest also knows "any")
 ATTENTION_OPS = {"ort": "com.microsoft.MultiHeadAttention", "onnx": "Attention"}
 STATIC_ATTENTION_OP = "DecoderMaskedMultiHeadAttention"   # the static cache's decoder self-attention
 
@@ -261,8 +260,9 @@ def optimize_bundle(bundle_dir: str | Path, out_dir: str | Path, target: str = "
                 (folder / paths[g].name).replace(paths[g])
             for _, other, _ in tried:
                 shutil.rmtree(other, ignore_errors=True)
+        entries = {g: graph_entry(paths[g]) for g in GRAPHS}
         for g in GRAPHS:
-            report.after[g] = _counts(graph_entry(paths[g]), paths[g])
+            report.after[g] = _counts(entries[g], paths[g])
         if report.parity.get("judged") and not report.parity["verified"]:
             raise ParityError(f"optimized graphs differ from the source bundle: {report.parity['summary']}; "
                               f"nothing was written to {out_dir}", report.parity)
@@ -277,7 +277,7 @@ def optimize_bundle(bundle_dir: str | Path, out_dir: str | Path, target: str = "
                               "kv_cache": kv_cache,
                               "per_channel": choice if precision == "int8" else None},
                   "fusions_by_graph": report.fusions}
-        new = build_manifest(config, {g: graph_entry(paths[g]) for g in GRAPHS}, precision=precision, target=target,
+        new = build_manifest(config, entries, precision=precision, target=target,
                              fusions=fusions, passes=(manifest.get("passes") or []) + report.passes,
                              parity=report.parity, tokenizer=_tokenizer(bundle_dir, manifest, tmp), source=source,
                              kv_cache=kv_cache)

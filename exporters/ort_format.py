@@ -29,7 +29,6 @@ import contextlib
 import io
 import logging
 import os
-import pathlib
 import shutil
 import tempfile
 from pathlib import Path
@@ -65,11 +64,11 @@ def check_convertible(manifest: dict, target_platform: str | None = None) -> Non
                              f"before converting")
 
 
-def add_ort_format(bundle_dir: str | Path, manifest: dict, target_platform: str | None = None, check: bool = True,
+def add_ort_format(bundle_dir: str | Path, manifest: dict, target_platform: str | None = None,
                    progress: Callable[[str], None] | None = None) -> dict:
     """Write <graph>.ort and required_operators.config into bundle_dir; record them in `manifest` (changed in place).
 
-    bundle_dir holds the manifest's .onnx graphs (a bundle being written). With check=True the .ort graphs
+    bundle_dir holds the manifest's .onnx graphs (a bundle being written). The .ort graphs
     must match the .onnx graphs (outputs within the fp32 CPU tolerance, greedy tokens equal) or ParityError.
     Returns the manifest's new "ort_format" record.
     """
@@ -88,9 +87,8 @@ def add_ort_format(bundle_dir: str | Path, manifest: dict, target_platform: str 
     _relative_config_comments(config)
     record = {"style": STYLE, "optimization_level": "all", "target_platform": target_platform,
               "onnxruntime": ort.__version__, "required_operators": _file_entry(config)}
-    if check:
-        record["parity"] = check_ort_parity(sources, targets, manifest["model"])
-        progress(f"ORT-format parity against the .onnx graphs: {record['parity']['summary']}")
+    record["parity"] = check_ort_parity(sources, targets, manifest["model"])
+    progress(f"ORT-format parity against the .onnx graphs: {record['parity']['summary']}")
     manifest["ort_graphs"] = {g: {**_file_entry(targets[g]), "source_sha256": manifest["graphs"][g]["sha256"]}
                               for g in GRAPHS}
     manifest["ort_format"] = record
@@ -107,7 +105,7 @@ def _convert(sources: dict[str, Path], out_dir: Path, target_platform: str | Non
         quiet = io.StringIO()
         with contextlib.redirect_stdout(quiet), quiet_loggers("ort_format_model.utils", level=logging.WARNING):
             try:
-                convert_onnx_models_to_ort(pathlib.Path(scratch), output_dir=pathlib.Path(out_dir),
+                convert_onnx_models_to_ort(Path(scratch), output_dir=Path(out_dir),
                                            optimization_styles=[OptimizationStyle.Fixed],
                                            target_platform=target_platform)
             except Exception as exc:           # the tool raises whatever the session raised (Fail, RuntimeError, ...)

@@ -54,13 +54,13 @@ class Pass(abc.ABC):
 class RewritePass(Pass):
     """Applies rewrite rules one at a time (in the given order), counting each rule's rewrites by its name."""
 
-    def __init__(self, name: str, rules: Sequence[pattern.RewriteRule], tracer: pattern.MatchingTracer | None = None):
-        self.name, self.rules, self.tracer = name, list(rules), tracer
+    def __init__(self, name: str, rules: Sequence[pattern.RewriteRule]):
+        self.name, self.rules = name, list(rules)
 
     def call(self, model: ir.Model) -> PassResult:
         counts: Counter = Counter({rule.name: 0 for rule in self.rules})
         for rule in self.rules:
-            counts[rule.name] += pattern.RewriteRuleSet([rule]).apply_to_model(model, tracer=self.tracer)
+            counts[rule.name] += pattern.RewriteRuleSet([rule]).apply_to_model(model)
         return PassResult(model, any(counts.values()), dict(counts))
 
 

@@ -24,20 +24,17 @@ import onnx_ir as ir
 
 from exporters.passes import FunctionalPass
 
-PRECISION_PASSES = ("float16", "quantize_int8")
-
-
-def to_fp16(model: ir.Model, op_block_list: list[str] | None = None) -> ir.Model:
+def to_fp16(model: ir.Model) -> ir.Model:
     """A float16 copy of the model with float32 graph inputs and outputs."""
     from onnxruntime.transformers.float16 import DEFAULT_OP_BLOCK_LIST, convert_float_to_float16
 
     proto = ir.to_proto(model)
     converted = convert_float_to_float16(proto, keep_io_types=True,
-                                         op_block_list=list(op_block_list or DEFAULT_OP_BLOCK_LIST))
+                                         op_block_list=list(DEFAULT_OP_BLOCK_LIST))
     return ir.from_proto(converted)
 
 
-def to_int8(model: ir.Model, per_channel: bool = True, reduce_range: bool = False) -> ir.Model:
+def to_int8(model: ir.Model, per_channel: bool = True) -> ir.Model:
     """A copy with MatMul weights quantized to int8 (dynamic quantization of activations)."""
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
@@ -45,7 +42,7 @@ def to_int8(model: ir.Model, per_channel: bool = True, reduce_range: bool = Fals
         src, dst = Path(tmp) / "float.onnx", Path(tmp) / "int8.onnx"
         ir.save(model, src)
         quantize_dynamic(src, dst, op_types_to_quantize=["MatMul"], per_channel=per_channel,
-                         reduce_range=reduce_range, weight_type=QuantType.QInt8,
+                         reduce_range=False, weight_type=QuantType.QInt8,
                          extra_options={"MatMulConstBOnly": True})
         return ir.from_proto(onnx.load(str(dst)))
 

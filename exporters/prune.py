@@ -69,9 +69,10 @@ def weight_report(paths: dict[str, str | Path], min_bytes: int = MIN_BYTES) -> d
                 unused.append(name)
             if array.nbytes < min_bytes:
                 continue
-            by_digest[_digest(array)].append((graph, name, array.nbytes))
+            digest = _digest(array)
+            by_digest[digest].append((graph, name, array.nbytes))
             if array.ndim == 2:
-                transposed_of[_digest(array)] = _digest(array.T)
+                transposed_of[digest] = _digest(array.T)
         graphs[graph] = {"file": Path(path).name, "bytes": Path(path).stat().st_size,
                          "initializers": len(model.graph.initializers), "initializer_bytes": dict(by_dtype),
                          "unused": unused}

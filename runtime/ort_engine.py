@@ -162,7 +162,7 @@ class OrtEngine:
         self.static_cache = is_static(decoder)
         if self.static_cache:                                          # one buffer per cache, bound as past and present
             self.io_binding = True
-            self.path = StaticPath(self, device_of(provider))
+            self.path = StaticPath(self, HostPath(self) if provider == "cpu" else BoundPath(self), device_of(provider))
         else:
             self.io_binding = default_io_binding(provider) if io_binding is None else io_binding
             self.path = BoundPath(self) if self.io_binding else HostPath(self)

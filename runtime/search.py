@@ -96,7 +96,7 @@ def greedy(state: DecodeState, batch: int, bos: int, eos: int, opts: SearchOptio
 
 def beam_search(state: DecodeState, batch: int, bos: int, eos: int, opts: SearchOptions) -> list[list[Hypothesis]]:
     """Keep the `beam` best partial hypotheses per input; return the best finished ones by normalized score."""
-    k, v_eos = opts.beam, eos
+    k = opts.beam
     rows = batch * k
     seqs = np.zeros((rows, 0), dtype=np.int64)                       # tokens of each live beam
     beam_scores = np.tile(np.r_[0.0, np.full(k - 1, -np.inf)], batch)  # only beam 0 starts live
@@ -110,7 +110,7 @@ def beam_search(state: DecodeState, batch: int, bos: int, eos: int, opts: Search
     for step in range(opts.max_new_tokens):
         logits = state.step(last, keep)                              # [B*K, V]
         if opts.ignore_eos:
-            logits[:, v_eos] = -np.inf
+            logits[:, eos] = -np.inf
         logp = log_softmax(logits)
         vocab = logp.shape[-1]
         cand = (beam_scores[:, None] + logp).reshape(batch, k * vocab)
@@ -126,7 +126,7 @@ def beam_search(state: DecodeState, batch: int, bos: int, eos: int, opts: Search
                     next_rows.append(b * k), next_tok.append(eos), next_scores.append(-np.inf)
                     picked += 1
                     continue
-                if tok == v_eos:
+                if tok == eos:
                     if np.isfinite(score) and c in top[b, :k]:
                         toks = seqs[src_row].tolist() + [tok]
                         finished[b].append(Hypothesis(toks, norm(score, len(toks))))

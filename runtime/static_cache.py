@@ -29,14 +29,14 @@ def is_static(session: ort.InferenceSession) -> bool:
 
 
 class StaticCache:
-    """A request's self-attention buffers: `rows` live rows of capacity `buffers[0].shape[0]`, `length` filled.
+    """A request's self-attention buffers: `rows` live rows, `length` of `capacity` positions filled.
 
     `binding` is the decoder's IO binding with the buffers, cross K/V and mask bound; it lives until the rows
     change (a reorder), so a step binds only its token ids and past_sequence_length.
     """
 
-    def __init__(self, buffers: list, rows: int):
-        self.buffers, self.rows, self.length = buffers, rows, 0
+    def __init__(self, buffers: list, rows: int, capacity: int, length: int = 0):
+        self.buffers, self.rows, self.capacity, self.length = buffers, rows, capacity, length
         self.binding = None
 
 
@@ -45,29 +45,13 @@ class StaticPath:
 
     On the CPU the buffers are numpy arrays (IO binding wraps them without a copy); a beam reorder or dropped
     rows move only the filled part, in place. On CUDA they are OrtValues on the device, and a reorder gathers
-    them into new buffers with the engine's Gather graph.
+    them into new buffers with the engine's Gather graph. The encoder, the cross K/V and the mask are handled by
+    `base`, the engine's path for the device (HostPath on CPU, BoundPath on CUDA).
     """
 
-    def __init__(self, engine, device: str):
-        self.e, self.device = engine, device
-        self.on_host = device == "cpu"
-        if not self.on_host:
-            from runtime.ort_engine import BoundPath
-            self._bound = BoundPath(engine)                         # encode/take/mask on the device
-
-    # cross K/V and the mask: host arrays on CPU, device OrtValues on CUDA
-    def encode(self, ids: np.ndarray, mask: np.ndarray) -> list:
-        if self.on_host:
-            return self.e.encoder.run(self.e.cross_names, {"input_ids": ids, "attention_mask": mask})
-        return self._bound.encode(ids, mask)
-
-    def take(self, tensors: list, rows: np.ndarray) -> list:
-        if self.on_host:
-            return [np.take(t, rows, axis=0) for t in tensors]
-        return self._bound.take(tensors, rows)
-
-    def mask(self, mask: np.ndarray):
-        return mask if self.on_host else self._bound.mask(mask)
+    def __init__(self, engine, base, device: str):
+        self.e, self.device, self.on_host = engine, device, device == "cpu"
+        self.encode, self.take, self.mask = base.encode, base.take, base.mask
 
     def empty_past(self, n: int, steps: int | None = None) -> StaticCache:
         """Zeroed buffers for n rows and `steps` positions (the request's new tokens; default the model's max_len)."""
@@ -78,30 +62,23 @@ class StaticPath:
         else:
             buffers = [ort.OrtValue.ortvalue_from_shape_and_type(shape, np.float32, self.device, 0)
                        for _ in self.e.past_names]
-        return StaticCache(buffers, n)
+        return StaticCache(buffers, n, length)
 
     def take_past(self, cache: StaticCache, rows: np.ndarray) -> StaticCache:
-        """Keep rows `rows` (beam reorder, finished rows dropped): only the filled positions move."""
-        n, filled = len(rows), cache.length
-        if self.on_host and n <= cache.buffers[0].shape[0]:
-            for buf in cache.buffers:
-                buf[:n, :, :filled] = buf[rows, :, :filled]         # the right side is gathered first: safe in place
-            cache.rows, cache.binding = n, None                     # rows (and maybe cross K/V, mask) changed
-            return cache
-        moved = self.take([self._view(b, cache.rows) for b in cache.buffers] if self.on_host else cache.buffers, rows)
-        new = StaticCache(moved, n)
-        new.length = filled
-        return new
-
-    def _view(self, buf, rows: int):
-        return buf[:rows]                                           # leading rows of a C-order array: contiguous
+        """Keep rows `rows` (beam reorder, finished rows dropped; never more rows than before)."""
+        if not self.on_host:                                        # gathered into new device buffers
+            return StaticCache(self.take(cache.buffers, rows), len(rows), cache.capacity, cache.length)
+        filled = cache.length
+        for buf in cache.buffers:                                   # only the filled positions move, in place
+            buf[:len(rows), :, :filled] = buf[rows, :, :filled]     # the right side is gathered first: safe
+        cache.rows, cache.binding = len(rows), None                 # rows (and maybe cross K/V, mask) changed
+        return cache
 
     def decode(self, tokens: np.ndarray, mask, cache: StaticCache, cross: list) -> tuple[np.ndarray, StaticCache]:
-        capacity = cache.buffers[0].shape[2]
-        if cache.length >= capacity:
-            raise InputError(f"the static KV cache holds {capacity} positions and is full: the request was started "
-                             f"for {capacity} steps (engine.start max_steps; at most the model's max_len "
-                             f"{self.e.max_len})")
+        if cache.length >= cache.capacity:
+            raise InputError(f"the static KV cache holds {cache.capacity} positions and is full: the request was "
+                             f"started for {cache.capacity} steps (engine.start max_steps; at most the model's "
+                             f"max_len {self.e.max_len})")
         if cache.binding is None:
             cache.binding = self._bind(mask, cache, cross)
         binding = cache.binding
@@ -124,7 +101,8 @@ class StaticPath:
                 binding.bind_ortvalue_input(name, value)
         binding.bind_output("logits", "cpu")                         # the one tensor the search reads on the host
         for past, present, buf in zip(self.e.past_names, self.e.present_names, cache.buffers):
-            value = ort.OrtValue.ortvalue_from_numpy(self._view(buf, cache.rows)) if self.on_host else buf
+            # host: the leading rows of a C-order array are contiguous, so the view wraps without a copy
+            value = ort.OrtValue.ortvalue_from_numpy(buf[:cache.rows]) if self.on_host else buf
             binding.bind_ortvalue_input(past, value)
             binding.bind_ortvalue_output(present, value)              # the same buffer: written in place
         return binding
@@ -136,28 +114,20 @@ class DynamicView:
 
     def __init__(self, session: ort.InferenceSession):
         self.session = session
-        self.inputs = [i.name for i in session.get_inputs()]
-        self.pasts = [n for n in self.inputs if n.startswith("past_key_values.") and ".decoder." in n]
-
-    def get_inputs(self):
-        return self.session.get_inputs()
-
-    def get_outputs(self):
-        return self.session.get_outputs()
+        self.pasts = [i.name for i in session.get_inputs()
+                      if i.name.startswith("past_key_values.") and ".decoder." in i.name]
 
     def run(self, names: list[str] | None, feeds: dict) -> list[np.ndarray]:
-        names = names or [o.name for o in self.session.get_outputs()]
+        out_names = [o.name for o in self.session.get_outputs()]
+        names = names or out_names
         tokens = feeds["input_ids"]
         filled = feeds[self.pasts[0]].shape[2]
-        length = filled + tokens.shape[1]                                # room for exactly this call
-        buffers = {}
+        buffers = {}                                                     # room for exactly this call's positions
         for name in self.pasts:
             past = feeds[name]
-            buf = np.zeros(past.shape[:2] + (length,) + past.shape[3:], dtype=past.dtype)
-            buf[:, :, :filled] = past
-            buffers[name] = buf
-        fixed = {k: v for k, v in feeds.items() if k in self.inputs and k not in buffers and k != "input_ids"}
-        out_names = [o.name for o in self.session.get_outputs()]
+            buffers[name] = np.zeros(past.shape[:2] + (filled + tokens.shape[1],) + past.shape[3:], dtype=past.dtype)
+            buffers[name][:, :, :filled] = past
+        fixed = {k: v for k, v in feeds.items() if k not in buffers and k != "input_ids"}
         logits = []
         for t in range(tokens.shape[1]):
             outs = dict(zip(out_names, self.session.run(out_names, {
@@ -166,8 +136,7 @@ class DynamicView:
             logits.append(outs["logits"])
             buffers = {name: outs[name.replace("past_key_values.", "present.")] for name in self.pasts}
         result = {"logits": np.concatenate(logits, axis=1)}
-        for name in self.pasts:
-            result[name.replace("past_key_values.", "present.")] = buffers[name][:, :, :filled + tokens.shape[1]]
+        result.update({name.replace("past_key_values.", "present."): buffers[name] for name in self.pasts})
         return [result[n] for n in names]
 
 

@@ -66,8 +66,9 @@ def cli_variant(tmp_path_factory) -> tuple[Path, Path, str]:
 def copy_tiny_graphs(tiny_bundle, monkeypatch):
     """Replace the (slow) graph export by a copy of tiny_bundle's graphs; parity still runs for real."""
     def fake_export_graphs(model, out_dir, opset=20, progress=None):
-        return {name: Path(shutil.copy(tiny_bundle / f"{name}.onnx", Path(out_dir) / f"{name}.onnx"))
-                for name in ("encoder", "decoder")}
+        paths = {name: Path(shutil.copy(tiny_bundle / f"{name}.onnx", Path(out_dir) / f"{name}.onnx"))
+                 for name in ("encoder", "decoder")}
+        return {name: (path, onnx.load(str(path))) for name, path in paths.items()}
 
     monkeypatch.setattr(E, "export_graphs", fake_export_graphs)
 

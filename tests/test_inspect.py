@@ -169,28 +169,3 @@ def test_writer_refuses_a_manifest_whose_files_differ(tmp_path):
             onnx.save(small_graph(True), str(tmp / "decoder.onnx"))      # changed after it was recorded
             write_manifest(tmp, build_manifest(preset("tiny").to_dict(), entries))
     assert list(tmp_path.iterdir()) == []
-
-
-def test_write_bundle_is_all_or_nothing(tmp_path):
-    """The one-call writer (used by optimize): a failing verify leaves nothing; a passing one records its result."""
-    from exporters.bundle import write_bundle
-    from runtime.errors import ParityError
-
-    graphs = {"encoder": small_graph(False), "decoder": small_graph(True)}
-    (tmp_path / "decoder.ort").write_bytes(b"ort flatbuffer")
-
-    def failing(paths):
-        assert sorted(p.name for p in paths.values()) == ["decoder.onnx", "encoder.onnx"]
-        raise ParityError("out of tolerance")
-
-    with pytest.raises(ParityError):
-        write_bundle(tmp_path / "b", preset("tiny").to_dict(), graphs, verify=failing)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["decoder.ort"]
-    out = write_bundle(tmp_path / "b", preset("tiny").to_dict(), graphs, precision="int8", target="cpu",
-                       fusions={"mha": 1}, ort_graphs={"decoder": tmp_path / "decoder.ort"},
-                       verify=lambda paths: {"verified": True, "provider": "cpu", "precision": "int8"})
-    manifest = read_manifest(out)
-    verify_hashes(out, manifest)
-    assert manifest["parity"]["verified"] and manifest["precision"] == "int8" and manifest["fusions"] == {"mha": 1}
-    assert manifest["ort_graphs"]["decoder"]["file"] == "decoder.ort"
-    assert inspect_report(out)["graphs"]["decoder"]["op_counts"]["com.microsoft.MultiHeadAttention"] == 1

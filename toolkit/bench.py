@@ -250,8 +250,8 @@ def probe_machine(threads: int, mib: int = 256, gemm_n: int = 1024) -> dict:
 class TimedState:
     """Wraps a DecodeState and records how long each step takes."""
 
-    def __init__(self, state, sync=None):
-        self.state, self.sync, self.times = state, sync, []
+    def __init__(self, state):
+        self.state, self.times = state, []
 
     def step(self, tokens, keep):
         t = time.perf_counter()
@@ -433,7 +433,7 @@ class EngineRun:
 
     @property
     def name(self) -> str:
-        return self.loaded.get("engine") or ("torch-cache" if self.use_cache else "torch-nocache")
+        return self.loaded["engine"]
 
     @property
     def weight_bytes(self) -> int:

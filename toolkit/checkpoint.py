@@ -32,10 +32,6 @@ class Checkpoint:
     path: Path
 
 
-def is_checkpoint(path: str | Path) -> bool:
-    return (Path(path) / CONFIG).is_file() and not (Path(path) / "manifest.json").exists()
-
-
 def save_checkpoint(path: str | Path, model: Transformer, tokenizer: CharTokenizer | None = None,
                     training: dict | None = None, force: bool = False) -> Path:
     """Write a checkpoint directory atomically (a temporary directory renamed into place)."""

@@ -62,9 +62,6 @@ class ModelConfig:
         if len({self.pad_id, self.bos_id, self.eos_id}) != 3:
             raise ConfigError("pad_id, bos_id and eos_id must be three different tokens")
 
-    def replace(self, **changes) -> "ModelConfig":
-        return dataclasses.replace(self, **changes)
-
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 

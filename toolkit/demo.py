@@ -70,11 +70,11 @@ def run_demo(out: Path, checkpoint: Path = EXAMPLE, held_out: int = 300, bench: 
     step(f"5. parity and accuracy on {held_out} held-out dates (greedy)")
     examples = held_out_examples()[:held_out]
     texts, truth = [s for s, _ in examples], [t for _, t in examples]
-    reference = [ckpt.tokenizer.encode(t) for t in normalize(engines["PyTorch"], ckpt.tokenizer, texts)]
+    predictions = {name: normalize(engine, ckpt.tokenizer, texts) for name, engine in engines.items()}
+    reference = [ckpt.tokenizer.encode(t) for t in predictions["PyTorch"]]
     table = Table("engine", "exact match", "inputs = PyTorch", "tokens = PyTorch", header_style="bold")
     summary = {"engines": {}}
-    for name, engine in engines.items():
-        predicted = normalize(engine, ckpt.tokenizer, texts)
+    for name, predicted in predictions.items():
         accuracy = sum(p == t for p, t in zip(predicted, truth)) / len(truth)
         same_inputs, same_tokens, _ = compare_tokens(reference, [ckpt.tokenizer.encode(p) for p in predicted])
         table.add_row(name, f"{accuracy:.1%}", f"{same_inputs:.1%}", f"{same_tokens:.1%}")

@@ -61,9 +61,7 @@ def open_model(path: str | Path, provider: str = "auto", threads: int | None = N
         from runtime.bundle import load_bundle
 
         b = load_bundle(path, provider=provider, threads=threads)
-        manifest = getattr(b, "manifest", None)
-        precision = manifest.get("precision", "") if isinstance(manifest, dict) else ""
-        return OpenModel(b.engine, b.tokenizer, "bundle", path, b.provider, precision)
+        return OpenModel(b.engine, b.tokenizer, "bundle", path, b.provider, b.manifest["precision"])
     return _open_checkpoint(path, provider, threads, use_cache)
 
 

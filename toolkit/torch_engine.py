@@ -17,28 +17,29 @@ class TorchState:
 
     def __init__(self, model: Transformer, src_mask: torch.Tensor, cross: list[KV], use_cache: bool):
         self.model, self.src_mask, self.cross, self.use_cache = model, src_mask, cross, use_cache
-        self.rows = torch.arange(src_mask.shape[0])      # source row of each current row
+        self.rows = np.arange(src_mask.shape[0])         # source row of each current row
         self.past = model.empty_cache(src_mask.shape[0], src_mask.device, cross[0][0].dtype)
         self.prefix = torch.zeros(src_mask.shape[0], 0, dtype=torch.long, device=src_mask.device)
 
     @torch.no_grad()
     def step(self, tokens: np.ndarray, keep: np.ndarray | None) -> np.ndarray:
         if keep is not None:
-            idx = torch.from_numpy(np.asarray(keep, dtype=np.int64)).to(self.src_mask.device)
+            keep = np.asarray(keep, dtype=np.int64)
+            idx = torch.from_numpy(keep).to(self.src_mask.device)
             self.past = [(k.index_select(0, idx), v.index_select(0, idx)) for k, v in self.past]
-            self.prefix = self.prefix.index_select(0, idx)
-            new_rows = self.rows[idx.cpu()]
-            if not torch.equal(new_rows, self.rows):      # rows changed source: cross K/V and mask move too
+            if not self.use_cache:
+                self.prefix = self.prefix.index_select(0, idx)
+            new_rows = self.rows[keep]
+            if not np.array_equal(new_rows, self.rows):   # rows changed source: cross K/V and mask move too
                 self.cross = [(k.index_select(0, idx), v.index_select(0, idx)) for k, v in self.cross]
                 self.src_mask = self.src_mask.index_select(0, idx)
             self.rows = new_rows
         new = torch.from_numpy(np.asarray(tokens, dtype=np.int64)).to(self.src_mask.device)[:, None]  # [N, 1]
         if self.use_cache:
             logits, self.past = self.model.decode_step(new, self.src_mask, self.past, self.cross)
-        else:  # recompute the whole prefix every step (the uncached baseline)
+        else:  # recompute the whole prefix every step (the uncached baseline); self.past stays empty
             self.prefix = torch.cat([self.prefix, new], dim=1)
-            empty = self.model.empty_cache(new.shape[0], new.device, self.cross[0][0].dtype)
-            logits, _ = self.model.decode_step(self.prefix, self.src_mask, empty, self.cross)
+            logits, _ = self.model.decode_step(self.prefix, self.src_mask, self.past, self.cross)
         return logits[:, -1].float().cpu().numpy()
 
 

@@ -8,6 +8,7 @@ from typing import Callable, Iterator
 import torch
 import torch.nn.functional as F
 
+from runtime.generate import pad_batch
 from toolkit.model import Transformer
 
 Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # src_ids [B, S], src_mask [B, S], tgt_ids [B, T] (BOS ... EOS)
@@ -47,5 +48,4 @@ def train_steps(model: Transformer, batches: Iterator[Batch], steps: int, *, war
 
 
 def pad_targets(seqs: list[list[int]], pad: int) -> torch.Tensor:
-    width = max(len(s) for s in seqs)
-    return torch.tensor([s + [pad] * (width - len(s)) for s in seqs], dtype=torch.long)
+    return torch.from_numpy(pad_batch(seqs, pad)[0])

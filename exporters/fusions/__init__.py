@@ -12,6 +12,7 @@ Target "ort" (onnxruntime) gets every rule; target "onnx" (other runtimes) only 
 
 from __future__ import annotations
 
+from exporters.fusions.attention import TARGETS as ATTENTION_TARGETS
 from exporters.fusions.attention import AttentionFusion, attention_rules
 from exporters.fusions.gelu import bias_gelu_rules, erf_gelu_rules
 from exporters.fusions.layernorm import layernorm_rules
@@ -20,11 +21,10 @@ from exporters.fusions.skip_layernorm import skip_layernorm_rules
 from exporters.fusions.transposed_weight import transposed_weight_rules
 from exporters.passes import CleanupPass, OpsetPass, Pass, RewritePass
 
-ATTENTION_TARGETS = ("ort", "onnx")
 ONNX_ATTENTION_OPSET = 23
 
 
-def fusion_passes(attention: str = "ort", opset: int = 20, tracer=None) -> list[Pass]:
+def fusion_passes(attention: str = "ort", opset: int = 20) -> list[Pass]:
     """The fusion passes for one attention target, in order; the manager repeats them until nothing changes."""
     if attention not in ATTENTION_TARGETS:
         raise ValueError(f"unknown attention target {attention!r}")
@@ -32,13 +32,13 @@ def fusion_passes(attention: str = "ort", opset: int = 20, tracer=None) -> list[
     if attention == "onnx":
         passes.append(OpsetPass(ONNX_ATTENTION_OPSET))
         opset = max(opset, ONNX_ATTENTION_OPSET)
-    passes.append(RewritePass("fuse_attention", attention_rules(attention), tracer))
-    passes.append(RewritePass("fuse_layer_norm", layernorm_rules(), tracer))
-    if opset >= 20 or attention == "ort":         # the ONNX Gelu op needs opset 20; onnxruntime has its own
-        passes.append(RewritePass("fuse_erf_gelu", erf_gelu_rules("" if opset >= 20 else "com.microsoft"), tracer))
+    passes.append(RewritePass("fuse_attention", attention_rules(attention)))
+    passes.append(RewritePass("fuse_layer_norm", layernorm_rules()))
+    # the ONNX Gelu op needs opset 20 (the onnx target is at 23 by now); below it, onnxruntime's own Gelu
+    passes.append(RewritePass("fuse_erf_gelu", erf_gelu_rules("" if opset >= 20 else "com.microsoft")))
     if attention == "ort":
-        passes.append(RewritePass("fuse_skip_layer_norm", skip_layernorm_rules(), tracer))
-        passes.append(RewritePass("fuse_bias_gelu", bias_gelu_rules(), tracer))
+        passes.append(RewritePass("fuse_skip_layer_norm", skip_layernorm_rules()))
+        passes.append(RewritePass("fuse_bias_gelu", bias_gelu_rules()))
     passes.append(PackMatMulsPass())
     passes.append(CleanupPass())
     return passes

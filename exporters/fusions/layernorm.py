@@ -11,6 +11,7 @@ other exporters (and older opsets) so that SkipLayerNormalization can fuse after
 from __future__ import annotations
 
 import numpy as np
+import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
 from exporters.fusions._common import require_dims, scalar
@@ -19,10 +20,7 @@ from exporters.fusions._common import require_dims, scalar
 def _reduced_axes(node) -> list[int] | None:
     """The axes a ReduceMean reduces: its `axes` input (opset 18+) or attribute (older opsets)."""
     if len(node.inputs) > 1 and node.inputs[1] is not None:
-        const = node.inputs[1].const_value
-        if const is None:
-            from onnx_ir import convenience
-            const = convenience.get_const_tensor(node.inputs[1])
+        const = ir.convenience.get_const_tensor(node.inputs[1])
         return None if const is None else [int(a) for a in np.asarray(const.numpy()).reshape(-1)]
     attr = node.attributes.get_ints("axes")
     return None if attr is None else list(attr)

@@ -49,7 +49,7 @@ def command(models, batch_sizes, src_len, new_tokens, provider, threads, repeat,
     time, peak memory, size, roofline fraction and the ratio to the first MODEL's first engine.
     """
     from runtime.errors import InputError
-    from toolkit.bench import BenchSettings, describe_model, run_bench
+    from toolkit.bench import BenchSettings, run_bench
 
     for out in (save, plot):
         if out and not Path(out).resolve().parent.is_dir():
@@ -57,8 +57,6 @@ def command(models, batch_sizes, src_len, new_tokens, provider, threads, repeat,
     if plot:
         from toolkit.plot import require_matplotlib
         require_matplotlib()
-    for model in models:
-        describe_model(model)                       # unknown paths fail now, before any worker starts
     settings = BenchSettings(batch_sizes=batch_sizes, src_len=src_len, new_tokens=new_tokens, provider=provider,
                              threads=threads, repeat=repeat, warmup=warmup, nocache=not no_nocache,
                              step_profile=step_profile, seed=seed)

@@ -16,6 +16,7 @@ from runtime.errors import InputError
 from runtime.generate import generate_ids
 from runtime.search import SearchOptions
 from toolkit.parity.tolerances import Tolerance
+from toolkit.tasks import dates
 
 BATCH = 64                          # inputs per generate call (both engines see the same padded batches)
 
@@ -88,8 +89,7 @@ def parity_inputs(config, tokenizer=None, samples: int = 100, seed: int = 0) -> 
     """Token id inputs and their description: dates held-out examples for a dates model, else random ids."""
     if samples < 1:
         raise InputError(f"--samples must be at least 1, got {samples}")
-    dates = _dates_module()
-    if dates is not None and tokenizer is not None and "".join(tokenizer.chars) == dates.CHARS:
+    if tokenizer is not None and "".join(tokenizer.chars) == dates.CHARS:
         texts = [src for src, _ in dates.held_out_examples()]
         seqs = [tokenizer.encode(t) for t in texts if len(t) <= config.max_len][:samples]
         if seqs:                                        # at most the 1,000 held-out examples
@@ -99,14 +99,6 @@ def parity_inputs(config, tokenizer=None, samples: int = 100, seed: int = 0) -> 
     lens = rng.integers(1, longest + 1, size=samples)
     return [rng.integers(low, config.vocab_size, size=int(n)).tolist() for n in lens], \
         f"{samples} random id sequences, lengths 1..{longest}"
-
-
-def _dates_module():
-    try:
-        from toolkit.tasks import dates
-    except ImportError:                 # the dates task is optional
-        return None
-    return dates
 
 
 def compare_tokens(reference: list[list[int]], candidate: list[list[int]]) -> tuple[float, float, dict | None]:

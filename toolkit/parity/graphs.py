@@ -28,6 +28,7 @@ import onnxruntime as ort
 import torch
 
 from runtime.errors import BundleError, InputError, ParityError
+from runtime.generate import pad_batch
 from runtime.manifest import read_manifest
 from runtime.session import choose_provider, make_session
 from runtime.spec import cache_name, graph_specs
@@ -170,17 +171,11 @@ def graph_paths(model: Transformer, bundle: str | Path | dict, precision: str | 
             manifest["precision"])
 
 
-def sample_inputs(config, batch: int, src_lens, seed: int) -> tuple[np.ndarray, np.ndarray]:
+def sample_inputs(config, src_lens, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """Right-padded random source ids [B, S] and mask [B, S] (1 = token), ids drawn from the non-special range."""
     rng = np.random.default_rng(seed)
-    width = max(src_lens)
-    ids = np.full((batch, width), config.pad_id, dtype=np.int64)
-    mask = np.zeros((batch, width), dtype=np.int64)
     low = min(3, config.vocab_size - 1)
-    for row, n in enumerate(src_lens):
-        ids[row, :n] = rng.integers(low, config.vocab_size, n)
-        mask[row, :n] = 1
-    return ids, mask
+    return pad_batch([rng.integers(low, config.vocab_size, n).tolist() for n in src_lens], config.pad_id)
 
 
 def default_src_lens(batch: int, longest: int = 11) -> list[int]:
@@ -247,7 +242,7 @@ def graph_parity(model: Transformer, bundle: str | Path | dict, provider: str = 
 
     try:
         # encoder: once, on the padded batch
-        ids, mask = sample_inputs(c, batch, src_lens, seed)
+        ids, mask = sample_inputs(c, src_lens, seed)
         t_ids, t_mask = torch.from_numpy(ids).to(device), torch.from_numpy(mask).to(device)
         memory, cross = model.encode(t_ids, t_mask)
         enc_names = specs["encoder"].output_names

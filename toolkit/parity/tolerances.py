@@ -15,7 +15,7 @@ reach ~10, and at ill-conditioned positions (LayerNorm of a nearly flat vector) 
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from runtime.errors import ProviderError
 
@@ -38,8 +38,6 @@ class Tolerance:
             return None
         return self.atol if output == "logits" else self.atol * max(1.0, scale)
 
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 TOLERANCES: dict[tuple[str, str], Tolerance] = {

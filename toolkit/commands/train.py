@@ -6,8 +6,9 @@ from pathlib import Path
 
 import click
 
-from runtime.errors import CheckpointError
-from toolkit.commands._common import friendly, require
+from toolkit.errors import CheckpointError
+from toolkit.commands._common import friendly
+from toolkit.extras import require
 
 TASKS = ("dates",)
 

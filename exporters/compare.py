@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from runtime.session import SessionConfig, make_session
-from runtime.spec import cache_name, graph_specs
+from runtime.spec import first_step_cache, graph_specs, past_of
 from runtime.static_cache import dynamic_view
 from toolkit.config import ModelConfig
 from toolkit.parity.graphs import default_src_lens, sample_inputs
@@ -79,15 +79,7 @@ def compare_graphs(reference: dict[str, Path], candidate: dict[str, Path], confi
 
     rng = np.random.default_rng(seed + 1)
     tokens = np.stack([np.full(batch, c.bos_id), rng.integers(min(3, c.vocab_size - 1), c.vocab_size, batch)], 1)
-    past = []
-    for side in enc:
-        feeds = {}
-        for i in range(c.n_decoder_layers):
-            empty = np.zeros((batch, c.n_heads, 0, c.head_dim), np.float32)
-            for kv in ("key", "value"):
-                feeds[cache_name("past_key_values", i, "decoder", kv)] = empty
-                feeds[cache_name("past_key_values", i, "encoder", kv)] = side[cache_name("present", i, "encoder", kv)]
-        past.append(feeds)
+    past = [first_step_cache(config, side, batch) for side in enc]
     names = specs["decoder"].output_names
     logits_seen = []
     for step in range(steps + 1):
@@ -96,7 +88,7 @@ def compare_graphs(reference: dict[str, Path], candidate: dict[str, Path], confi
             out = dict(zip(names, sess.run(names, {"input_ids": tokens.astype(np.int64),
                                                    "encoder_attention_mask": mask, **feeds})))
             for name in names[1:]:                                   # each side keeps its own cache
-                feeds[name.replace("present.", "past_key_values.")] = out[name]
+                feeds[past_of(name)] = out[name]
             outs.append(out)
         for name in names:
             fold("decoder", name, outs[0][name], outs[1][name], step)

@@ -28,7 +28,8 @@ from exporters.ort_format import add_ort_format, check_convertible
 from exporters.passes import PassManager, explain_misses
 from exporters.precision import precision_pass
 from exporters.static_cache import StaticCachePass, StaticCacheError
-from runtime.errors import OnnxformerError, ParityError
+from runtime.errors import OnnxformerError
+from toolkit.parity import ParityError
 from runtime.manifest import GRAPHS, PRECISIONS, read_manifest, verify_hashes
 from runtime.spec import KV_CACHES
 from toolkit.parity.tolerances import tolerance

@@ -38,7 +38,8 @@ import onnxruntime as ort
 
 from exporters.logs import quiet_loggers
 from exporters.bundle import check_destination, stage_bundle, write_manifest
-from runtime.errors import BundleError, OnnxformerError, ParityError
+from runtime.errors import BundleError, OnnxformerError
+from toolkit.parity import ParityError
 from runtime.manifest import GRAPHS, read_manifest, sha256_file, verify_hashes
 
 CONFIG_FILE = "required_operators.config"

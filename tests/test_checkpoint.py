@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from runtime.errors import CheckpointError, ConfigError
+from toolkit.errors import CheckpointError, ConfigError
 from runtime.tokenizer import CharTokenizer
 from toolkit.checkpoint import load_checkpoint, save_checkpoint
 from toolkit.config import PRESETS, ModelConfig, preset

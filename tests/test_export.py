@@ -21,7 +21,8 @@ from click.testing import CliRunner
 
 import exporters.export as E
 from exporters.bundle import tensor_specs
-from runtime.errors import BundleError, ConfigError, ProviderError
+from runtime.errors import BundleError, ProviderError
+from toolkit.errors import ConfigError
 from runtime.manifest import read_manifest, verify_hashes
 from runtime.spec import graph_specs
 from runtime.tokenizer import CharTokenizer

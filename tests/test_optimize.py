@@ -20,7 +20,8 @@ import exporters.optimize as O
 from exporters.export import export_model
 from exporters.optimize import OptimizeError, optimize_bundle
 from runtime.bundle import load_bundle
-from runtime.errors import BundleError, ParityError
+from runtime.errors import BundleError
+from toolkit.parity import ParityError
 from runtime.generate import generate_ids
 from runtime.manifest import read_manifest, verify_hashes
 from runtime.search import SearchOptions

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import torch
 
-from runtime.errors import CheckpointError, ConfigError, TokenizerError
+from runtime.errors import TokenizerError
+from toolkit.errors import CheckpointError, ConfigError
 from runtime.tokenizer import CharTokenizer
 from toolkit.config import ModelConfig
 from toolkit.model import Transformer

@@ -26,13 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from runtime.errors import OnnxformerError
+from toolkit.errors import OutputError
 
 STAGING = "onnxformer"                     # the marker in every temporary name: .NAME.onnxformer-tmp-PID-XXXX
-
-
-class OutputError(OnnxformerError):
-    """An --out that cannot be written or must not be replaced (exit 2; nothing was touched)."""
 
 
 @dataclass(frozen=True)

@@ -27,11 +27,12 @@ import numpy as np
 import onnxruntime as ort
 import torch
 
-from runtime.errors import BundleError, InputError, ParityError
+from runtime.errors import BundleError, InputError
+from toolkit.parity import ParityError
 from runtime.generate import pad_batch
 from runtime.manifest import read_manifest
 from runtime.session import choose_provider, make_session
-from runtime.spec import cache_name, graph_specs
+from runtime.spec import CROSS, PRESENT, SELF, cache_name, first_step_cache, graph_specs, past_of
 from runtime.static_cache import dynamic_view
 from toolkit.model import Transformer
 from toolkit.parity.tolerances import MIN_REFERENCE_STD, Tolerance, tolerance
@@ -250,7 +251,7 @@ def graph_parity(model: Transformer, bundle: str | Path | dict, provider: str = 
         check("encoder", "encoder_hidden_states", memory, enc_out["encoder_hidden_states"], None)
         for i, layer in enumerate(cross):
             for kv, ref in zip(("key", "value"), layer):
-                name = cache_name("present", i, "encoder", kv)
+                name = cache_name(PRESENT, i, CROSS, kv)
                 check("encoder", name, ref, enc_out[name], None)
         report.reference_std["encoder_hidden_states"] = float(memory.float().std())
 
@@ -260,12 +261,7 @@ def graph_parity(model: Transformer, bundle: str | Path | dict, provider: str = 
         tokens = np.concatenate([np.full((batch, 1), c.bos_id, dtype=np.int64),
                                  rng.integers(low, c.vocab_size, (batch, first_len - 1))], axis=1)
         t_past = model.empty_cache(batch, device)
-        o_past = {}                                                     # onnxruntime's caches, by input name
-        empty = np.zeros((batch, c.n_heads, 0, c.head_dim), dtype=np.float32)
-        for i in range(c.n_decoder_layers):
-            for kv in ("key", "value"):
-                o_past[cache_name("past_key_values", i, "decoder", kv)] = empty
-                o_past[cache_name("past_key_values", i, "encoder", kv)] = enc_out[cache_name("present", i, "encoder", kv)]
+        o_past = first_step_cache(c.to_dict(), enc_out, batch)         # onnxruntime's caches, by input name
         dec_names = specs["decoder"].output_names
         ref_logits = []
         for step in range(steps + 1):
@@ -275,9 +271,9 @@ def graph_parity(model: Transformer, bundle: str | Path | dict, provider: str = 
             check("decoder", "logits", logits, out["logits"], step)
             for i, layer in enumerate(t_past):
                 for kv, ref in zip(("key", "value"), layer):
-                    name = cache_name("present", i, "decoder", kv)
+                    name = cache_name(PRESENT, i, SELF, kv)
                     check("decoder", name, ref, out[name], step)
-                    o_past[cache_name("past_key_values", i, "decoder", kv)] = out[name]   # fed its own cache
+                    o_past[past_of(name)] = out[name]                   # fed its own cache
             ref_logits.append(logits.float().cpu().numpy().reshape(-1, c.vocab_size))
             tokens = rng.integers(low, c.vocab_size, (batch, 1))            # the same next token for both
         # per-vocabulary-entry std over all rows and positions, averaged: zero if logits ignore the input

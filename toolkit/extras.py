@@ -1,0 +1,27 @@
+"""Optional packages: a clear one-line error (exit 2) when a feature needs an extra this install lacks."""
+
+from __future__ import annotations
+
+import importlib
+
+from runtime.errors import OnnxformerError
+
+EXTRAS = {"export": ("torch", "onnx", "onnxscript"), "torch": ("torch",)}   # extra -> modules it provides
+
+
+class MissingExtra(OnnxformerError):
+    """A command needs packages (torch, onnx, onnxscript) that this install lacks."""
+
+
+def require(extra: str = "export") -> None:
+    """Import check for features that need PyTorch and friends: a clear message instead of a traceback."""
+    missing = []
+    for module in EXTRAS[extra]:
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            missing.append(module)
+    if missing:
+        verb = "is" if len(missing) == 1 else "are"
+        raise MissingExtra(f"this command needs {', '.join(missing)}, which {verb} not installed; "
+                           f"install it with: pip install 'onnxformer[export]'")

@@ -40,7 +40,7 @@ DATES = ROOT / "examples" / "dates" / "checkpoint"
 
 def leftovers(parent: Path) -> list[str]:
     """Temporary directories the bundle writer left behind."""
-    return sorted(p.name for p in parent.iterdir() if ".tmp-" in p.name or ".old-" in p.name)
+    return sorted(p.name for p in parent.iterdir() if ".onnxformer-" in p.name)
 
 
 @pytest.fixture(scope="module")
@@ -259,10 +259,9 @@ def test_cli_existing_and_unwritable_out(tmp_path, toy_model):
     existing = tmp_path / "existing"
     existing.mkdir()
     (existing / "keep.txt").write_text("mine")
-    result = CliRunner().invoke(main, ["export", str(ckpt), "--out", str(existing)])
-    assert result.exit_code == 2 and "already exists" in result.output and "--force" in result.output
-    result = CliRunner().invoke(main, ["export", str(ckpt), "--out", str(existing), "--force"])
-    assert result.exit_code == 2 and "not a bundle" in result.output           # --force replaces bundles only
+    for force in ([], ["--force"]):                                        # --force replaces bundles only
+        result = CliRunner().invoke(main, ["export", str(ckpt), "--out", str(existing), *force])
+        assert result.exit_code == 2 and "not an onnxformer bundle" in result.output and "even with --force" in result.output
     assert (existing / "keep.txt").read_text() == "mine"
     (tmp_path / "afile").write_text("x")
     result = CliRunner().invoke(main, ["export", str(ckpt), "--out", str(tmp_path / "afile" / "bundle")])
@@ -286,12 +285,18 @@ def test_cli_force_replaces_a_bundle_and_copies_tokenizer(tmp_path, toy_model, c
     assert first.exit_code == 0, first.output
     assert read_manifest(out)["tokenizer"] == "tokenizer.json"
     assert (out / "tokenizer.json").read_text() == (ckpt / "tokenizer.json").read_text()
-    (out / "stale.txt").write_text("from the old bundle")
+    (out / "notes.txt").write_text("the user's, not ours")
+    for force in ([], ["--force"]):                 # a bundle holding a file we did not write is never replaced
+        again = CliRunner().invoke(main, ["export", str(ckpt), "--out", str(out), *force])
+        assert again.exit_code == 2 and "notes.txt, which onnxformer did not write" in again.output
+        assert (out / "notes.txt").read_text() == "the user's, not ours"
+    (out / "notes.txt").unlink()
     again = CliRunner().invoke(main, ["export", str(ckpt), "--out", str(out)])
-    assert again.exit_code == 2 and (out / "stale.txt").exists()
+    assert again.exit_code == 2 and "already exists" in again.output
     forced = CliRunner().invoke(main, ["export", str(ckpt), "--out", str(out), "--force"])
     assert forced.exit_code == 0, forced.output
-    assert not (out / "stale.txt").exists() and read_manifest(out)["parity"]["verified"]
+    assert read_manifest(out)["parity"]["verified"] and sorted(p.name for p in out.iterdir()) == [
+        "decoder.onnx", "encoder.onnx", "manifest.json", "tokenizer.json"]
     assert leftovers(tmp_path) == []
 
 

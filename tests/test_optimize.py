@@ -29,6 +29,7 @@ from toolkit.checkpoint import load_checkpoint
 from toolkit.cli import main
 from toolkit.config import preset
 from toolkit.model import Transformer
+from toolkit.outdir import OutputError
 from toolkit.parity.graphs import graph_parity
 from toolkit.parity.tolerances import tolerance
 
@@ -36,7 +37,7 @@ from conftest import copy_with_manifest
 
 
 def leftovers(parent: Path) -> list[str]:
-    return sorted(p.name for p in parent.iterdir() if ".tmp-" in p.name or ".old-" in p.name)
+    return sorted(p.name for p in parent.iterdir() if ".onnxformer-" in p.name)
 
 
 def ops(bundle: Path, graph: str) -> dict:
@@ -223,7 +224,7 @@ def test_already_converted_or_differently_fused_bundles_are_refused(toy, tmp_pat
         optimize_bundle(fake, tmp_path / "y", precision="int8")
     with pytest.raises(OptimizeError, match="is the source bundle"):
         optimize_bundle(source, source, force=True)
-    with pytest.raises(BundleError, match="already exists"):
+    with pytest.raises(OutputError, match="already exists"):
         optimize_bundle(source, fused)
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
 

@@ -1,4 +1,4 @@
-"""Errors of toolkit's reference side (configs and checkpoints); torch-free, so any layer above can catch them."""
+"""Errors of toolkit's reference side (configs, checkpoints, output directories); torch-free, so any layer above can catch them."""
 
 from runtime.errors import OnnxformerError
 
@@ -9,3 +9,7 @@ class ConfigError(OnnxformerError):
 
 class CheckpointError(OnnxformerError):
     """A checkpoint directory that cannot be loaded."""
+
+
+class OutputError(OnnxformerError):
+    """An --out that cannot be written or must not be replaced (toolkit/outdir.py; nothing was touched)."""

@@ -30,7 +30,8 @@ from toolkit.checkpoint import load_checkpoint, save_checkpoint
 from toolkit.cli import main
 from toolkit.config import preset
 from toolkit.model import Transformer
-from toolkit.parity.graphs import graph_parity, session
+from runtime.session import make_session
+from toolkit.parity.graphs import graph_parity
 from toolkit.parity.tolerances import MIN_REFERENCE_STD, TOLERANCES, tolerance
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -107,7 +108,7 @@ def test_manifest_specs_match_graphs_and_hashes(tiny_bundle, tmp_path):
         assert tensor_specs(model.graph.output) == entry["outputs"] == specs[name].to_dict()["outputs"]
         assert entry["nodes"] == len(model.graph.node) == sum(entry["op_counts"].values())
         assert entry["opset"] == 20 and entry["bytes"] == (tiny_bundle / entry["file"]).stat().st_size
-        sess = session(tiny_bundle / entry["file"])           # onnxruntime sees the same symbolic dims
+        sess = make_session(tiny_bundle / entry["file"], "cpu")           # onnxruntime sees the same symbolic dims
         assert [(i.name, i.shape) for i in sess.get_inputs()] == [(t["name"], t["shape"]) for t in entry["inputs"]]
         assert [(o.name, o.shape) for o in sess.get_outputs()] == [(t["name"], t["shape"]) for t in entry["outputs"]]
     verify_hashes(tiny_bundle, manifest)
@@ -172,7 +173,7 @@ def test_cached_step_with_several_new_tokens(tiny_bundle, toy_model):
     for i, ((pk, pv), (ck, cv)) in enumerate(zip(past, cross)):
         feeds.update({f"past_key_values.{i}.decoder.key": pk.numpy(), f"past_key_values.{i}.decoder.value": pv.numpy(),
                       f"past_key_values.{i}.encoder.key": ck.numpy(), f"past_key_values.{i}.encoder.value": cv.numpy()})
-    sess = session(tiny_bundle / "decoder.onnx")
+    sess = make_session(tiny_bundle / "decoder.onnx", "cpu")
     out = sess.run(["logits", "present.1.decoder.value"], feeds)
     assert out[0].shape == (2, 3, c.vocab_size) and out[1].shape == (2, c.n_heads, 7, c.head_dim)
     np.testing.assert_allclose(out[0], logits.numpy(), atol=1e-4, rtol=0)

@@ -231,7 +231,7 @@ def test_already_converted_or_differently_fused_bundles_are_refused(toy, tmp_pat
 
 def test_parity_failure_writes_nothing(toy, tmp_path, monkeypatch):
     _, source, _, _ = toy
-    real = O.compare_graphs
+    real = O.bundle_parity
 
     def broken(reference, candidate, *args, **kwargs):          # swap the candidate for a different model
         other = {g: p.parent / f"other_{g}.onnx" for g, p in candidate.items()}
@@ -244,7 +244,7 @@ def test_parity_failure_writes_nothing(toy, tmp_path, monkeypatch):
             onnx.save(proto, str(other[g]))
         return real(reference, other, *args, **kwargs)
 
-    monkeypatch.setattr(O, "compare_graphs", broken)
+    monkeypatch.setattr(O, "bundle_parity", broken)
     with pytest.raises(ParityError, match="differ from the source bundle"):
         optimize_bundle(source, tmp_path / "bad")
     assert not (tmp_path / "bad").exists() and not leftovers(tmp_path)

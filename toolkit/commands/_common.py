@@ -12,13 +12,15 @@ from runtime.errors import OnnxformerError
 
 
 class MissingExtra(OnnxformerError):
-    """A command needs packages (torch, onnx, onnxscript) that this install lacks."""
+    """A command needs packages of an extra (export: torch, onnx, onnxscript; serve; ray) that this install lacks."""
 
 
 def require(extra: str = "export"):
     """Import check for commands that need PyTorch and friends: a clear message instead of a traceback."""
     missing = []
-    for module in {"export": ("torch", "onnx", "onnxscript"), "torch": ("torch",)}[extra]:
+    modules = {"export": ("torch", "onnx", "onnxscript"), "torch": ("torch",),
+               "serve": ("fastapi", "uvicorn", "prometheus_client", "httpx"), "ray": ("ray",)}[extra]
+    for module in modules:
         try:
             importlib.import_module(module)
         except ImportError:
@@ -26,7 +28,7 @@ def require(extra: str = "export"):
     if missing:
         verb = "is" if len(missing) == 1 else "are"
         raise MissingExtra(f"this command needs {', '.join(missing)}, which {verb} not installed; "
-                           f"install it with: pip install 'onnxformer[export]'")
+                           f"install it with: pip install 'onnxformer[{'export' if extra == 'torch' else extra}]'")
 
 
 def friendly(fn):

@@ -13,7 +13,7 @@ self-attention cache by `keep`; rows that stay with their source need no cross-a
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
@@ -39,7 +39,6 @@ class SearchOptions:
     length_penalty: float = 1.0   # beam scores are log-prob / len ** length_penalty
     num_return: int = 1           # hypotheses returned per input (<= beam)
     ignore_eos: bool = False      # never stop at EOS (benchmarks: every engine does the same work)
-    extra: dict = field(default_factory=dict)
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:

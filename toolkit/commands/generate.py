@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from runtime.errors import InputError
+from runtime.session import PROVIDER_CHOICES
 from toolkit.commands._common import friendly
 
 
@@ -49,7 +50,7 @@ def read_inputs(texts: tuple[str, ...], input_file: str | None, ids: tuple[str, 
 @click.option("--num-return", default=1, show_default=True, help="hypotheses returned per input (<= beam)")
 @click.option("--length-penalty", default=1.0, show_default=True, help="beam scores are log-prob / length ** this")
 @click.option("--max-new-tokens", type=int, help="most tokens generated per input [default: min(64, max_len)]")
-@click.option("--provider", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
+@click.option("--provider", type=click.Choice(PROVIDER_CHOICES), default="auto", show_default=True)
 @click.option("--threads", type=int, help="intra-op threads (default: the library's choice)")
 @click.option("--json", "as_json", is_flag=True, help="one JSON object a line for each returned hypothesis")
 @friendly

@@ -6,11 +6,13 @@ import importlib
 
 from runtime.errors import OnnxformerError
 
-EXTRAS = {"export": ("torch", "onnx", "onnxscript"), "torch": ("torch",)}   # extra -> modules it provides
+EXTRAS = {"export": ("torch", "onnx", "onnxscript"), "torch": ("torch",),   # extra -> modules it provides
+          "serve": ("fastapi", "uvicorn", "prometheus_client", "httpx"), "ray": ("ray",)}
+PIP_EXTRA = {"torch": "export"}                                             # the pyproject extra that installs it
 
 
 class MissingExtra(OnnxformerError):
-    """A command needs packages (torch, onnx, onnxscript) that this install lacks."""
+    """A command needs packages of an extra (export: torch, onnx, onnxscript; serve; ray) that this install lacks."""
 
 
 def require(extra: str = "export") -> None:
@@ -24,4 +26,4 @@ def require(extra: str = "export") -> None:
     if missing:
         verb = "is" if len(missing) == 1 else "are"
         raise MissingExtra(f"this command needs {', '.join(missing)}, which {verb} not installed; "
-                           f"install it with: pip install 'onnxformer[export]'")
+                           f"install it with: pip install 'onnxformer[{PIP_EXTRA.get(extra, extra)}]'")

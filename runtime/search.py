@@ -102,79 +102,95 @@ def greedy(state: DecodeState, batch: int, bos: int, eos: int, opts: SearchOptio
     return [[Hypothesis(tokens[i], float(scores[i]), done[i])] for i in range(batch)]
 
 
+def attainable(score: float, length: int, max_new_tokens: int, length_penalty: float) -> float:
+    """The best normalized score a hypothesis grown from a live beam (log-probability sum `score` over `length`
+    tokens) can still reach. Exact, as log-probabilities are <= 0 and a sum only falls: for length_penalty >= 0
+    the longest length divides least (score / max_new_tokens ** lp); for lp < 0 the next length is best."""
+    final = max_new_tokens if length_penalty >= 0 else min(length + 1, max_new_tokens)
+    return score / final ** length_penalty
+
+
 def beam_search(state: DecodeState, batch: int, bos: int, eos: int, opts: SearchOptions,
                 stop: np.ndarray | None = None) -> list[list[Hypothesis]]:
     """Keep the `beam` best partial hypotheses per input; return the best finished ones by normalized score.
 
-    `stop` (as in greedy): once every input is stopped, the search ends early (its partial results are for nobody).
+    Each step extends every live beam by every token and takes the 2K best continuations: those ending in EOS
+    among the K best join the input's finished hypotheses, the K best others stay live. An input closes when
+    no live beam can still reach (`attainable`) its num_return-th best finished score, so closing early never
+    changes what is returned; a closed input's rows leave the state and cost no more decoder work.
+    `stop` (as in greedy): an input set there closes at the next step with what it has.
     """
-    k = opts.beam
-    rows = batch * k
-    seqs = np.zeros((rows, 0), dtype=np.int64)                       # tokens of each live beam
-    beam_scores = np.tile(np.r_[0.0, np.full(k - 1, -np.inf)], batch)  # only beam 0 starts live
-    finished: list[list[Hypothesis]] = [[] for _ in range(batch)]
-    closed = np.zeros(batch, dtype=bool)
-    last, keep = np.full(rows, bos, dtype=np.int64), None
+    k, lp = opts.beam, opts.length_penalty
+    live = np.arange(batch)                                          # open inputs; input live[i] owns rows i*K..
+    seqs = np.zeros((batch * k, 0), dtype=np.int64)                  # tokens of each row's hypothesis
+    scores = np.tile(np.r_[0.0, np.full(k - 1, -np.inf)], batch)    # log-prob sums; only beam 0 starts live
+    results: list[list[Hypothesis]] = [[] for _ in range(batch)]    # finished hypotheses per input
+    last, keep = np.full(batch * k, bos, dtype=np.int64), None
 
-    def norm(score: float, length: int) -> float:
-        return float(score / (length ** opts.length_penalty))
+    def unfinished(i: int) -> None:                                  # an input left with live beams: they count
+        for r in range(i * k, (i + 1) * k):
+            if np.isfinite(scores[r]) and seqs.shape[1]:
+                results[live[i]].append(Hypothesis(seqs[r].tolist(), float(scores[r] / seqs.shape[1] ** lp), False))
 
     for step in range(opts.max_new_tokens):
-        if stop is not None and stop.all():
-            break
-        logits = state.step(last, keep)                              # [B*K, V]
+        if stop is not None and stop[live].any():                    # nobody waits for these any more
+            for i in np.flatnonzero(stop[live]):
+                unfinished(i)
+            go = np.flatnonzero(~stop[live])
+            rows = (go[:, None] * k + np.arange(k)).ravel()          # the rows of the inputs that go on
+            keep = rows if keep is None else keep[rows]
+            live, last, scores, seqs = live[go], last[rows], scores[rows], seqs[rows]
+            if len(live) == 0:
+                break
+        logits = state.step(last, keep)                              # [open * K, V]
         if opts.ignore_eos:
             logits[:, eos] = -np.inf
-        logp = log_softmax(logits)
-        vocab = logp.shape[-1]
-        cand = (beam_scores[:, None] + logp).reshape(batch, k * vocab)
-        top = top_k_stable(cand, 2 * k)                              # best 2K continuations per input
-        next_rows, next_tok, next_scores = [], [], []
-        for b in range(batch):
-            picked = 0
-            for c in top[b]:
-                src_row, tok, score = b * k + c // vocab, int(c % vocab), float(cand[b, c])
-                if picked == k:
+        vocab = logits.shape[-1]
+        cand = (scores[:, None] + log_softmax(logits)).reshape(len(live), k * vocab)
+        top = top_k_stable(cand, 2 * k)                              # best 2K continuations per open input
+        rows, toks, vals, still = [], [], [], []
+        for i, b in enumerate(live):
+            picked = []
+            for rank, c in enumerate(top[i]):
+                score = float(cand[i, c])
+                if len(picked) == k or not np.isfinite(score):       # candidates are sorted: the rest are dead
                     break
-                if closed[b]:                                       # keep shapes: pad with a dead beam
-                    next_rows.append(b * k), next_tok.append(eos), next_scores.append(-np.inf)
-                    picked += 1
-                    continue
+                src, tok = i * k + c // vocab, int(c % vocab)
                 if tok == eos:
-                    if np.isfinite(score) and c in top[b, :k]:
-                        toks = seqs[src_row].tolist() + [tok]
-                        finished[b].append(Hypothesis(toks, norm(score, len(toks))))
+                    if rank < k:                                     # an EOS among the K best ends a hypothesis
+                        done = seqs[src].tolist() + [tok]
+                        results[b].append(Hypothesis(done, score / len(done) ** lp))
                     continue
-                next_rows.append(src_row), next_tok.append(tok), next_scores.append(score)
-                picked += 1
-            while picked < k:                                       # every continuation ended: dead beams
-                next_rows.append(b * k), next_tok.append(eos), next_scores.append(-np.inf)
-                picked += 1
-        keep = np.asarray(next_rows, dtype=np.int64)
-        last = np.asarray(next_tok, dtype=np.int64)
-        beam_scores = np.asarray(next_scores, dtype=np.float64)
-        seqs = np.concatenate([seqs[keep], last[:, None]], axis=1)
-        for b in range(batch):                                      # an input is done when no live beam can win
-            if closed[b] or len(finished[b]) < k:
-                continue
-            worst = min(h.score for h in finished[b])
-            best_live = beam_scores[b * k:(b + 1) * k].max()
-            if not np.isfinite(best_live) or norm(best_live, step + 1) <= worst:
-                closed[b] = True
-        if closed.all():
+                picked.append((src, tok, score))
+            picked += [(i * k, eos, -np.inf)] * (k - len(picked))     # fewer live continuations: dead rows
+            if not _closed(results[b], max(p[2] for p in picked), step + 1, opts):
+                still.append(b)
+                for src, tok, score in picked:
+                    rows.append(src), toks.append(tok), vals.append(score)
+        live = np.asarray(still, dtype=np.int64)
+        if len(live) == 0:
             break
-        if (keep == np.arange(rows)).all():
+        keep = np.asarray(rows, dtype=np.int64)
+        last, scores = np.asarray(toks, dtype=np.int64), np.asarray(vals, dtype=np.float64)
+        seqs = np.concatenate([seqs[keep], last[:, None]], axis=1)
+        if len(keep) == len(logits) and (keep == np.arange(len(keep))).all():
             keep = None
-    results = []
-    for b in range(batch):
-        hyps = list(finished[b])
-        if not closed[b]:                                           # stopped at max_new_tokens: live beams count too
-            for r in range(b * k, (b + 1) * k):
-                if np.isfinite(beam_scores[r]) and seqs.shape[1]:
-                    hyps.append(Hypothesis(seqs[r].tolist(), norm(beam_scores[r], seqs.shape[1]), False))
+    for i in range(len(live)):                                       # reached max_new_tokens
+        unfinished(i)
+    for hyps in results:
         hyps.sort(key=lambda h: -h.score)
-        results.append(hyps[: opts.num_return])
-    return results
+    return [hyps[: opts.num_return] for hyps in results]
+
+
+def _closed(finished: list[Hypothesis], best_live: float, length: int, opts: SearchOptions) -> bool:
+    """Whether an input is done after a step that left its live beams at `length` tokens: no live beam is left,
+    or none can still beat its num_return-th best finished hypothesis (running on would return the same)."""
+    if not np.isfinite(best_live):
+        return True
+    if len(finished) < opts.num_return or length >= opts.max_new_tokens:
+        return False
+    threshold = sorted((h.score for h in finished), reverse=True)[opts.num_return - 1]
+    return attainable(best_live, length, opts.max_new_tokens, opts.length_penalty) <= threshold
 
 
 def search(state: DecodeState, batch: int, bos: int, eos: int, opts: SearchOptions,

@@ -24,6 +24,7 @@ from pathlib import Path
 import onnx
 
 from runtime.errors import BundleError
+from runtime.tokenizer import load_tokenizer, tokenizer_files
 from runtime.manifest import (FORMAT, FORMAT_VERSION, MANIFEST, PRECISIONS, TARGETS, sha256_file, validate_manifest,
                               verify_hashes)
 
@@ -167,8 +168,11 @@ def build_manifest(config: dict, graphs: dict[str, dict], precision: str = "fp32
 
 
 def write_manifest(bundle_dir: str | Path, manifest: dict) -> Path:
-    """Write manifest.json (after checking every listed file is present with its recorded hash)."""
+    """Write manifest.json, listing the tokenizer's files with their hashes (after checking every listed file is
+    present with its recorded hash)."""
     bundle_dir = Path(bundle_dir)
+    manifest["tokenizer_files"] = tokenizer_entries(bundle_dir, manifest.get("tokenizer"))
+    validate_manifest(manifest, "the new manifest")
     verify_hashes(bundle_dir, manifest)
     path = bundle_dir / MANIFEST
     path.write_text(json.dumps(manifest, indent=2, allow_nan=True) + "\n")
@@ -176,8 +180,21 @@ def write_manifest(bundle_dir: str | Path, manifest: dict) -> Path:
 
 
 def copy_tokenizer(tokenizer: str | Path | None, bundle_dir: Path) -> str | None:
-    """Copy tokenizer.json into the bundle; returns its name for the manifest (None when the model has none)."""
+    """Copy tokenizer.json and the files it names (SentencePiece models, vocabularies) into the bundle; returns its
+    name for the manifest (None when the model has none). tokenizer_entries() lists them all with their hashes."""
     if tokenizer is None:
         return None
+    tokenizer = Path(tokenizer)
+    for name in tokenizer_files(load_tokenizer(tokenizer)):
+        shutil.copyfile(tokenizer.parent / name, bundle_dir / name)
     shutil.copyfile(tokenizer, bundle_dir / "tokenizer.json")
     return "tokenizer.json"
+
+
+def tokenizer_entries(bundle_dir: Path, tokenizer: str | None) -> dict:
+    """The manifest's tokenizer_files: {name: {file, sha256, bytes}} for tokenizer.json and every file it names."""
+    if tokenizer is None:
+        return {}
+    names = [tokenizer, *tokenizer_files(load_tokenizer(bundle_dir / tokenizer))]
+    return {n: {"file": n, "sha256": sha256_file(bundle_dir / n), "bytes": (bundle_dir / n).stat().st_size}
+            for n in names}

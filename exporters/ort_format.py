@@ -159,7 +159,7 @@ def ort_format_bundle(bundle_dir: str | Path, out_dir: str | Path, force: bool =
     if out_dir.absolute().resolve() == bundle_dir.absolute().resolve():
         raise OrtFormatError(f"--out {out_dir} is the source bundle; write the converted bundle elsewhere")
     files = [manifest["graphs"][g]["file"] for g in GRAPHS]
-    files += [manifest["tokenizer"]] if manifest.get("tokenizer") else []
+    files += list(manifest.get("tokenizer_files") or {}) or ([manifest["tokenizer"]] if manifest.get("tokenizer") else [])
     with stage_bundle(out_dir, force) as tmp:
         for name in files:
             if not (bundle_dir / name).is_file():

@@ -82,6 +82,10 @@ def validate_manifest(manifest, where: str | Path = MANIFEST) -> None:
         if not isinstance(entry, dict) or "file" not in entry or "sha256" not in entry:
             raise BundleError(f"{where}: ort graph {name!r} needs file and sha256; re-export the bundle")
         _safe_file(entry["file"], where)
+    for name, entry in (manifest.get("tokenizer_files") or {}).items():
+        if not isinstance(entry, dict) or "file" not in entry or "sha256" not in entry:
+            raise BundleError(f"{where}: tokenizer file {name!r} needs file and sha256; re-export the bundle")
+        _safe_file(entry["file"], where)
 
 
 def _safe_file(name, where) -> None:
@@ -90,7 +94,8 @@ def _safe_file(name, where) -> None:
         raise BundleError(f"{where}: graph file {name!r} must be a file name inside the bundle; re-export the bundle")
 
 
-def verify_hashes(bundle_dir: str | Path, manifest: dict, which: tuple[str, ...] = ("graphs", "ort_graphs")) -> None:
+def verify_hashes(bundle_dir: str | Path, manifest: dict,
+                  which: tuple[str, ...] = ("graphs", "ort_graphs", "tokenizer_files")) -> None:
     """Check every listed file exists with its recorded size and sha256 (a tampered or truncated bundle fails)."""
     bundle_dir = Path(bundle_dir)
     for section in which:

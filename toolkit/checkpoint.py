@@ -15,11 +15,12 @@ from pathlib import Path
 import torch
 
 from runtime.errors import CheckpointError, ConfigError, TokenizerError
-from runtime.tokenizer import CharTokenizer
+from runtime.tokenizer import CharTokenizer, load_tokenizer
 from toolkit.config import ModelConfig
 from toolkit.model import Transformer
 
 CONFIG, WEIGHTS, WEIGHTS_PT, TOKENIZER, TRAINING = "config.json", "weights.safetensors", "weights.pt", "tokenizer.json", "training.json"
+IMPORTED = "import.json"            # where an imported checkpoint came from (toolkit/importers)
 
 
 @dataclass
@@ -28,21 +29,34 @@ class Checkpoint:
 
     model: Transformer
     config: ModelConfig
-    tokenizer: CharTokenizer | None
+    tokenizer: CharTokenizer | None       # or a runtime.tokenizer.SentencePieceTokenizer
     path: Path
 
 
-def save_checkpoint(path: str | Path, model: Transformer, tokenizer: CharTokenizer | None = None,
-                    training: dict | None = None, force: bool = False) -> Path:
-    """Write a checkpoint directory atomically (a temporary directory renamed into place)."""
-    from safetensors.torch import save_file
-
+def check_checkpoint_destination(path: str | Path, force: bool) -> Path:
+    """Refuse an existing path without force, and with force anything that is not a checkpoint (we replace only
+    what we wrote)."""
     path = Path(path)
     if path.exists() and not force:
         raise CheckpointError(f"{path} already exists; choose another --out or pass --force to replace it")
-    if tokenizer is not None and tokenizer.vocab_size > model.config.vocab_size:
-        raise ConfigError(f"tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is "
-                          f"{model.config.vocab_size}; make vocab_size at least {tokenizer.vocab_size}")
+    if path.exists() and not path.is_dir():
+        raise CheckpointError(f"{path} exists and is not a directory; choose another --out")
+    if path.is_dir() and any(path.iterdir()) and not (path / CONFIG).is_file():
+        raise CheckpointError(f"{path} exists and is not a checkpoint (no {CONFIG}); --force replaces only "
+                              f"checkpoints, so choose another --out or remove it yourself")
+    return path
+
+
+def save_checkpoint(path: str | Path, model: Transformer, tokenizer: CharTokenizer | None = None,
+                    training: dict | None = None, force: bool = False, imported: dict | None = None) -> Path:
+    """Write a checkpoint directory atomically (a temporary directory renamed into place)."""
+    from safetensors.torch import save_file
+
+    path = check_checkpoint_destination(path, force)
+    if tokenizer is not None:
+        problem = vocab_mismatch(tokenizer, model.config)
+        if problem:
+            raise ConfigError(problem)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
     try:
@@ -53,6 +67,8 @@ def save_checkpoint(path: str | Path, model: Transformer, tokenizer: CharTokeniz
             tokenizer.save(tmp / TOKENIZER)
         if training is not None:
             (tmp / TRAINING).write_text(json.dumps(training, indent=2) + "\n")
+        if imported is not None:
+            (tmp / IMPORTED).write_text(json.dumps(imported, indent=2) + "\n")
         mask = os.umask(0)
         os.umask(mask)
         for f in (tmp, *tmp.iterdir()):                  # mkdtemp makes 0700; checkpoints are shared like any file
@@ -96,13 +112,25 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
     tokenizer = None
     if (path / TOKENIZER).exists():
         try:
-            tokenizer = CharTokenizer.load(path / TOKENIZER)
+            tokenizer = load_tokenizer(path / TOKENIZER)
         except TokenizerError as exc:
             raise CheckpointError(f"checkpoint {path}: {exc}") from None
-        if tokenizer.vocab_size > config.vocab_size:
-            raise CheckpointError(f"checkpoint {path}: tokenizer has {tokenizer.vocab_size} tokens, more than "
-                                  f"vocab_size {config.vocab_size}")
+        problem = vocab_mismatch(tokenizer, config)
+        if problem:
+            raise CheckpointError(f"checkpoint {path}: {problem}")
     return Checkpoint(model, config, tokenizer, path)
+
+
+def vocab_mismatch(tokenizer, config: ModelConfig) -> str | None:
+    """Why a tokenizer cannot feed a model (ids beyond its vocabularies), or None."""
+    src = getattr(tokenizer, "src_vocab_size", tokenizer.vocab_size)
+    if tokenizer.vocab_size > config.vocab_size:
+        return (f"tokenizer has {tokenizer.vocab_size} target tokens but the model's vocab_size is {config.vocab_size}; "
+                f"make vocab_size at least {tokenizer.vocab_size}")
+    if src > config.source_vocab_size:
+        return (f"tokenizer has {src} source tokens but the model's source vocabulary has {config.source_vocab_size}; "
+                f"make it at least {src}")
+    return None
 
 
 def _load_state(path: Path) -> dict[str, torch.Tensor]:

@@ -89,15 +89,16 @@ def parity_inputs(config, tokenizer=None, samples: int = 100, seed: int = 0) -> 
     """Token id inputs and their description: dates held-out examples for a dates model, else random ids."""
     if samples < 1:
         raise InputError(f"--samples must be at least 1, got {samples}")
-    if tokenizer is not None and "".join(tokenizer.chars) == dates.CHARS:
+    if tokenizer is not None and "".join(getattr(tokenizer, "chars", ())) == dates.CHARS:
         texts = [src for src, _ in dates.held_out_examples()]
         seqs = [tokenizer.encode(t) for t in texts if len(t) <= config.max_len][:samples]
         if seqs:                                        # at most the 1,000 held-out examples
             return seqs, f"{len(seqs)} dates held-out examples"
     rng = np.random.default_rng(seed)
-    low, longest = min(3, config.vocab_size - 1), min(config.max_len, 24)
+    vocab = config.source_vocab_size
+    low, longest = min(3, vocab - 1), min(config.max_len, 24)
     lens = rng.integers(1, longest + 1, size=samples)
-    return [rng.integers(low, config.vocab_size, size=int(n)).tolist() for n in lens], \
+    return [rng.integers(low, vocab, size=int(n)).tolist() for n in lens], \
         f"{samples} random id sequences, lengths 1..{longest}"
 
 

@@ -202,7 +202,7 @@ def test_hub_name_without_network_and_destinations(marian, tmp_path, monkeypatch
     mine.mkdir()
     (mine / "notes.txt").write_text("keep me")
     result = CliRunner().invoke(main, ["import", str(directory), "--out", str(mine), "--force"])
-    assert result.exit_code == 2 and "not a checkpoint" in result.output and (mine / "notes.txt").exists()
+    assert result.exit_code == 2 and "not an onnxformer checkpoint" in result.output and (mine / "notes.txt").exists()
     result = CliRunner().invoke(main, ["import", str(directory), "--out", str(tmp_path / "new")])
     assert result.exit_code == 0 and "imported" in result.output
     assert json.loads((tmp_path / "new" / "import.json").read_text())["format"] == "marian"

@@ -21,16 +21,16 @@ from exporters.fusions.pack_matmul import PackMatMulsPass
 from exporters.fusions.silu import silu_rules
 from exporters.fusions.skip_layernorm import skip_layernorm_rules
 from exporters.fusions.transposed_weight import transposed_weight_rules
-from exporters.passes import CleanupPass, OpsetPass, Pass, RewritePass
+from exporters.passes import CleanupPass, OpsetPass, Reporting, RewritePass
 
 ONNX_ATTENTION_OPSET = 23
 
 
-def fusion_passes(attention: str = "ort", opset: int = 20) -> list[Pass]:
+def fusion_passes(attention: str = "ort", opset: int = 20) -> list[Reporting]:
     """The fusion passes for one attention target, in order; the manager repeats them until nothing changes."""
     if attention not in ATTENTION_TARGETS:
         raise ValueError(f"unknown attention target {attention!r}")
-    passes: list[Pass] = []
+    passes: list[Reporting] = []
     if attention == "onnx":
         passes.append(OpsetPass(ONNX_ATTENTION_OPSET))
         opset = max(opset, ONNX_ATTENTION_OPSET)
@@ -47,7 +47,7 @@ def fusion_passes(attention: str = "ort", opset: int = 20) -> list[Pass]:
     return passes
 
 
-def quantization_prepasses() -> list[Pass]:
+def quantization_prepasses() -> list[Reporting]:
     """Before int8 quantization: give every constant MatMul weight an initializer of its own."""
     return [RewritePass("fold_transposed_weights", transposed_weight_rules()), CleanupPass()]
 

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import click
 
-from toolkit.commands._common import friendly, require
+from toolkit.commands._common import friendly
+from toolkit.extras import require
 
 
 @click.command("import")

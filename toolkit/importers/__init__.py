@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
-from runtime.errors import CheckpointError
+from toolkit.errors import CheckpointError
 
 FORMATS = ("marian", "nn-transformer")
 
@@ -48,11 +48,11 @@ def detect_format(source: str | Path) -> str:
 def import_model(source: str | Path, out: str | Path, format: str | None = None, force: bool = False,
                  config_file: str | Path | None = None, progress: Callable[[str], None] | None = None) -> Path:
     """Import SOURCE into an onnxformer checkpoint at OUT; returns OUT."""
-    from toolkit.checkpoint import check_checkpoint_destination
+    from toolkit.checkpoint import check_checkpoint_output
 
     if format is not None and format not in FORMATS:
         raise ImportRefused(f"unknown format {format!r}; choose one of {', '.join(FORMATS)}")
-    check_checkpoint_destination(out, force)
+    check_checkpoint_output(out, force)
     format = format or detect_format(source)
     progress = progress or (lambda msg: None)
     if format == "marian":

@@ -16,7 +16,7 @@ import torch
 from exporters.export import export_model
 from exporters.optimize import optimize_bundle
 from runtime.bundle import load_bundle
-from runtime.errors import ConfigError
+from toolkit.errors import ConfigError
 from runtime.generate import generate_ids
 from runtime.manifest import read_manifest
 from runtime.search import SearchOptions

@@ -23,8 +23,8 @@ from pathlib import Path
 import onnx
 
 from runtime.errors import BundleError
-from runtime.manifest import (FORMAT, FORMAT_VERSION, MANIFEST, PRECISIONS, TARGETS, bundle_files, sha256_file,
-                              validate_manifest, verify_hashes)
+from runtime.manifest import (FORMAT, FORMAT_VERSION, MANIFEST, PRECISIONS, TARGETS, bundle_files, file_entries,
+                              sha256_file, validate_manifest)
 from runtime.tokenizer import load_tokenizer, tokenizer_files
 from toolkit.outdir import OutputKind, check_output, staged_output
 
@@ -97,7 +97,7 @@ def build_manifest(config: dict, graphs: dict[str, dict], precision: str = "fp32
                    opset: int | None = None, fusions: dict | None = None, passes: list | None = None,
                    parity: dict | None = None, tokenizer: str | None = None, ort_graphs: dict | None = None,
                    source: dict | None = None, kv_cache: str = "dynamic") -> dict:
-    """The manifest dict (format_version 1). graphs: {name: graph_entry(path)}; parity: a report's to_dict()."""
+    """The manifest dict (its "files" list is added by write_manifest). graphs: {name: graph_entry(path)}; parity: a report's to_dict()."""
     if precision not in PRECISIONS:
         raise BundleError(f"unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
     if target not in TARGETS:
@@ -112,17 +112,16 @@ def build_manifest(config: dict, graphs: dict[str, dict], precision: str = "fp32
     }
     if source is not None:
         manifest["source"] = source
-    validate_manifest(manifest, "the new manifest")
+    validate_manifest(manifest, "the new manifest", written=False)
     return manifest
 
 
 def write_manifest(bundle_dir: str | Path, manifest: dict) -> Path:
-    """Write manifest.json, listing the tokenizer's files with their hashes (after checking every listed file is
-    present with its recorded hash)."""
+    """Write manifest.json, listing every file in bundle_dir under "files" with its sha256 and size (whatever
+    wrote it), after checking that each file the manifest names is there with the hash it records."""
     bundle_dir = Path(bundle_dir)
-    manifest["tokenizer_files"] = tokenizer_entries(bundle_dir, manifest.get("tokenizer"))
+    manifest["files"] = file_entries(bundle_dir)
     validate_manifest(manifest, "the new manifest")
-    verify_hashes(bundle_dir, manifest)
     path = bundle_dir / MANIFEST
     path.write_text(json.dumps(manifest, indent=2, allow_nan=True) + "\n")
     return path
@@ -130,7 +129,7 @@ def write_manifest(bundle_dir: str | Path, manifest: dict) -> Path:
 
 def copy_tokenizer(tokenizer: str | Path | None, bundle_dir: Path) -> str | None:
     """Copy tokenizer.json and the files it names (SentencePiece models, vocabularies) into the bundle; returns its
-    name for the manifest (None when the model has none). tokenizer_entries() lists them all with their hashes."""
+    name for the manifest (None when the model has none); write_manifest hashes them with every other file."""
     if tokenizer is None:
         return None
     tokenizer = Path(tokenizer)
@@ -139,11 +138,3 @@ def copy_tokenizer(tokenizer: str | Path | None, bundle_dir: Path) -> str | None
     shutil.copyfile(tokenizer, bundle_dir / "tokenizer.json")
     return "tokenizer.json"
 
-
-def tokenizer_entries(bundle_dir: Path, tokenizer: str | None) -> dict:
-    """The manifest's tokenizer_files: {name: {file, sha256, bytes}} for tokenizer.json and every file it names."""
-    if tokenizer is None:
-        return {}
-    names = [tokenizer, *tokenizer_files(load_tokenizer(bundle_dir / tokenizer))]
-    return {n: {"file": n, "sha256": sha256_file(bundle_dir / n), "bytes": (bundle_dir / n).stat().st_size}
-            for n in names}

@@ -39,6 +39,7 @@ class SearchOptions:
     length_penalty: float = 1.0   # beam scores are log-prob / len ** length_penalty
     num_return: int = 1           # hypotheses returned per input (<= beam)
     ignore_eos: bool = False      # never stop at EOS (benchmarks: every engine does the same work)
+    suppress: tuple[int, ...] = ()  # token ids never generated (the model's, e.g. Marian's pad; set by generate_ids)
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
@@ -91,7 +92,7 @@ def greedy(state: DecodeState, batch: int, bos: int, eos: int, opts: SearchOptio
         logits = state.step(last, keep)             # [live, V]
         if opts.ignore_eos:
             logits[:, eos] = -np.inf
-        nxt = logits.argmax(axis=-1)
+        nxt = suppress(logits.copy(), opts.suppress).argmax(axis=-1) if opts.suppress else logits.argmax(axis=-1)
         scores[live] += chosen_logprob(logits, nxt)
         for row, item in enumerate(live):
             tokens[item].append(int(nxt[row]))
@@ -100,6 +101,13 @@ def greedy(state: DecodeState, batch: int, bos: int, eos: int, opts: SearchOptio
         keep = None if len(alive) == len(live) else alive
         live, last = live[alive], nxt[alive].astype(np.int64)
     return [[Hypothesis(tokens[i], float(scores[i]), done[i])] for i in range(batch)]
+
+
+def suppress(logits: np.ndarray, ids: tuple[int, ...]) -> np.ndarray:
+    """Tokens the model never generates (Marian's pad) get -inf, in place."""
+    if ids:
+        logits[:, list(ids)] = -np.inf
+    return logits
 
 
 def attainable(score: float, length: int, max_new_tokens: int, length_penalty: float) -> float:
@@ -114,83 +122,88 @@ def beam_search(state: DecodeState, batch: int, bos: int, eos: int, opts: Search
                 stop: np.ndarray | None = None) -> list[list[Hypothesis]]:
     """Keep the `beam` best partial hypotheses per input; return the best finished ones by normalized score.
 
-    Each step extends every live beam by every token and takes the 2K best continuations: those ending in EOS
-    among the K best join the input's finished hypotheses, the K best others stay live. An input closes when
-    no live beam can still reach (`attainable`) its num_return-th best finished score, so closing early never
-    changes what is returned; a closed input's rows leave the state and cost no more decoder work.
-    `stop` (as in greedy): an input set there closes at the next step with what it has.
+    The ranking rules are Hugging Face's (transformers' `_beam_search`), so that imported models give the very
+    tokens their original gives:
+    - each step ranks the 2K best continuations of all K beams by summed log-probability; of these, the ones
+      ending in EOS that rank within the first K are finished (score / length ** length_penalty, EOS counted in
+      the length), and the first K that do not end in EOS go on;
+    - an input keeps its K best finished hypotheses;
+    - at the last allowed step every one of the first K continuations counts as finished (unfinished: no EOS).
+    The stopping rule is exact (Hugging Face's early_stopping="never"): an input closes only once no live beam can
+    still reach (`attainable`) its num_return-th best finished score, so closing never changes what is returned
+    (the heuristic of early_stopping=False, the live score normalized at the current length, closed too early).
+    A closed input's rows leave the state: they cost no more decoder work.
+
+    `stop` (as in greedy): an input set there leaves at the next step with what it has.
     """
     k, lp = opts.beam, opts.length_penalty
-    live = np.arange(batch)                                          # open inputs; input live[i] owns rows i*K..
-    seqs = np.zeros((batch * k, 0), dtype=np.int64)                  # tokens of each row's hypothesis
+    live = np.arange(batch)                                          # open inputs; live[i] owns rows i*K..i*K+K-1
+    seqs = np.zeros((batch * k, 0), dtype=np.int64)                  # tokens of each row's beam
     scores = np.tile(np.r_[0.0, np.full(k - 1, -np.inf)], batch)    # log-prob sums; only beam 0 starts live
-    results: list[list[Hypothesis]] = [[] for _ in range(batch)]    # finished hypotheses per input
+    finished: list[list[Hypothesis]] = [[] for _ in range(batch)]   # the K best finished, best first
     last, keep = np.full(batch * k, bos, dtype=np.int64), None
 
-    def unfinished(i: int) -> None:                                  # an input left with live beams: they count
-        for r in range(i * k, (i + 1) * k):
-            if np.isfinite(scores[r]) and seqs.shape[1]:
-                results[live[i]].append(Hypothesis(seqs[r].tolist(), float(scores[r] / seqs.shape[1] ** lp), False))
+    def norm(score: float, length: int) -> float:
+        return float(score / (length ** lp))
 
     for step in range(opts.max_new_tokens):
         if stop is not None and stop[live].any():                    # nobody waits for these any more
             for i in np.flatnonzero(stop[live]):
-                unfinished(i)
+                if not finished[live[i]]:                            # what its live beams had
+                    finished[live[i]] = sorted((Hypothesis(seqs[r].tolist(), norm(scores[r], max(seqs.shape[1], 1)), False)
+                                                for r in range(i * k, (i + 1) * k) if np.isfinite(scores[r])),
+                                               key=lambda h: -h.score)
             go = np.flatnonzero(~stop[live])
             rows = (go[:, None] * k + np.arange(k)).ravel()          # the rows of the inputs that go on
             keep = rows if keep is None else keep[rows]
             live, last, scores, seqs = live[go], last[rows], scores[rows], seqs[rows]
             if len(live) == 0:
                 break
-        logits = state.step(last, keep)                              # [open * K, V]
+        logits = state.step(last, keep)                              # [open inputs * K, V]
         if opts.ignore_eos:
             logits[:, eos] = -np.inf
-        vocab = logits.shape[-1]
-        cand = (scores[:, None] + log_softmax(logits)).reshape(len(live), k * vocab)
+        logp = suppress(log_softmax(logits), opts.suppress)          # suppressed after normalizing, as HF does
+        vocab = logp.shape[-1]
+        cand = (scores[:, None] + logp).reshape(len(live), k * vocab)
         top = top_k_stable(cand, 2 * k)                              # best 2K continuations per open input
+        final = step == opts.max_new_tokens - 1
         rows, toks, vals, still = [], [], [], []
         for i, b in enumerate(live):
             picked = []
             for rank, c in enumerate(top[i]):
-                score = float(cand[i, c])
-                if len(picked) == k or not np.isfinite(score):       # candidates are sorted: the rest are dead
-                    break
-                src, tok = i * k + c // vocab, int(c % vocab)
-                if tok == eos:
-                    if rank < k:                                     # an EOS among the K best ends a hypothesis
+                src, tok, score = i * k + c // vocab, int(c % vocab), float(cand[i, c])
+                if tok == eos or final:
+                    if rank < k and np.isfinite(score):
                         done = seqs[src].tolist() + [tok]
-                        results[b].append(Hypothesis(done, score / len(done) ** lp))
+                        finished[b].append(Hypothesis(done, norm(score, len(done)), tok == eos))
                     continue
-                picked.append((src, tok, score))
-            picked += [(i * k, eos, -np.inf)] * (k - len(picked))     # fewer live continuations: dead rows
-            if not _closed(results[b], max(p[2] for p in picked), step + 1, opts):
-                still.append(b)
-                for src, tok, score in picked:
-                    rows.append(src), toks.append(tok), vals.append(score)
-        live = np.asarray(still, dtype=np.int64)
-        if len(live) == 0:
+                if len(picked) < k:
+                    picked.append((src, tok, score))
+            finished[b] = sorted(finished[b], key=lambda h: -h.score)[:k]   # stable: earlier ones win ties
+            picked += [(i * k, eos, -np.inf)] * (k - len(picked))    # every continuation ended: dead rows
+            if final or _done(finished[b], max(p[2] for p in picked), step + 1, opts):
+                continue                                             # the input closes: its rows leave
+            still.append(b)
+            for src, tok, score in picked:
+                rows.append(src), toks.append(tok), vals.append(score)
+        if not still:
             break
-        keep = np.asarray(rows, dtype=np.int64)
+        live, keep = np.asarray(still, dtype=np.int64), np.asarray(rows, dtype=np.int64)
         last, scores = np.asarray(toks, dtype=np.int64), np.asarray(vals, dtype=np.float64)
         seqs = np.concatenate([seqs[keep], last[:, None]], axis=1)
         if len(keep) == len(logits) and (keep == np.arange(len(keep))).all():
             keep = None
-    for i in range(len(live)):                                       # reached max_new_tokens
-        unfinished(i)
-    for hyps in results:
-        hyps.sort(key=lambda h: -h.score)
-    return [hyps[: opts.num_return] for hyps in results]
+    return [finished[b][: opts.num_return] for b in range(batch)]
 
 
-def _closed(finished: list[Hypothesis], best_live: float, length: int, opts: SearchOptions) -> bool:
-    """Whether an input is done after a step that left its live beams at `length` tokens: no live beam is left,
-    or none can still beat its num_return-th best finished hypothesis (running on would return the same)."""
+def _done(finished: list[Hypothesis], best_live: float, length: int, opts: SearchOptions) -> bool:
+    """Whether an input is done after a step that left its live beams at `length` tokens: none is left alive, or
+    none can still beat its num_return-th best finished hypothesis (running on would return the same)."""
     if not np.isfinite(best_live):
         return True
-    if len(finished) < opts.num_return or length >= opts.max_new_tokens:
+    if len(finished) < opts.num_return:
         return False
-    threshold = sorted((h.score for h in finished), reverse=True)[opts.num_return - 1]
-    return attainable(best_live, length, opts.max_new_tokens, opts.length_penalty) <= threshold
+    return attainable(best_live, length, opts.max_new_tokens, opts.length_penalty) <= finished[opts.num_return - 1].score
 
 
 def search(state: DecodeState, batch: int, bos: int, eos: int, opts: SearchOptions,

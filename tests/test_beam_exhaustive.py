@@ -149,7 +149,7 @@ def test_stopping_early_never_changes_what_is_returned(monkeypatch, vocab, max_n
     early = TableState(batch, k, vocab, seed, sharpness)
     got = beam_search(early, batch, BOS, EOS, opts)
     with monkeypatch.context() as m:
-        m.setattr(S, "_closed", no_early_stop)
+        m.setattr(S, "_done", no_early_stop)
         full = TableState(batch, k, vocab, seed, sharpness)
         want = beam_search(full, batch, BOS, EOS, opts)
     assert [[(h.tokens, h.finished) for h in hs] for hs in got] == [[(h.tokens, h.finished) for h in hs] for hs in want]

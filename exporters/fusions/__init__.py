@@ -4,6 +4,7 @@
     layernorm.py        decomposed LayerNorm -> LayerNormalization
     skip_layernorm.py   residual Add + LayerNormalization -> com.microsoft.SkipLayerNormalization
     gelu.py             Erf-spelled GELU -> Gelu; bias Add + Gelu -> com.microsoft.BiasGelu / FastGelu
+    silu.py             x * Sigmoid(x) -> com.microsoft.QuickGelu(alpha=1.0) (SiLU / swish, Marian's activation)
     pack_matmul.py      constant-weight MatMuls sharing an input (Q/K/V, cross K/V) -> one MatMul + Split
     transposed_weight.py  MatMul(x, Transpose(W)) -> MatMul(x, W^T): run before int8 quantization only
 
@@ -17,18 +18,19 @@ from exporters.fusions.attention import AttentionFusion, attention_rules
 from exporters.fusions.gelu import bias_gelu_rules, erf_gelu_rules
 from exporters.fusions.layernorm import layernorm_rules
 from exporters.fusions.pack_matmul import PackMatMulsPass
+from exporters.fusions.silu import silu_rules
 from exporters.fusions.skip_layernorm import skip_layernorm_rules
 from exporters.fusions.transposed_weight import transposed_weight_rules
-from exporters.passes import CleanupPass, OpsetPass, Pass, RewritePass
+from exporters.passes import CleanupPass, OpsetPass, Reporting, RewritePass
 
 ONNX_ATTENTION_OPSET = 23
 
 
-def fusion_passes(attention: str = "ort", opset: int = 20) -> list[Pass]:
+def fusion_passes(attention: str = "ort", opset: int = 20) -> list[Reporting]:
     """The fusion passes for one attention target, in order; the manager repeats them until nothing changes."""
     if attention not in ATTENTION_TARGETS:
         raise ValueError(f"unknown attention target {attention!r}")
-    passes: list[Pass] = []
+    passes: list[Reporting] = []
     if attention == "onnx":
         passes.append(OpsetPass(ONNX_ATTENTION_OPSET))
         opset = max(opset, ONNX_ATTENTION_OPSET)
@@ -39,16 +41,17 @@ def fusion_passes(attention: str = "ort", opset: int = 20) -> list[Pass]:
     if attention == "ort":
         passes.append(RewritePass("fuse_skip_layer_norm", skip_layernorm_rules()))
         passes.append(RewritePass("fuse_bias_gelu", bias_gelu_rules()))
+        passes.append(RewritePass("fuse_silu", silu_rules()))
     passes.append(PackMatMulsPass())
     passes.append(CleanupPass())
     return passes
 
 
-def quantization_prepasses() -> list[Pass]:
+def quantization_prepasses() -> list[Reporting]:
     """Before int8 quantization: give every constant MatMul weight an initializer of its own."""
     return [RewritePass("fold_transposed_weights", transposed_weight_rules()), CleanupPass()]
 
 
 __all__ = ["AttentionFusion", "PackMatMulsPass", "attention_rules", "layernorm_rules", "skip_layernorm_rules",
-           "erf_gelu_rules", "bias_gelu_rules", "transposed_weight_rules", "fusion_passes", "quantization_prepasses",
+           "erf_gelu_rules", "bias_gelu_rules", "silu_rules", "transposed_weight_rules", "fusion_passes", "quantization_prepasses",
            "ATTENTION_TARGETS"]

@@ -86,14 +86,8 @@ TOY_CHARS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ012345678"   # 
 
 
 @pytest.fixture(scope="session")
-def varied_toy_factory(toy_model_factory):
-    """A function (**config_overrides) -> the tiny toy model of toy_model_factory (same cache, same weights)."""
-    return lambda **overrides: toy_model_factory(**overrides)
-
-
-@pytest.fixture(scope="session")
-def toy_exported(varied_toy_factory, tmp_path_factory):
-    """(checkpoint dir, bundle dir) of varied_toy_factory(), with a 61-character tokenizer so text inputs work too.
+def toy_exported(toy_model_factory, tmp_path_factory):
+    """(checkpoint dir, bundle dir) of toy_model_factory(), with a 61-character tokenizer so text inputs work too.
 
     Exported once per test session (with the export's parity gate). Treat both directories as read-only:
     copy them (shutil.copytree) before tampering.
@@ -102,7 +96,7 @@ def toy_exported(varied_toy_factory, tmp_path_factory):
     from runtime.tokenizer import CharTokenizer
     from toolkit.checkpoint import save_checkpoint
 
-    model = varied_toy_factory()
+    model = toy_model_factory()
     root = tmp_path_factory.mktemp("toy_exported")
     tokenizer = CharTokenizer(TOY_CHARS)
     assert tokenizer.vocab_size == model.config.vocab_size

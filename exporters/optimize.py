@@ -165,7 +165,7 @@ def optimize_bundle(bundle_dir: str | Path, out_dir: str | Path, target: str = "
     if ort_format:                                        # .ort graphs are for the CPU provider's minimal builds
         check_convertible({"precision": precision, "target": target})
     manifest = read_manifest(bundle_dir)
-    verify_hashes(bundle_dir, manifest, which=("graphs",))
+    verify_hashes(bundle_dir, manifest)
     check_source(bundle_dir, out_dir, manifest, precision, fuse, attention)
     kv_cache = resolve_kv_cache(kv_cache, target, fuse, attention, manifest, precision)
     report = OptimizeReport(str(bundle_dir), str(out_dir), target, precision, attention if fuse else None, kv_cache)

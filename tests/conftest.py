@@ -35,6 +35,23 @@ def copy_with_manifest(bundle: Path, dest: Path, **fields) -> Path:
     return dest
 
 
+def with_ort_graphs(bundle: Path, dest: Path) -> Path:
+    """A copy of a finished bundle with ORT-format graphs added, staged as `optimize --ort-format` stages them."""
+    import json
+    import shutil
+
+    from exporters.bundle import stage_bundle, write_manifest
+    from exporters.ort_format import add_ort_format
+
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    with stage_bundle(dest) as tmp:
+        for name in manifest["files"]:                      # every file the bundle holds
+            shutil.copyfile(bundle / name, tmp / name)
+        add_ort_format(tmp, manifest)
+        write_manifest(tmp, manifest)
+    return dest
+
+
 @pytest.fixture(scope="session")
 def toy_model_factory():
     """A function (steps=300, seed=0, **config_overrides) -> trained tiny Transformer in eval mode, cached."""

@@ -30,6 +30,8 @@ from runtime.search import SearchOptions
 from toolkit.tasks.toy import toy_inputs
 from toolkit.torch_engine import TorchEngine
 
+from conftest import with_ort_graphs
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "edge" / "greedy_numpy.py"
 DATES = ROOT / "examples" / "dates" / "checkpoint"
@@ -49,21 +51,6 @@ def run(cmd, **kwargs) -> subprocess.CompletedProcess:
 
 def tokens(hyps) -> list[list[list[int]]]:
     return [[h.tokens for h in per_input] for per_input in hyps]
-
-
-def with_ort_graphs(bundle: Path, out: Path) -> Path:
-    """A copy of a finished bundle with ORT-format graphs added, staged as optimize --ort-format stages them."""
-    from exporters.bundle import stage_bundle, write_manifest
-    from exporters.ort_format import add_ort_format
-
-    manifest = json.loads((bundle / "manifest.json").read_text())
-    with stage_bundle(out) as tmp:
-        for path in bundle.iterdir():                           # every file the bundle holds
-            if path.name != "manifest.json":
-                shutil.copyfile(path, tmp / path.name)
-        add_ort_format(tmp, manifest)
-        write_manifest(tmp, manifest)
-    return out
 
 
 @pytest.fixture(scope="module")

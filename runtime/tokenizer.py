@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from runtime.errors import TokenizerError
+from runtime.errors import TokenizerError, read_json
 
 SPECIALS = ("<pad>", "<s>", "</s>")  # ids 0, 1, 2: pad, bos, eos (ModelConfig's defaults)
 
@@ -60,12 +60,7 @@ class CharTokenizer:
     @classmethod
     def load(cls, path: str | Path) -> "CharTokenizer":
         path = Path(path)
-        try:
-            data = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise TokenizerError(f"{path} is missing") from None
-        except json.JSONDecodeError as exc:
-            raise TokenizerError(f"{path} is not valid JSON ({exc.msg}); regenerate it") from None
+        data = read_json(path, TokenizerError, "regenerate it", missing="copy it beside the model (or regenerate it)")
         if not isinstance(data, dict) or data.get("type") != "char" or not isinstance(data.get("chars"), str):
             raise TokenizerError(f"{path} is not a character tokenizer (expected type 'char' and a 'chars' string)")
         if list(data.get("specials", SPECIALS)) != list(SPECIALS):

@@ -37,7 +37,7 @@ def read_json(path: str | Path, error: type[OnnxformerError], fix: str, missing:
     becomes `error` with one line naming the file, what is wrong and `fix` (`missing`: the fix when absent)."""
     path = Path(path)
     try:
-        return json.loads(path.read_text())
+        return json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise error(f"{path} is missing; {missing or fix}") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:

@@ -6,6 +6,7 @@
 | fp32      | cuda     | 1e-3                                          | 100%                | -             |
 | fp16      | cuda     | 5e-2                                          | >= 99%              | -             |
 | int8      | cpu      | report only                                   | >= 98%              | within 1 point|
+| imported model (fp32) vs its original framework (PyTorch vs PyTorch, CPU): 1e-5, 100% greedy and beam |
 
 The max abs error applies to logits as written. Hidden states and K/V caches are judged by the same
 number relative to their magnitude when it exceeds 1 (atol * max|reference|): a trained model's keys
@@ -46,6 +47,9 @@ TOLERANCES: dict[tuple[str, str], Tolerance] = {
     ("fp16", "cuda"): Tolerance(atol=5e-2, token_match=0.99, accuracy_drop=None),
     ("int8", "cpu"): Tolerance(atol=None, token_match=0.98, accuracy_drop=1.0),
 }
+
+# an imported model against the framework it came from (MarianMTModel, the tutorial's nn.Transformer): both PyTorch
+IMPORTED = Tolerance(atol=1e-5, token_match=1.0, accuracy_drop=None)
 
 # reference outputs must vary at least this much (std), or a comparison could pass vacuously
 MIN_REFERENCE_STD = 1e-3

@@ -27,6 +27,7 @@ from exporters.logs import quiet_loggers
 from exporters.ort_format import add_ort_format, check_convertible
 from exporters.passes import PassManager, explain_misses
 from exporters.precision import precision_pass
+from exporters.shared_weights import inline_external, share_weights, shared_bytes
 from exporters.static_cache import StaticCachePass, StaticCacheError
 from runtime.errors import OnnxformerError, ParityError
 from runtime.manifest import GRAPHS, PRECISIONS, read_manifest, verify_hashes
@@ -137,9 +138,9 @@ def check_options(target: str, precision: str, attention: str, fuse: bool) -> No
                             f"MultiHeadAttention) or onnx (the standard Attention op, opset 23)")
     if precision == "fp16" and target != "cuda":
         raise OptimizeError("fp16 is for the CUDA provider: pass --target cuda (for CPU use --precision fp32 or int8)")
-    if precision == "int8" and target != "cpu":
-        raise OptimizeError("int8 dynamic quantization runs on the CPU provider: pass --target cpu "
-                            "(for CUDA use --precision fp16)")
+    if precision in ("int8", "int4") and target != "cpu":
+        raise OptimizeError(f"{precision} quantization is made for the CPU provider: pass --target cpu "
+                            f"(for CUDA use --precision fp16)")
     if not fuse and precision == "fp32":
         raise OptimizeError("nothing to do: --no-fuse with --precision fp32 leaves the graphs unchanged; "
                             "drop --no-fuse or choose --precision int8/fp16")
@@ -260,6 +261,11 @@ def optimize_bundle(bundle_dir: str | Path, out_dir: str | Path, target: str = "
                 (folder / paths[g].name).replace(paths[g])
             for _, other, _ in tried:
                 shutil.rmtree(other, ignore_errors=True)
+        shared = share_weights(paths)        # weights.data: one copy of what both graphs hold (same bytes: parity holds)
+        if shared is not None:
+            report.notes.append(f"weights in {shared['file']} ({shared['bytes'] / 1e6:.2f} MB), "
+                                f"{shared_bytes(shared) / 1e6:.2f} MB of them stored once for both graphs "
+                                f"({', '.join(t['name'] for t in shared['tensors'])})")
         entries = {g: graph_entry(paths[g]) for g in GRAPHS}
         for g in GRAPHS:
             report.after[g] = _counts(entries[g], paths[g])
@@ -281,6 +287,8 @@ def optimize_bundle(bundle_dir: str | Path, out_dir: str | Path, target: str = "
                              fusions=fusions, passes=(manifest.get("passes") or []) + report.passes,
                              parity=report.parity, tokenizer=_tokenizer(bundle_dir, manifest, tmp), source=source,
                              kv_cache=kv_cache)
+        if shared is not None:
+            new["shared_weights"] = shared
         if ort_format:
             add_ort_format(tmp, new, progress=progress)   # adds encoder.ort, decoder.ort, required_operators.config
         write_manifest(tmp, new)
@@ -312,6 +320,7 @@ def _fuse_graph(path: Path, fuse: bool, attention: str, precision: str, opset: i
                 static_cache: bool = False) -> tuple[ir.Model, dict[str, int], list[str]]:
     """Load one graph and run the fusion passes until nothing changes (then the static cache and int8 passes)."""
     model = ir.load(path)
+    inline_external(model)                      # a source with shared weights: its graphs are written anew
     counts, applied = {}, []
     if fuse:
         result = PassManager(fusion_passes(attention, opset or 20))(model)
@@ -323,7 +332,7 @@ def _fuse_graph(path: Path, fuse: bool, attention: str, precision: str, opset: i
             raise OptimizeError(str(exc)) from None
         counts = {**counts, **result.counts}
         applied += [p for p in result.applied if p not in applied]
-    if precision == "int8":
+    if precision in ("int8", "int4"):
         result = PassManager(quantization_prepasses(), steps=2)(model)
         model = result.model
         counts = {**counts, **{k: counts.get(k, 0) + v for k, v in result.counts.items()}}
@@ -332,7 +341,8 @@ def _fuse_graph(path: Path, fuse: bool, attention: str, precision: str, opset: i
 
 
 PIPELINE = ("opset_23", "fuse_attention", "fuse_layer_norm", "fuse_erf_gelu", "fuse_skip_layer_norm", "fuse_bias_gelu",
-            "pack_matmuls", "cleanup", "static_kv_cache", "fold_transposed_weights", "float16", "quantize_int8")
+            "pack_matmuls", "cleanup", "static_kv_cache", "fold_transposed_weights", "int8_embedding", "float16", "quantize_int8",
+            "quantize_int4")
 
 
 def _pass_rank(name: str) -> tuple[int, str]:

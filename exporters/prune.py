@@ -6,7 +6,8 @@
 
 Removal is onnx_ir's RemoveUnusedNodesPass (dead nodes, then initializers nothing reads); this module
 counts what it removed. The report finds the same values stored twice: across the two graph files (the
-embedding matrix and the positional table: two files force that) and as a transposed copy (the tied
+embedding matrix and the positional table, unless exporters/shared_weights stored them once in a file both graphs
+reference: then they are listed as stored once) and as a transposed copy (the tied
 output projection that the exporter folds to embedding^T next to the embedding that Gather reads).
 """
 
@@ -70,24 +71,29 @@ def weight_report(paths: dict[str, str | Path], min_bytes: int = MIN_BYTES) -> d
             if array.nbytes < min_bytes:
                 continue
             digest = _digest(array)
-            by_digest[digest].append((graph, name, array.nbytes))
+            tensor = value.const_value                          # external data: where it is stored, else this graph
+            where = ((tensor.location, tensor.offset) if isinstance(tensor, ir.ExternalTensor) else (graph, name))
+            by_digest[digest].append((graph, name, array.nbytes, where))
             if array.ndim == 2:
                 transposed_of[digest] = _digest(array.T)
         graphs[graph] = {"file": Path(path).name, "bytes": Path(path).stat().st_size,
                          "initializers": len(model.graph.initializers), "initializer_bytes": dict(by_dtype),
                          "unused": unused}
-    same = [{"copies": [f"{g}:{n}" for g, n, _ in entries], "bytes": entries[0][2],
-             "extra_bytes": entries[0][2] * (len(entries) - 1)}
-            for entries in by_digest.values() if len(entries) > 1]
+    same = [{"copies": [f"{g}:{n}" for g, n, _, _ in entries], "bytes": entries[0][2],
+             "extra_bytes": entries[0][2] * (len({e[3] for e in entries}) - 1)}
+            for entries in by_digest.values() if len({e[3] for e in entries}) > 1]
+    once = [{"readers": [f"{g}:{n}" for g, n, _, _ in entries], "stored_in": entries[0][3][0], "bytes": entries[0][2]}
+            for entries in by_digest.values() if len(entries) > 1 and len({e[3] for e in entries}) == 1]
     transposed, seen = [], set()
     for digest, t_digest in transposed_of.items():         # value groups that are each other's transpose
         pair = frozenset({digest, t_digest})
         if t_digest in by_digest and len(pair) == 2 and pair not in seen:  # a symmetric matrix is not a copy
             seen.add(pair)
             copy, original = by_digest[digest], by_digest[t_digest]
-            transposed.append({"tensor": [f"{g}:{n}" for g, n, _ in copy],
-                               "transpose_of": [f"{g}:{n}" for g, n, _ in original], "bytes": copy[0][2]})
+            transposed.append({"tensor": [f"{g}:{n}" for g, n, _, _ in copy],
+                               "transpose_of": [f"{g}:{n}" for g, n, _, _ in original], "bytes": copy[0][2]})
     return {"graphs": graphs, "same_values": sorted(same, key=lambda d: -d["bytes"]),
+            "stored_once": sorted(once, key=lambda d: -d["bytes"]),
             "transposed_copies": sorted(transposed, key=lambda d: -d["bytes"]),
             "duplicated_bytes": sum(d["extra_bytes"] for d in same) + sum(t["bytes"] for t in transposed)}
 
@@ -109,6 +115,8 @@ def format_weight_report(report: dict) -> str:
                      f"{len(g['unused'])} unused")
     for d in report["same_values"]:
         lines.append(f"  same values: {' = '.join(d['copies'])} ({d['bytes'] / 1e6:.2f} MB each)")
+    for d in report.get("stored_once", []):
+        lines.append(f"  stored once: {' = '.join(d['readers'])} in {d['stored_in']} ({d['bytes'] / 1e6:.2f} MB)")
     for t in report["transposed_copies"]:
         lines.append(f"  transposed copy: {' = '.join(t['tensor'])} = ({' = '.join(t['transpose_of'])})^T "
                      f"({t['bytes'] / 1e6:.2f} MB)")

@@ -18,7 +18,7 @@ FORMAT = "onnxformer-bundle"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 GRAPHS = ("encoder", "decoder")
-PRECISIONS = ("fp32", "fp16", "int8")
+PRECISIONS = ("fp32", "fp16", "int8", "int4")
 TARGETS = ("any", "cpu", "cuda")
 REQUIRED = ("format", "format_version", "model", "precision", "graphs")
 
@@ -82,6 +82,12 @@ def validate_manifest(manifest, where: str | Path = MANIFEST) -> None:
         if not isinstance(entry, dict) or "file" not in entry or "sha256" not in entry:
             raise BundleError(f"{where}: ort graph {name!r} needs file and sha256; re-export the bundle")
         _safe_file(entry["file"], where)
+    shared = manifest.get("shared_weights")
+    if shared is not None:
+        if (not isinstance(shared, dict) or any(k not in shared for k in ("file", "sha256", "tensors"))
+                or not isinstance(shared["tensors"], list)):
+            raise BundleError(f"{where}: shared_weights needs file, sha256 and tensors; re-optimize the bundle")
+        _safe_file(shared["file"], where)
 
 
 def _safe_file(name, where) -> None:
@@ -90,11 +96,18 @@ def _safe_file(name, where) -> None:
         raise BundleError(f"{where}: graph file {name!r} must be a file name inside the bundle; re-export the bundle")
 
 
-def verify_hashes(bundle_dir: str | Path, manifest: dict, which: tuple[str, ...] = ("graphs", "ort_graphs")) -> None:
-    """Check every listed file exists with its recorded size and sha256 (a tampered or truncated bundle fails)."""
+def verify_hashes(bundle_dir: str | Path, manifest: dict,
+                  which: tuple[str, ...] = ("graphs", "ort_graphs", "shared_weights")) -> None:
+    """Check every listed file exists with its recorded size and sha256 (a tampered or truncated bundle fails).
+
+    The graphs' external data (weights.data) belongs to the graphs: checking "graphs" checks it too."""
     bundle_dir = Path(bundle_dir)
-    for section in which:
-        for name, entry in (manifest.get(section) or {}).items():
+    sections = list(which) + (["shared_weights"] if "graphs" in which and "shared_weights" not in which else [])
+    for section in sections:
+        entries = manifest.get(section) or {}
+        if section == "shared_weights":                               # one file entry, not a name -> entry table
+            entries = {"shared weights": entries} if entries else {}
+        for name, entry in entries.items():
             path = bundle_dir / entry["file"]
             if not path.is_file():
                 raise BundleError(f"bundle {bundle_dir} is missing {entry['file']} ({name}); copy the whole bundle directory")

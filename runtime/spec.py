@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 
 # symbolic dimension names
 BATCH, SRC_LEN, NEW_LEN, PAST_LEN, TOTAL_LEN = "batch", "src_len", "new_len", "past_len", "total_len"
+INPUT_IDS = "input_ids"                          # both graphs: token ids (the embedding lookup reads it)
 PAST_SEQUENCE_LENGTH = "past_sequence_length"   # static-cache decoders: how many buffer rows are filled
 CACHE_LEN = "cache_len"                          # static-cache decoders: buffer length (<= max_len, chosen per request)
 KV_CACHES = ("dynamic", "static")
@@ -71,7 +72,7 @@ def encoder_spec(n_decoder_layers: int, n_heads: int, d_model: int, float_type: 
         outputs += [TensorSpec(cache_name("present", i, "encoder", kv), float_type, kv_shape) for kv in ("key", "value")]
     return GraphSpec(
         "encoder",
-        inputs=(TensorSpec("input_ids", "int64", (BATCH, SRC_LEN)),
+        inputs=(TensorSpec(INPUT_IDS, "int64", (BATCH, SRC_LEN)),
                 TensorSpec("attention_mask", "int64", (BATCH, SRC_LEN))),
         outputs=tuple(outputs),
     )
@@ -89,7 +90,7 @@ def decoder_spec(n_decoder_layers: int, n_heads: int, d_model: int, vocab_size: 
     head_dim = d_model // n_heads
     new_len = 1 if static_cache else NEW_LEN
     past_len, total_len = (CACHE_LEN, CACHE_LEN) if static_cache else (PAST_LEN, TOTAL_LEN)
-    inputs = [TensorSpec("input_ids", "int64", (BATCH, new_len)),
+    inputs = [TensorSpec(INPUT_IDS, "int64", (BATCH, new_len)),
               TensorSpec("encoder_attention_mask", "int64", (BATCH, SRC_LEN))]
     if static_cache:
         inputs.append(TensorSpec(PAST_SEQUENCE_LENGTH, "int32", (1,)))

@@ -158,7 +158,7 @@ def test_add_ort_format_inside_a_bundle_writer(bundles, tmp_path):
 
     manifest = json.loads((bundles["int8"] / "manifest.json").read_text())
     with stage_bundle(tmp_path / "b") as tmp:
-        for name in ("encoder.onnx", "decoder.onnx", "tokenizer.json"):
+        for name in ("encoder.onnx", "decoder.onnx", "weights.data", "tokenizer.json"):
             shutil.copyfile(bundles["int8"] / name, tmp / name)
         record = add_ort_format(tmp, manifest)
         write_manifest(tmp, manifest)
@@ -174,12 +174,19 @@ def test_graphs_hold_no_unused_initializers_and_shared_weights_are_reported(bund
 
     from exporters.prune import format_weight_report, prune_file, prune_unused, weight_report
 
-    for name in ("fp32", "int8"):
-        report = weight_report({g: bundles[name] / f"{g}.onnx" for g in ("encoder", "decoder")}, min_bytes=1024)
+    reports = {name: weight_report({g: bundles[name] / f"{g}.onnx" for g in ("encoder", "decoder")}, min_bytes=1024)
+               for name in ("fp32", "int8")}
+    for report in reports.values():
         assert all(g["unused"] == [] for g in report["graphs"].values()), format_weight_report(report)
-        shared = [d["copies"] for d in report["same_values"]]
-        assert ["encoder:model.embed.lut.weight", "decoder:model.embed.lut.weight"] in shared   # two files: forced
-        assert report["duplicated_bytes"] >= 64 * 32 * 4
+    shared = [d["copies"] for d in reports["fp32"]["same_values"]]         # the export: two graph files, two copies
+    assert ["encoder:model.embed.lut.weight", "decoder:model.embed.lut.weight"] in shared
+    assert reports["fp32"]["duplicated_bytes"] >= 64 * 32 * 4
+    int8 = reports["int8"]                                                 # optimize: one copy both graphs read
+    assert int8["same_values"] == [] and int8["duplicated_bytes"] == 0, format_weight_report(int8)
+    once = {tuple(d["readers"]): d for d in int8["stored_once"]}
+    table = ("encoder:model.embed.lut.weight.int8_t", "decoder:model.embed.lut.weight.int8_t")
+    assert table in once and once[table]["stored_in"] == "weights.data"
+    assert once[table]["bytes"] == 64 * 32                               # int8: one byte a weight
     path = tmp_path / "decoder.onnx"
     shutil.copyfile(bundles["fp32"] / "decoder.onnx", path)
     before = sha256_file(path)

@@ -17,6 +17,7 @@ from exporters.fusions.attention import AttentionFusion, attention_rules
 from exporters.fusions.gelu import bias_gelu_rules, erf_gelu_rules
 from exporters.fusions.layernorm import layernorm_rules
 from exporters.fusions.pack_matmul import PackMatMulsPass
+from exporters.fusions.int8_embedding import Int8EmbeddingPass
 from exporters.fusions.skip_layernorm import skip_layernorm_rules
 from exporters.fusions.transposed_weight import transposed_weight_rules
 from exporters.passes import CleanupPass, OpsetPass, Pass, RewritePass
@@ -45,8 +46,8 @@ def fusion_passes(attention: str = "ort", opset: int = 20) -> list[Pass]:
 
 
 def quantization_prepasses() -> list[Pass]:
-    """Before int8 quantization: give every constant MatMul weight an initializer of its own."""
-    return [RewritePass("fold_transposed_weights", transposed_weight_rules()), CleanupPass()]
+    """Before int8 quantization: give every constant MatMul weight an initializer of its own, then int8 embeddings."""
+    return [RewritePass("fold_transposed_weights", transposed_weight_rules()), Int8EmbeddingPass(), CleanupPass()]
 
 
 __all__ = ["AttentionFusion", "PackMatMulsPass", "attention_rules", "layernorm_rules", "skip_layernorm_rules",

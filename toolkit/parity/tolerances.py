@@ -45,6 +45,7 @@ TOLERANCES: dict[tuple[str, str], Tolerance] = {
     ("fp32", "cuda"): Tolerance(atol=1e-3, token_match=1.0, accuracy_drop=None),
     ("fp16", "cuda"): Tolerance(atol=5e-2, token_match=0.99, accuracy_drop=None),
     ("int8", "cpu"): Tolerance(atol=None, token_match=0.98, accuracy_drop=1.0),
+    ("int4", "cpu"): Tolerance(atol=None, token_match=0.98, accuracy_drop=1.0),   # PROVISIONAL, measuring
 }
 
 # reference outputs must vary at least this much (std), or a comparison could pass vacuously

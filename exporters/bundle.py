@@ -3,7 +3,8 @@
     with stage_bundle(out_dir, force) as tmp:      # a temporary directory next to out_dir
         ...write tmp/encoder.onnx, tmp/decoder.onnx, check them...
         write_manifest(tmp, build_manifest(config, {name: graph_entry(path)}, ...))
-    # clean exit: tmp is renamed to out_dir; any exception (or Ctrl-C): tmp is removed, out_dir untouched
+    # clean exit: tmp replaces out_dir; any exception (or Ctrl-C): tmp is removed, out_dir untouched;
+    # --force replaces only a bundle onnxformer wrote (toolkit/outdir.py)
 
 The manifest records everything `inspect` and the runtime need (specs, node and op counts, opsets,
 hashes), so neither has to import onnx. Its reader lives in runtime/manifest.py.
@@ -14,9 +15,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import json
-import os
 import shutil
-import tempfile
 from collections import Counter
 from importlib import metadata
 from pathlib import Path
@@ -24,76 +23,26 @@ from pathlib import Path
 import onnx
 
 from runtime.errors import BundleError
-from runtime.manifest import (FORMAT, FORMAT_VERSION, MANIFEST, PRECISIONS, TARGETS, sha256_file, validate_manifest,
-                              verify_hashes)
+from runtime.manifest import (FORMAT, FORMAT_VERSION, MANIFEST, PRECISIONS, TARGETS, bundle_files, sha256_file,
+                              validate_manifest, verify_hashes)
+from toolkit.outdir import OutputKind, check_output, staged_output
 
 TENSOR_TYPES = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.FLOAT16: "float16", onnx.TensorProto.INT64: "int64",
                 onnx.TensorProto.INT32: "int32", onnx.TensorProto.BOOL: "bool", onnx.TensorProto.INT8: "int8",
                 onnx.TensorProto.UINT8: "uint8", onnx.TensorProto.BFLOAT16: "bfloat16", onnx.TensorProto.DOUBLE: "float64"}
 
 
+BUNDLE_KIND = OutputKind("bundle", bundle_files, "'onnxformer export' or 'optimize'")
+
+
 def check_destination(out_dir: str | Path, force: bool) -> Path:
-    """Refuse an existing out_dir without force, and a destination that cannot be written; nothing is touched."""
-    out_dir = Path(out_dir)
-    if out_dir.exists() and not force:
-        raise BundleError(f"{out_dir} already exists; choose another --out or pass --force to replace it")
-    if out_dir.exists() and not out_dir.is_dir():
-        raise BundleError(f"{out_dir} exists and is not a directory; choose another --out")
-    if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / MANIFEST).is_file():
-        raise BundleError(f"{out_dir} exists and is not a bundle (no {MANIFEST}); --force replaces only bundles, "
-                          f"so choose another --out or remove it yourself")
-    parent = out_dir.absolute().parent
-    existing = parent
-    while not existing.exists():
-        existing = existing.parent
-    if not existing.is_dir():
-        raise BundleError(f"cannot create {out_dir}: {existing} is a file, not a directory; choose another --out")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise BundleError(f"cannot write {out_dir}: {existing} is not writable; choose another --out")
-    return out_dir
+    """Refuse, before any work, an out_dir that stage_bundle would not write (see toolkit/outdir.py)."""
+    return check_output(out_dir, force, BUNDLE_KIND)
 
 
-@contextlib.contextmanager
 def stage_bundle(out_dir: str | Path, force: bool = False):
-    """Yield a temporary directory next to out_dir; move it into place on success, remove it on any failure."""
-    out_dir = check_destination(out_dir, force)
-    try:
-        out_dir.absolute().parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.absolute().parent))
-        os.chmod(tmp, 0o777 & ~_umask())                 # mkdtemp makes 0700; a bundle is shared like any directory
-    except OSError as exc:
-        raise BundleError(f"cannot write {out_dir} ({exc.strerror}); choose another --out") from None
-    try:
-        yield tmp
-        _commit(tmp, out_dir, force)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def _commit(tmp: Path, out_dir: Path, force: bool) -> None:
-    """Rename tmp to out_dir; an existing out_dir (force) is moved aside first and removed only afterwards."""
-    old = None
-    if out_dir.exists():
-        if not force:  # appeared while we worked
-            raise BundleError(f"{out_dir} appeared during the export; choose another --out or pass --force")
-        old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.absolute().parent))
-        os.replace(out_dir, old / out_dir.name)
-    try:
-        os.replace(tmp, out_dir)
-    except OSError:
-        if old is not None:
-            os.replace(old / out_dir.name, out_dir)       # put the previous bundle back
-        raise
-    finally:
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+    """A temporary directory beside out_dir that replaces it on success and is removed on any failure."""
+    return staged_output(out_dir, force, BUNDLE_KIND)
 
 
 def tensor_specs(values) -> list[dict]:

@@ -24,8 +24,9 @@ import runtime.spec as S
 from exporters.bundle import build_manifest, check_destination, copy_tokenizer, graph_entry, stage_bundle, write_manifest
 from exporters.logs import quiet_loggers
 from exporters.validate import check_graph
-from runtime.errors import ConfigError, ParityError
-from runtime.spec import GraphSpec, cache_name, graph_specs
+from toolkit.errors import ConfigError
+from toolkit.parity import ParityError
+from runtime.spec import CROSS, PAST, PRESENT, SELF, GraphSpec, cache_name, graph_specs
 from toolkit.checkpoint import TOKENIZER, load_checkpoint
 from toolkit.model import Transformer
 from toolkit.parity.graphs import graph_parity
@@ -48,8 +49,7 @@ class EncoderGraph(torch.nn.Module):
         memory, cross = self.model.encode(input_ids, attention_mask)
         named = {"encoder_hidden_states": memory}
         for i, (k, v) in enumerate(cross):
-            named[cache_name("present", i, "encoder", "key")] = k
-            named[cache_name("present", i, "encoder", "value")] = v
+            named[cache_name(PRESENT, i, CROSS, "key")], named[cache_name(PRESENT, i, CROSS, "value")] = k, v
         return tuple(named[n] for n in self.output_names)
 
 
@@ -64,15 +64,14 @@ class DecoderGraph(torch.nn.Module):
 
     def forward(self, input_ids, encoder_attention_mask, *caches):
         def get(i, attn, kv):
-            return caches[self.cache_index[cache_name("past_key_values", i, attn, kv)]]
+            return caches[self.cache_index[cache_name(PAST, i, attn, kv)]]
 
-        past = [(get(i, "decoder", "key"), get(i, "decoder", "value")) for i in range(self.layers)]
-        cross = [(get(i, "encoder", "key"), get(i, "encoder", "value")) for i in range(self.layers)]
+        past = [(get(i, SELF, "key"), get(i, SELF, "value")) for i in range(self.layers)]
+        cross = [(get(i, CROSS, "key"), get(i, CROSS, "value")) for i in range(self.layers)]
         logits, presents = self.model.decode_step(input_ids, encoder_attention_mask, past, cross)
         named = {"logits": logits}
         for i, (k, v) in enumerate(presents):
-            named[cache_name("present", i, "decoder", "key")] = k
-            named[cache_name("present", i, "decoder", "value")] = v
+            named[cache_name(PRESENT, i, SELF, "key")], named[cache_name(PRESENT, i, SELF, "value")] = k, v
         return tuple(named[n] for n in self.output_names)
 
 

@@ -21,7 +21,6 @@ import onnx_ir as ir
 import onnxruntime as ort
 
 from exporters.bundle import build_manifest, copy_tokenizer, graph_entry, op_counts, stage_bundle, write_manifest
-from exporters.compare import compare_graphs
 from exporters.fusions import ATTENTION_TARGETS, attention_rules, fusion_passes, quantization_prepasses
 from exporters.logs import quiet_loggers
 from exporters.ort_format import add_ort_format, check_convertible
@@ -29,9 +28,11 @@ from exporters.passes import PassManager, explain_misses
 from exporters.precision import precision_pass
 from exporters.shared_weights import inline_external, share_weights, shared_bytes
 from exporters.static_cache import StaticCachePass, StaticCacheError
-from runtime.errors import OnnxformerError, ParityError
+from runtime.errors import OnnxformerError
+from toolkit.parity import ParityError
 from runtime.manifest import GRAPHS, PRECISIONS, read_manifest, verify_hashes
 from runtime.spec import KV_CACHES
+from toolkit.parity.graphs import bundle_parity, record_table
 from toolkit.parity.tolerances import tolerance
 
 TARGETS = ("cpu", "cuda")                        # bundle targets optimize writes (the manifest also knows "any")
@@ -105,7 +106,6 @@ class OptimizeReport:
                 lines.append(f"  {op:<36} {x:>5} -> {y:<5}")
         p = self.parity
         if p.get("outputs"):
-            from toolkit.parity.graphs import record_table
             lines.append("\n" + record_table(p))
         verdict = "verified" if p.get("verified") else "NOT verified"
         lines.append(("" if p.get("outputs") else "\n") + f"parity: {verdict} on {p.get('provider')} "
@@ -380,7 +380,7 @@ def _parity(manifest, bundle_dir, src_paths, paths, target, precision, samples, 
                             f"graphs were not run on their target; check them on a GPU machine with "
                             f"`onnxformer parity CHECKPOINT BUNDLE --provider cuda`"}
         try:                                       # an informative look on the CPU, never a verdict
-            cpu = compare_graphs(src_paths, paths, config, "cpu", None)
+            cpu = bundle_parity(src_paths, paths, config, "cpu", None, precision).to_dict()
             record["cpu_check"] = {k: cpu[k] for k in ("summary", "max_abs", "teacher_forced_tokens_equal")}
         except Exception as exc:                   # e.g. an op without a CPU kernel for this type
             record["cpu_check"] = {"summary": f"does not run on the CPU ({str(exc).splitlines()[0][:200]})"}
@@ -388,8 +388,7 @@ def _parity(manifest, bundle_dir, src_paths, paths, target, precision, samples, 
         return record
     t0 = time.perf_counter()
     tol = tolerance(precision, provider)
-    record = compare_graphs(src_paths, paths, config, provider, tol)
-    record["precision"] = precision
+    record = bundle_parity(src_paths, paths, config, provider, tol, precision).to_dict()
     record["generation"] = _generation(config, bundle_dir, manifest, src_paths, paths, provider, precision, tol,
                                        samples)
     tokens_ok = record["generation"]["tokens_equal"] >= tol.token_match

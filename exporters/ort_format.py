@@ -38,7 +38,8 @@ import onnxruntime as ort
 
 from exporters.logs import quiet_loggers
 from exporters.bundle import check_destination, stage_bundle, write_manifest
-from runtime.errors import BundleError, OnnxformerError, ParityError
+from runtime.errors import BundleError, OnnxformerError
+from toolkit.parity import ParityError
 from runtime.manifest import GRAPHS, read_manifest, sha256_file, verify_hashes
 
 CONFIG_FILE = "required_operators.config"
@@ -136,11 +137,11 @@ def _file_entry(path: Path) -> dict:
 
 def check_ort_parity(onnx_paths: dict[str, Path], ort_paths: dict[str, Path], config: dict) -> dict:
     """The .ort graphs against the .onnx graphs they came from: fp32 CPU tolerance, teacher-forced tokens equal."""
-    from exporters.compare import compare_graphs
+    from toolkit.parity.graphs import bundle_parity
     from toolkit.parity.tolerances import tolerance
 
     tol = tolerance("fp32", "cpu")              # a format change, not a precision change, whatever the precision
-    record = compare_graphs(onnx_paths, ort_paths, config, "cpu", tol)
+    record = bundle_parity(onnx_paths, ort_paths, config, "cpu", tol, labels=("ORT format", ".onnx graphs")).to_dict()
     if not record["verified"] or record["teacher_forced_tokens_equal"] < 1.0:
         raise ParityError(f"the ORT-format graphs differ from the .onnx graphs: {record['summary']} (tokens equal "
                           f"{record['teacher_forced_tokens_equal']:.2%}); nothing was written", record)

@@ -23,16 +23,13 @@ Parity with the dynamic graph is proved by optimize, as for every pass.
 
 from __future__ import annotations
 
-import re
-
 import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass, TopologicalSortPass
 
 from exporters.passes import Pass, PassResult
 from runtime.errors import OnnxformerError
-from runtime.spec import CACHE_LEN, PAST_SEQUENCE_LENGTH
+from runtime.spec import CACHE_LEN, PAST, PAST_SEQUENCE_LENGTH, PRESENT, SELF, is_cache
 
-_PAST = re.compile(r"past_key_values\.\d+\.decoder\.(key|value)$")
 MS = "com.microsoft"
 # MultiHeadAttention inputs: query key value bias key_padding_mask attention_bias past_key past_value ...
 _MHA_PAST_KEY, _MHA_PAST_VALUE = 6, 7
@@ -49,7 +46,7 @@ class StaticCachePass(Pass):
 
     def call(self, model: ir.Model) -> PassResult:
         graph = model.graph
-        pasts = [v for v in graph.inputs if _PAST.match(v.name or "")]
+        pasts = [v for v in graph.inputs if is_cache(v.name, PAST, SELF)]
         if not pasts or any(v.name == PAST_SEQUENCE_LENGTH for v in graph.inputs):
             return PassResult(model, False)                          # an encoder, or already static
         attention, shapes = _consumers(pasts)
@@ -69,7 +66,7 @@ class StaticCachePass(Pass):
         for v in pasts:
             v.shape = _with_len(v.shape, CACHE_LEN)
         for v in graph.outputs:
-            if v.name and v.name.startswith("present.") and ".decoder." in v.name:
+            if is_cache(v.name, PRESENT, SELF):
                 v.shape = _with_len(v.shape, CACHE_LEN)
             elif v.name == "logits" and v.shape is not None:
                 v.shape = ir.Shape([v.shape[0], 1, *list(v.shape)[2:]])

@@ -1,18 +1,14 @@
-"""Typed errors. Each message names the problem and the fix; the command line prints it and exits 2."""
+"""The runtime's typed errors and the base class of every user-facing error.
+
+Each message names the problem and the fix; the command line prints it and exits with `exit_code`. Errors of
+the layers above live with them: toolkit.errors (ConfigError, CheckpointError), toolkit.parity (ParityError),
+exporters (OptimizeError, StaticCacheError, ...)."""
 
 
 class OnnxformerError(Exception):
     """Base class for user-facing errors (bad input, bad files)."""
 
     exit_code = 2
-
-
-class ConfigError(OnnxformerError):
-    """A model configuration that cannot be built."""
-
-
-class CheckpointError(OnnxformerError):
-    """A checkpoint directory that cannot be loaded."""
 
 
 class TokenizerError(OnnxformerError):
@@ -29,13 +25,3 @@ class BundleError(OnnxformerError):
 
 class ProviderError(OnnxformerError):
     """An execution provider that was asked for but is not available."""
-
-
-class ParityError(OnnxformerError):
-    """Parity out of tolerance: a check failed (exit code 1)."""
-
-    exit_code = 1
-
-    def __init__(self, message: str, report=None):
-        super().__init__(message)
-        self.report = report

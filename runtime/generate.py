@@ -81,14 +81,24 @@ def check_request(sequences: Sequence[Sequence[int]], opts: SearchOptions, vocab
                          f"({opts.beam})")
 
 
-def generate_ids(engine: Engine, sequences: Sequence[Sequence[int]], opts: SearchOptions) -> list[list[Hypothesis]]:
-    """Hypotheses for each input, in input order, best first."""
+def generate_ids(engine: Engine, sequences: Sequence[Sequence[int]], opts: SearchOptions,
+                 limits: Sequence[int] | None = None, stop: np.ndarray | None = None) -> list[list[Hypothesis]]:
+    """Hypotheses for each input, in input order, best first.
+
+    `limits`: each input's own max new tokens (greedy; a server batching requests that asked for different
+    lengths: each gets what it would alone); opts.max_new_tokens must then be their maximum. `stop`: inputs the
+    caller no longer needs, set while the search runs (runtime.search.greedy).
+    """
     check_request(sequences, opts, engine.vocab_size, engine.max_len)
+    if limits is not None:
+        limits = np.asarray(limits, dtype=np.int64)
+        if len(limits) != len(sequences) or int(limits.max()) != opts.max_new_tokens or int(limits.min()) < 0:
+            raise ValueError("limits must give one max_new_tokens per input, at most opts.max_new_tokens")
     if opts.max_new_tokens == 0:
         return search(None, len(sequences), engine.bos_id, engine.eos_id, opts)
     ids, mask = pad_batch(sequences, engine.pad_id)
     state = engine.start(ids, mask, opts.beam, opts.max_new_tokens)   # encoder runs once here
-    return search(state, len(sequences), engine.bos_id, engine.eos_id, opts)
+    return search(state, len(sequences), engine.bos_id, engine.eos_id, opts, limits, stop)
 
 
 def to_outputs(hyps: list[list[Hypothesis]], eos_id: int, tokenizer=None) -> list[Output]:
@@ -100,3 +110,22 @@ def to_outputs(hyps: list[list[Hypothesis]], eos_id: int, tokenizer=None) -> lis
             text = tokenizer.decode(ids) if tokenizer is not None else None
             outs.append(Output(index, rank, text, [int(t) for t in ids], round(float(h.score), 6), h.finished))
     return outs
+
+
+def encode_inputs(inputs: list[str | list[int]], tokenizer) -> list[list[int]]:
+    """Token ids of every input; text needs a tokenizer."""
+    seqs = []
+    for i, item in enumerate(inputs):
+        if isinstance(item, list):
+            seqs.append(item)
+        elif tokenizer is None:
+            raise InputError(f"input {i} is text, but this model has no tokenizer (tokenizer.json); "
+                             f"pass token ids instead (--ids \"5 6 7\" on the command line, \"ids\" in a server request)")
+        else:
+            seqs.append(tokenizer.encode(item))
+    return seqs
+
+
+def records(inputs: Sequence, outputs: list[Output]) -> list[dict]:
+    """The JSON records of `onnxformer generate --json` (and the server's answers): the input beside each Output."""
+    return [{"input": inputs[out.index], **out.to_dict()} for out in outputs]

@@ -120,6 +120,36 @@ def verify_hashes(bundle_dir: str | Path, manifest: dict,
                                   f"copy the bundle again or re-export it")
 
 
+def listed_files(manifest: dict) -> set[str]:
+    """Every file name the manifest accounts for (graphs, ORT graphs, tokenizer, operator config, files)."""
+    names = set()
+    for section in ("graphs", "ort_graphs"):
+        entries = manifest.get(section)
+        for entry in (entries.values() if isinstance(entries, dict) else ()):
+            if isinstance(entry, dict) and isinstance(entry.get("file"), str):
+                names.add(entry["file"])
+    ops = (manifest.get("ort_format") or {}).get("required_operators") if isinstance(manifest.get("ort_format"), dict) else None
+    if isinstance(ops, dict) and isinstance(ops.get("file"), str):
+        names.add(ops["file"])
+    if isinstance(manifest.get("tokenizer"), str):
+        names.add(manifest["tokenizer"])
+    if isinstance(manifest.get("files"), dict):
+        names.update(name for name in manifest["files"] if isinstance(name, str))
+    return names
+
+
+def bundle_files(bundle_dir: str | Path) -> set[str] | None:
+    """The files of the onnxformer bundle at bundle_dir (its manifest and what it lists), or None when bundle_dir
+    holds no onnxformer manifest: what `--force` may replace (toolkit/outdir.py)."""
+    try:
+        manifest = json.loads((Path(bundle_dir) / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        return None
+    return {MANIFEST, *listed_files(manifest)}
+
+
 def manifest_specs(manifest: dict) -> dict[str, GraphSpec]:
     """The graphs' interfaces as recorded in the manifest."""
     return {name: GraphSpec(name, tuple(TensorSpec.from_dict(t) for t in entry["inputs"]),

@@ -24,7 +24,7 @@ import numpy as np
 import onnxruntime as ort
 
 from runtime.session import FLOAT, SessionConfig, device_of, gather_model, make_session
-from runtime.spec import cache_name
+from runtime.spec import CROSS, PAST, PRESENT, SELF, cache_names, empty_past
 from runtime.static_cache import StaticPath, is_static
 
 
@@ -46,8 +46,7 @@ class HostPath:
         return mask
 
     def empty_past(self, n: int, steps: int | None = None) -> list:
-        empty = np.zeros((n, self.e.n_heads, 0, self.e.head_dim), dtype=np.float32)
-        return [empty] * len(self.e.past_names)
+        return [empty_past(n, self.e.n_heads, self.e.head_dim)] * len(self.e.past_names)
 
     def decode(self, tokens: np.ndarray, mask, past: list, cross: list) -> tuple[np.ndarray, list]:
         feeds = {"input_ids": tokens, "encoder_attention_mask": mask,
@@ -101,8 +100,8 @@ class BoundPath:
         return ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(mask), self.device, 0)  # copied once per move
 
     def empty_past(self, n: int, steps: int | None = None) -> list:
-        empty = np.zeros((n, self.e.n_heads, 0, self.e.head_dim), dtype=np.float32)
-        return [ort.OrtValue.ortvalue_from_numpy(empty)] * len(self.e.past_names)   # zero bytes: host is fine
+        empty = ort.OrtValue.ortvalue_from_numpy(empty_past(n, self.e.n_heads, self.e.head_dim))
+        return [empty] * len(self.e.past_names)                        # zero bytes: host is fine
 
     def decode(self, tokens: np.ndarray, mask, past: list, cross: list) -> tuple[np.ndarray, list]:
         binding = self.e.decoder.io_binding()                          # fresh each step: outputs never reuse buffers
@@ -152,12 +151,11 @@ class OrtEngine:
         self.pad_id, self.bos_id, self.eos_id = config["pad_id"], config["bos_id"], config["eos_id"]
         self.vocab_size, self.max_len = config["vocab_size"], config["max_len"]
         self.n_heads, self.head_dim = config["n_heads"], config["d_model"] // config["n_heads"]
-        layers = range(config["n_decoder_layers"])
-        kvs = ("key", "value")
-        self.cross_names = [cache_name("present", i, "encoder", kv) for i in layers for kv in kvs]
-        self.cross_in_names = [cache_name("past_key_values", i, "encoder", kv) for i in layers for kv in kvs]
-        self.past_names = [cache_name("past_key_values", i, "decoder", kv) for i in layers for kv in kvs]
-        self.present_names = [cache_name("present", i, "decoder", kv) for i in layers for kv in kvs]
+        layers = config["n_decoder_layers"]
+        self.cross_names = cache_names(layers, PRESENT, CROSS)         # encoder outputs
+        self.cross_in_names = cache_names(layers, PAST, CROSS)         # ... fed to the decoder by these names
+        self.past_names = cache_names(layers, PAST, SELF)
+        self.present_names = cache_names(layers, PRESENT, SELF)
         self.decoder_out_names = ["logits"] + self.present_names
         self.static_cache = is_static(decoder)
         if self.static_cache:                                          # one buffer per cache, bound as past and present

@@ -13,7 +13,7 @@ self-attention cache by `keep`; rows that stay with their source need no cross-a
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
@@ -39,7 +39,6 @@ class SearchOptions:
     length_penalty: float = 1.0   # beam scores are log-prob / len ** length_penalty
     num_return: int = 1           # hypotheses returned per input (<= beam)
     ignore_eos: bool = False      # never stop at EOS (benchmarks: every engine does the same work)
-    extra: dict = field(default_factory=dict)
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
@@ -69,15 +68,26 @@ def top_k_stable(x: np.ndarray, k: int) -> np.ndarray:
     return out
 
 
-def greedy(state: DecodeState, batch: int, bos: int, eos: int, opts: SearchOptions) -> list[list[Hypothesis]]:
-    """Pick the most likely token each step; finished rows leave the batch, so only live rows are computed."""
+def greedy(state: DecodeState, batch: int, bos: int, eos: int, opts: SearchOptions,
+           limits: np.ndarray | None = None, stop: np.ndarray | None = None) -> list[list[Hypothesis]]:
+    """Pick the most likely token each step; finished rows leave the batch, so only live rows are computed.
+
+    `limits` gives each input its own most new tokens (default: opts.max_new_tokens for all): a row leaves when
+    it reaches its limit, with the tokens and score an unbatched search with that limit gives. `stop` is a bool
+    array the caller may set from another thread while the search runs (a server's client went away): that
+    input's row leaves at the next step and its hypothesis is what it had so far.
+    """
+    limits = np.full(batch, opts.max_new_tokens) if limits is None else np.asarray(limits)
+    stop = np.zeros(batch, dtype=bool) if stop is None else stop
     tokens: list[list[int]] = [[] for _ in range(batch)]
     scores = np.zeros(batch, dtype=np.float64)
     done = [False] * batch
-    live = np.arange(batch)                         # which inputs the state's rows belong to
-    last = np.full(batch, bos, dtype=np.int64)      # the token each live row feeds next
-    keep = None
-    for _ in range(opts.max_new_tokens):
+    live = np.flatnonzero((limits > 0) & ~stop)     # which inputs the state's rows belong to
+    last = np.full(len(live), bos, dtype=np.int64)  # the token each live row feeds next
+    keep = None if len(live) == batch else live
+    for step in range(int(limits.max(initial=0))):
+        if len(live) == 0:
+            break
         logits = state.step(last, keep)             # [live, V]
         if opts.ignore_eos:
             logits[:, eos] = -np.inf
@@ -86,16 +96,18 @@ def greedy(state: DecodeState, batch: int, bos: int, eos: int, opts: SearchOptio
         for row, item in enumerate(live):
             tokens[item].append(int(nxt[row]))
             done[item] = bool(nxt[row] == eos)
-        alive = np.flatnonzero(nxt != eos)
-        if len(alive) == 0:
-            break
+        alive = np.flatnonzero((nxt != eos) & (limits[live] > step + 1) & ~stop[live])
         keep = None if len(alive) == len(live) else alive
         live, last = live[alive], nxt[alive].astype(np.int64)
     return [[Hypothesis(tokens[i], float(scores[i]), done[i])] for i in range(batch)]
 
 
-def beam_search(state: DecodeState, batch: int, bos: int, eos: int, opts: SearchOptions) -> list[list[Hypothesis]]:
-    """Keep the `beam` best partial hypotheses per input; return the best finished ones by normalized score."""
+def beam_search(state: DecodeState, batch: int, bos: int, eos: int, opts: SearchOptions,
+                stop: np.ndarray | None = None) -> list[list[Hypothesis]]:
+    """Keep the `beam` best partial hypotheses per input; return the best finished ones by normalized score.
+
+    `stop` (as in greedy): once every input is stopped, the search ends early (its partial results are for nobody).
+    """
     k = opts.beam
     rows = batch * k
     seqs = np.zeros((rows, 0), dtype=np.int64)                       # tokens of each live beam
@@ -108,6 +120,8 @@ def beam_search(state: DecodeState, batch: int, bos: int, eos: int, opts: Search
         return float(score / (length ** opts.length_penalty))
 
     for step in range(opts.max_new_tokens):
+        if stop is not None and stop.all():
+            break
         logits = state.step(last, keep)                              # [B*K, V]
         if opts.ignore_eos:
             logits[:, eos] = -np.inf
@@ -163,10 +177,16 @@ def beam_search(state: DecodeState, batch: int, bos: int, eos: int, opts: Search
     return results
 
 
-def search(state: DecodeState, batch: int, bos: int, eos: int, opts: SearchOptions) -> list[list[Hypothesis]]:
-    """Greedy when beam == 1, else beam search; one list of hypotheses per input, best first."""
-    if opts.max_new_tokens == 0:
+def search(state: DecodeState, batch: int, bos: int, eos: int, opts: SearchOptions,
+           limits: np.ndarray | None = None, stop: np.ndarray | None = None) -> list[list[Hypothesis]]:
+    """Greedy when beam == 1, else beam search; one list of hypotheses per input, best first.
+
+    `limits` (greedy only: per-input max new tokens) and `stop` (inputs nobody waits for any more): see greedy.
+    """
+    if opts.max_new_tokens == 0 and limits is None:
         return [[Hypothesis([], 0.0, False)] for _ in range(batch)]
     if opts.beam == 1:
-        return greedy(state, batch, bos, eos, opts)
-    return beam_search(state, batch, bos, eos, opts)
+        return greedy(state, batch, bos, eos, opts, limits, stop)
+    if limits is not None and len(set(np.asarray(limits).tolist())) > 1:
+        raise ValueError("per-input max_new_tokens work with greedy search only; group beam requests by it")
+    return beam_search(state, batch, bos, eos, opts, stop)

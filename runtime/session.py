@@ -17,7 +17,8 @@ import onnxruntime as ort
 
 from runtime.errors import ProviderError
 
-PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
+PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}   # the one provider list
+PROVIDER_CHOICES = ("auto", *PROVIDERS)          # what users may ask for (--provider, open_model, bench)
 _LEVELS = {"disabled": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
            "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
            "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
@@ -83,7 +84,7 @@ def choose_provider(name: str = "auto") -> str:
     if name == "auto":
         return "cuda" if PROVIDERS["cuda"] in available else "cpu"
     if name not in PROVIDERS:
-        raise ProviderError(f"unknown provider {name!r}; choose auto, cpu or cuda")
+        raise ProviderError(f"unknown provider {name!r}; choose one of: {', '.join(PROVIDER_CHOICES)}")
     if PROVIDERS[name] not in available:
         raise ProviderError(
             f"{PROVIDERS[name]} is not available in this onnxruntime (installed: {installed_onnxruntime()}, "
@@ -118,7 +119,7 @@ def device_of(provider: str) -> str:
 
 # --- a one-node Gather graph, serialized by hand (ONNX protobuf field numbers noted beside each field) ---
 
-FLOAT, INT64, FLOAT16 = 1, 7, 10       # onnx.TensorProto element types
+FLOAT, INT64 = 1, 7                    # onnx.TensorProto element types
 
 
 def _varint(n: int) -> bytes:

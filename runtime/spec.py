@@ -12,7 +12,10 @@ Cache names follow one scheme (layer-indexed, as in Hugging Face Optimum):
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import re
+from dataclasses import dataclass
+
+import numpy as np
 
 # symbolic dimension names
 BATCH, SRC_LEN, NEW_LEN, PAST_LEN, TOTAL_LEN = "batch", "src_len", "new_len", "past_len", "total_len"
@@ -58,9 +61,65 @@ class GraphSpec:
         return {"inputs": [t.to_dict() for t in self.inputs], "outputs": [t.to_dict() for t in self.outputs]}
 
 
+PAST, PRESENT = "past_key_values", "present"     # cache name kinds: graph inputs, graph outputs
+SELF, CROSS = "decoder", "encoder"               # cache name attentions: self-attention, cross-attention
+KV = ("key", "value")
+_CACHE_NAME = re.compile(rf"^({PAST}|{PRESENT})\.(\d+)\.({SELF}|{CROSS})\.(key|value)$")
+
+
 def cache_name(kind: str, layer: int, attn: str, kv: str) -> str:
     """The one place cache tensor names are made: kind 'past_key_values'|'present', attn 'decoder'|'encoder'."""
     return f"{kind}.{layer}.{attn}.{kv}"
+
+
+def cache_names(n_layers: int, kind: str, attn: str) -> list[str]:
+    """Every layer's key and value name of one kind and attention, in graph order (layer 0 key, value, ...)."""
+    return [cache_name(kind, i, attn, kv) for i in range(n_layers) for kv in KV]
+
+
+def parse_cache_name(name: str | None) -> tuple[str, int, str, str] | None:
+    """(kind, layer, attn, kv) of a cache name, None for any other tensor name."""
+    m = _CACHE_NAME.match(name or "")
+    return None if m is None else (m[1], int(m[2]), m[3], m[4])
+
+
+def is_cache(name: str | None, kind: str, attn: str) -> bool:
+    """Whether `name` is a cache tensor of this kind and attention (e.g. PAST, SELF: a decoder's fed-back cache)."""
+    parts = parse_cache_name(name)
+    return parts is not None and parts[0] == kind and parts[2] == attn
+
+
+def past_of(present: str) -> str:
+    """The input a present is fed back as: present.{i}.{attn}.{kv} -> past_key_values.{i}.{attn}.{kv}."""
+    kind, layer, attn, kv = _parse(present, PRESENT)
+    return cache_name(PAST, layer, attn, kv)
+
+
+def present_of(past: str) -> str:
+    """The output that holds a past after the step: past_key_values.{i}.{attn}.{kv} -> present.{i}.{attn}.{kv}."""
+    kind, layer, attn, kv = _parse(past, PAST)
+    return cache_name(PRESENT, layer, attn, kv)
+
+
+def _parse(name: str, kind: str) -> tuple[str, int, str, str]:
+    parts = parse_cache_name(name)
+    if parts is None or parts[0] != kind:
+        raise ValueError(f"{name!r} is not a {kind} cache name")
+    return parts
+
+
+def empty_past(batch: int, n_heads: int, head_dim: int, dtype=np.float32) -> np.ndarray:
+    """The self-attention cache of a first step: [batch, heads, 0, head_dim], zero positions."""
+    return np.zeros((batch, n_heads, 0, head_dim), dtype=dtype)
+
+
+def first_step_cache(config: dict, encoder_outputs: dict, batch: int) -> dict[str, np.ndarray]:
+    """The decoder's cache feeds for its first step: empty self-attention pasts, and as cross-attention inputs
+    the encoder's present.{i}.encoder.* outputs (by name). Later steps replace each self past by past_of(present)."""
+    layers, empty = config["n_decoder_layers"], empty_past(batch, config["n_heads"], config["d_model"] // config["n_heads"])
+    feeds = {name: empty for name in cache_names(layers, PAST, SELF)}
+    feeds.update({past_of(name): encoder_outputs[name] for name in cache_names(layers, PRESENT, CROSS)})
+    return feeds
 
 
 def encoder_spec(n_decoder_layers: int, n_heads: int, d_model: int, float_type: str = "float32") -> GraphSpec:
@@ -69,7 +128,7 @@ def encoder_spec(n_decoder_layers: int, n_heads: int, d_model: int, float_type: 
     kv_shape = (BATCH, n_heads, SRC_LEN, head_dim)
     outputs = [TensorSpec("encoder_hidden_states", float_type, (BATCH, SRC_LEN, d_model))]
     for i in range(n_decoder_layers):
-        outputs += [TensorSpec(cache_name("present", i, "encoder", kv), float_type, kv_shape) for kv in ("key", "value")]
+        outputs += [TensorSpec(cache_name(PRESENT, i, CROSS, kv), float_type, kv_shape) for kv in KV]
     return GraphSpec(
         "encoder",
         inputs=(TensorSpec(INPUT_IDS, "int64", (BATCH, SRC_LEN)),
@@ -96,15 +155,12 @@ def decoder_spec(n_decoder_layers: int, n_heads: int, d_model: int, vocab_size: 
         inputs.append(TensorSpec(PAST_SEQUENCE_LENGTH, "int32", (1,)))
     outputs = [TensorSpec("logits", float_type, (BATCH, new_len, vocab_size))]
     for i in range(n_decoder_layers):
-        for kv in ("key", "value"):
-            inputs.append(TensorSpec(cache_name("past_key_values", i, "decoder", kv), float_type,
-                                     (BATCH, n_heads, past_len, head_dim)))
-        for kv in ("key", "value"):
-            inputs.append(TensorSpec(cache_name("past_key_values", i, "encoder", kv), float_type,
-                                     (BATCH, n_heads, SRC_LEN, head_dim)))
-        for kv in ("key", "value"):
-            outputs.append(TensorSpec(cache_name("present", i, "decoder", kv), float_type,
-                                      (BATCH, n_heads, total_len, head_dim)))
+        inputs += [TensorSpec(cache_name(PAST, i, SELF, kv), float_type, (BATCH, n_heads, past_len, head_dim))
+                   for kv in KV]
+        inputs += [TensorSpec(cache_name(PAST, i, CROSS, kv), float_type, (BATCH, n_heads, SRC_LEN, head_dim))
+                   for kv in KV]
+        outputs += [TensorSpec(cache_name(PRESENT, i, SELF, kv), float_type, (BATCH, n_heads, total_len, head_dim))
+                    for kv in KV]
     return GraphSpec("decoder", inputs=tuple(inputs), outputs=tuple(outputs))
 
 
@@ -117,4 +173,6 @@ def graph_specs(config: dict, float_type: str = "float32", kv_cache: str = "dyna
     return {"encoder": encoder_spec(L, H, D, float_type), "decoder": decoder_spec(L, H, D, V, float_type, static)}
 
 
-__all__ = ["TensorSpec", "GraphSpec", "PAST_SEQUENCE_LENGTH", "CACHE_LEN", "KV_CACHES", "cache_name", "encoder_spec", "decoder_spec", "graph_specs", "asdict"]
+__all__ = ["TensorSpec", "GraphSpec", "PAST_SEQUENCE_LENGTH", "CACHE_LEN", "KV_CACHES", "PAST", "PRESENT", "SELF",
+           "CROSS", "KV", "cache_name", "cache_names", "parse_cache_name", "is_cache", "past_of", "present_of",
+           "empty_past", "first_step_cache", "encoder_spec", "decoder_spec", "graph_specs"]

@@ -20,7 +20,7 @@ import numpy as np
 import onnxruntime as ort
 
 from runtime.errors import InputError
-from runtime.spec import PAST_SEQUENCE_LENGTH
+from runtime.spec import PAST, PAST_SEQUENCE_LENGTH, SELF, is_cache, present_of
 
 
 def is_static(session: ort.InferenceSession) -> bool:
@@ -114,8 +114,7 @@ class DynamicView:
 
     def __init__(self, session: ort.InferenceSession):
         self.session = session
-        self.pasts = [i.name for i in session.get_inputs()
-                      if i.name.startswith("past_key_values.") and ".decoder." in i.name]
+        self.pasts = [i.name for i in session.get_inputs() if is_cache(i.name, PAST, SELF)]
 
     def run(self, names: list[str] | None, feeds: dict) -> list[np.ndarray]:
         out_names = [o.name for o in self.session.get_outputs()]
@@ -134,9 +133,9 @@ class DynamicView:
                 **fixed, **buffers, "input_ids": np.ascontiguousarray(tokens[:, t:t + 1]),
                 PAST_SEQUENCE_LENGTH: np.array([filled + t], dtype=np.int32)})))
             logits.append(outs["logits"])
-            buffers = {name: outs[name.replace("past_key_values.", "present.")] for name in self.pasts}
+            buffers = {name: outs[present_of(name)] for name in self.pasts}
         result = {"logits": np.concatenate(logits, axis=1)}
-        result.update({name.replace("past_key_values.", "present."): buffers[name] for name in self.pasts})
+        result.update({present_of(name): buffers[name] for name in self.pasts})
         return [result[n] for n in names]
 
 

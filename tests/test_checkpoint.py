@@ -7,11 +7,12 @@ import json
 import pytest
 import torch
 
-from runtime.errors import CheckpointError, ConfigError
+from toolkit.errors import CheckpointError, ConfigError
 from runtime.tokenizer import CharTokenizer
 from toolkit.checkpoint import load_checkpoint, save_checkpoint
 from toolkit.config import PRESETS, ModelConfig, preset
 from toolkit.model import Transformer
+from toolkit.outdir import OutputError
 
 
 @pytest.fixture
@@ -47,7 +48,7 @@ def test_checkpoint_round_trips_exactly(tmp_path, tiny):
 
 def test_save_refuses_to_overwrite_without_force(tmp_path, tiny):
     save_checkpoint(tmp_path / "ckpt", tiny)
-    with pytest.raises(CheckpointError, match="--force"):
+    with pytest.raises(OutputError, match="already exists.*--force"):
         save_checkpoint(tmp_path / "ckpt", tiny)
     save_checkpoint(tmp_path / "ckpt", tiny, force=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]      # no temporary directory left behind

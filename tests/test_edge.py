@@ -117,7 +117,7 @@ def test_int8_ort_tokens_equal_int8_onnx(bundles, seqs):
 
 def test_ort_parity_gate_catches_other_graphs(bundles):
     from exporters.ort_format import check_ort_parity
-    from runtime.errors import ParityError
+    from toolkit.parity import ParityError
 
     onnx = {g: bundles["fp32"] / f"{g}.onnx" for g in ("encoder", "decoder")}
     other = {g: bundles["int8-ort"] / f"{g}.ort" for g in ("encoder", "decoder")}

@@ -21,7 +21,8 @@ from click.testing import CliRunner
 
 import exporters.export as E
 from exporters.bundle import tensor_specs
-from runtime.errors import BundleError, ConfigError, ProviderError
+from runtime.errors import BundleError, ProviderError
+from toolkit.errors import ConfigError
 from runtime.manifest import read_manifest, verify_hashes
 from runtime.spec import graph_specs
 from runtime.tokenizer import CharTokenizer
@@ -29,7 +30,8 @@ from toolkit.checkpoint import load_checkpoint, save_checkpoint
 from toolkit.cli import main
 from toolkit.config import preset
 from toolkit.model import Transformer
-from toolkit.parity.graphs import graph_parity, session
+from runtime.session import make_session
+from toolkit.parity.graphs import graph_parity
 from toolkit.parity.tolerances import MIN_REFERENCE_STD, TOLERANCES, tolerance
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,7 +40,7 @@ DATES = ROOT / "examples" / "dates" / "checkpoint"
 
 def leftovers(parent: Path) -> list[str]:
     """Temporary directories the bundle writer left behind."""
-    return sorted(p.name for p in parent.iterdir() if ".tmp-" in p.name or ".old-" in p.name)
+    return sorted(p.name for p in parent.iterdir() if ".onnxformer-" in p.name)
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +108,7 @@ def test_manifest_specs_match_graphs_and_hashes(tiny_bundle, tmp_path):
         assert tensor_specs(model.graph.output) == entry["outputs"] == specs[name].to_dict()["outputs"]
         assert entry["nodes"] == len(model.graph.node) == sum(entry["op_counts"].values())
         assert entry["opset"] == 20 and entry["bytes"] == (tiny_bundle / entry["file"]).stat().st_size
-        sess = session(tiny_bundle / entry["file"])           # onnxruntime sees the same symbolic dims
+        sess = make_session(tiny_bundle / entry["file"], "cpu")           # onnxruntime sees the same symbolic dims
         assert [(i.name, i.shape) for i in sess.get_inputs()] == [(t["name"], t["shape"]) for t in entry["inputs"]]
         assert [(o.name, o.shape) for o in sess.get_outputs()] == [(t["name"], t["shape"]) for t in entry["outputs"]]
     verify_hashes(tiny_bundle, manifest)
@@ -171,7 +173,7 @@ def test_cached_step_with_several_new_tokens(tiny_bundle, toy_model):
     for i, ((pk, pv), (ck, cv)) in enumerate(zip(past, cross)):
         feeds.update({f"past_key_values.{i}.decoder.key": pk.numpy(), f"past_key_values.{i}.decoder.value": pv.numpy(),
                       f"past_key_values.{i}.encoder.key": ck.numpy(), f"past_key_values.{i}.encoder.value": cv.numpy()})
-    sess = session(tiny_bundle / "decoder.onnx")
+    sess = make_session(tiny_bundle / "decoder.onnx", "cpu")
     out = sess.run(["logits", "present.1.decoder.value"], feeds)
     assert out[0].shape == (2, 3, c.vocab_size) and out[1].shape == (2, c.n_heads, 7, c.head_dim)
     np.testing.assert_allclose(out[0], logits.numpy(), atol=1e-4, rtol=0)
@@ -257,10 +259,9 @@ def test_cli_existing_and_unwritable_out(tmp_path, toy_model):
     existing = tmp_path / "existing"
     existing.mkdir()
     (existing / "keep.txt").write_text("mine")
-    result = CliRunner().invoke(main, ["export", str(ckpt), "--out", str(existing)])
-    assert result.exit_code == 2 and "already exists" in result.output and "--force" in result.output
-    result = CliRunner().invoke(main, ["export", str(ckpt), "--out", str(existing), "--force"])
-    assert result.exit_code == 2 and "not a bundle" in result.output           # --force replaces bundles only
+    for force in ([], ["--force"]):                                        # --force replaces bundles only
+        result = CliRunner().invoke(main, ["export", str(ckpt), "--out", str(existing), *force])
+        assert result.exit_code == 2 and "not an onnxformer bundle" in result.output and "even with --force" in result.output
     assert (existing / "keep.txt").read_text() == "mine"
     (tmp_path / "afile").write_text("x")
     result = CliRunner().invoke(main, ["export", str(ckpt), "--out", str(tmp_path / "afile" / "bundle")])
@@ -284,12 +285,18 @@ def test_cli_force_replaces_a_bundle_and_copies_tokenizer(tmp_path, toy_model, c
     assert first.exit_code == 0, first.output
     assert read_manifest(out)["tokenizer"] == "tokenizer.json"
     assert (out / "tokenizer.json").read_text() == (ckpt / "tokenizer.json").read_text()
-    (out / "stale.txt").write_text("from the old bundle")
+    (out / "notes.txt").write_text("the user's, not ours")
+    for force in ([], ["--force"]):                 # a bundle holding a file we did not write is never replaced
+        again = CliRunner().invoke(main, ["export", str(ckpt), "--out", str(out), *force])
+        assert again.exit_code == 2 and "notes.txt, which onnxformer did not write" in again.output
+        assert (out / "notes.txt").read_text() == "the user's, not ours"
+    (out / "notes.txt").unlink()
     again = CliRunner().invoke(main, ["export", str(ckpt), "--out", str(out)])
-    assert again.exit_code == 2 and (out / "stale.txt").exists()
+    assert again.exit_code == 2 and "already exists" in again.output
     forced = CliRunner().invoke(main, ["export", str(ckpt), "--out", str(out), "--force"])
     assert forced.exit_code == 0, forced.output
-    assert not (out / "stale.txt").exists() and read_manifest(out)["parity"]["verified"]
+    assert read_manifest(out)["parity"]["verified"] and sorted(p.name for p in out.iterdir()) == [
+        "decoder.onnx", "encoder.onnx", "manifest.json", "tokenizer.json"]
     assert leftovers(tmp_path) == []
 
 

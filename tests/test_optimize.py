@@ -20,7 +20,8 @@ import exporters.optimize as O
 from exporters.export import export_model
 from exporters.optimize import OptimizeError, optimize_bundle
 from runtime.bundle import load_bundle
-from runtime.errors import BundleError, ParityError
+from runtime.errors import BundleError
+from toolkit.parity import ParityError
 from runtime.generate import generate_ids
 from runtime.manifest import read_manifest, verify_hashes
 from runtime.search import SearchOptions
@@ -28,6 +29,7 @@ from toolkit.checkpoint import load_checkpoint
 from toolkit.cli import main
 from toolkit.config import preset
 from toolkit.model import Transformer
+from toolkit.outdir import OutputError
 from toolkit.parity.graphs import graph_parity
 from toolkit.parity.tolerances import tolerance
 
@@ -35,7 +37,7 @@ from conftest import copy_with_manifest
 
 
 def leftovers(parent: Path) -> list[str]:
-    return sorted(p.name for p in parent.iterdir() if ".tmp-" in p.name or ".old-" in p.name)
+    return sorted(p.name for p in parent.iterdir() if ".onnxformer-" in p.name)
 
 
 def ops(bundle: Path, graph: str) -> dict:
@@ -230,14 +232,14 @@ def test_already_converted_or_differently_fused_bundles_are_refused(toy, tmp_pat
         optimize_bundle(fake, tmp_path / "y", precision="int8")
     with pytest.raises(OptimizeError, match="is the source bundle"):
         optimize_bundle(source, source, force=True)
-    with pytest.raises(BundleError, match="already exists"):
+    with pytest.raises(OutputError, match="already exists"):
         optimize_bundle(source, fused)
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
 
 
 def test_parity_failure_writes_nothing(toy, tmp_path, monkeypatch):
     _, source, _, _ = toy
-    real = O.compare_graphs
+    real = O.bundle_parity
 
     def broken(reference, candidate, *args, **kwargs):          # swap the candidate for a different model
         other = {g: p.parent / f"other_{g}.onnx" for g, p in candidate.items()}
@@ -250,7 +252,7 @@ def test_parity_failure_writes_nothing(toy, tmp_path, monkeypatch):
             onnx.save(proto, str(other[g]))
         return real(reference, other, *args, **kwargs)
 
-    monkeypatch.setattr(O, "compare_graphs", broken)
+    monkeypatch.setattr(O, "bundle_parity", broken)
     with pytest.raises(ParityError, match="differ from the source bundle"):
         optimize_bundle(source, tmp_path / "bad")
     assert not (tmp_path / "bad").exists() and not leftovers(tmp_path)

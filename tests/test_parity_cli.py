@@ -152,3 +152,18 @@ def test_inputs_are_dates_examples_for_a_dates_model_else_random():
     random_seqs, source = parity_inputs(config, CharTokenizer("abc"), 30)
     assert "random id sequences" in source and len({len(s) for s in random_seqs}) > 5
     assert all(3 <= t < config.vocab_size for s in random_seqs for t in s)
+
+
+def test_the_comparator_raises_our_error_on_a_shape_mismatch():
+    """A graph whose output has the wrong shape is a failed check (ParityError, exit 1), never an AssertionError."""
+    from toolkit.parity import ParityError
+    from toolkit.parity.graphs import OutputCheck
+    from toolkit.parity.tolerances import tolerance
+
+    check = OutputCheck("decoder", "logits", sides=("optimized", "source bundle"))
+    check.fold(np.zeros((2, 3)), np.full((2, 3), 1e-5), tolerance("fp32", "cpu"), step=0)
+    assert check.ok and check.max_abs == pytest.approx(1e-5) and check.steps == 1
+    check.fold(np.zeros((2, 3)), np.array([[0, 0, 0], [0, 1, 0]]), tolerance("fp32", "cpu"), step=1)
+    assert not check.ok and check.step == 1 and check.index == (1, 1) and "optimized 1 vs source bundle 0" in check.where()
+    with pytest.raises(ParityError, match="decoder output logits step 2: optimized shape \\(2, 4\\), source bundle shape"):
+        check.fold(np.zeros((2, 3)), np.zeros((2, 4)), tolerance("fp32", "cpu"), step=2)

@@ -45,6 +45,7 @@ import numpy as np
 from runtime.errors import InputError, OnnxformerError
 from runtime.generate import check_request
 from runtime.search import SearchOptions, search
+from runtime.session import PROVIDER_CHOICES
 
 FIRST_TOKEN = 3                 # ids 0-2 are pad, bos, eos: random sources use [3, vocab)
 PROFILE_PASTS = (8, 256)        # step-profile past lengths (clipped to the model's max_len - 1)
@@ -87,8 +88,8 @@ class BenchSettings:
             raise InputError(f"warmup must be 0 or more, got {self.warmup}")
         if self.threads is not None and self.threads < 1:
             raise InputError(f"threads must be at least 1, got {self.threads}")
-        if self.provider not in ("auto", "cpu", "cuda"):
-            raise InputError(f"unknown provider {self.provider!r}; choose auto, cpu or cuda")
+        if self.provider not in PROVIDER_CHOICES:
+            raise InputError(f"unknown provider {self.provider!r}; choose one of: {', '.join(PROVIDER_CHOICES)}")
 
 
 # ------------------------------------------------------------------------------------- models (parent side)
@@ -644,6 +645,36 @@ def machine_line(report: dict) -> str:
     return (f"machine: {m['cpu_count']} CPUs, read bandwidth {m['bandwidth_gbs']:.1f} GB/s, float32 GEMM "
             f"{m['gemm_gflops']:.1f} GFLOP/s ({m['probe_threads']} threads); {s['threads']} threads, "
             f"src_len {s['src_len']}, new_tokens {s['new_tokens']}, {s['repeat']} rounds after {s['warmup']} warm-up")
+
+
+
+
+def print_tables(report: dict) -> None:
+    """The benchmark table (and the step profile), with rich when installed."""
+    tables = [(TABLE_COLUMNS, table_rows(report), "onnxformer bench")]
+    if report.get("step_profile"):
+        tables.append((PROFILE_COLUMNS, profile_table_rows(report), "decode step time vs past length (batch 1)"))
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        for columns, rows, title in tables:
+            widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(columns)]
+            print(title)
+            for line in (columns, *rows):
+                print("  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths))))
+        print(machine_line(report))
+        return
+    console = Console(file=sys.stdout, width=None if sys.stdout.isatty() else 160)
+    for columns, rows, title in tables:
+        table = Table(title=title, title_justify="left")
+        for i, name in enumerate(columns):
+            table.add_column(name, justify="left" if i < 2 else "right")
+        for row in rows:
+            table.add_row(*row)
+        console.print(table)
+    console.print(machine_line(report) + "; roofline: share of the memory (mem) or compute (com) bound",
+                  highlight=False)
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--worker"]:

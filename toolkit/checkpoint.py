@@ -6,20 +6,40 @@ Loading never executes pickled code: safetensors is plain data, and .pt files lo
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from runtime.errors import CheckpointError, ConfigError, TokenizerError
+from runtime.errors import TokenizerError
+from toolkit.errors import CheckpointError, ConfigError
 from runtime.tokenizer import CharTokenizer
 from toolkit.config import ModelConfig
 from toolkit.model import Transformer
+from toolkit.outdir import OutputKind, check_output, staged_output
 
 CONFIG, WEIGHTS, WEIGHTS_PT, TOKENIZER, TRAINING = "config.json", "weights.safetensors", "weights.pt", "tokenizer.json", "training.json"
+CHECKPOINT_FILES = (CONFIG, WEIGHTS, WEIGHTS_PT, TOKENIZER, TRAINING)   # every file a checkpoint writer may write
+
+
+def checkpoint_files(path: Path) -> set[str] | None:
+    """The files of the onnxformer checkpoint at path (recognised by a config.json of ours beside its weights),
+    or None when path is not one."""
+    try:
+        ModelConfig.load(path / CONFIG)
+    except (ConfigError, OSError, UnicodeDecodeError):
+        return None
+    if not any((path / w).is_file() for w in (WEIGHTS, WEIGHTS_PT)):
+        return None
+    return set(CHECKPOINT_FILES)
+
+
+CHECKPOINT_KIND = OutputKind("checkpoint", checkpoint_files, "'onnxformer init', 'train' or 'import'")
+
+
+def check_checkpoint_output(path: str | Path, force: bool = False) -> Path:
+    """Refuse, before any work, an --out that save_checkpoint would not write (see toolkit/outdir.py)."""
+    return check_output(path, force, CHECKPOINT_KIND)
 
 
 @dataclass
@@ -34,18 +54,14 @@ class Checkpoint:
 
 def save_checkpoint(path: str | Path, model: Transformer, tokenizer: CharTokenizer | None = None,
                     training: dict | None = None, force: bool = False) -> Path:
-    """Write a checkpoint directory atomically (a temporary directory renamed into place)."""
+    """Write a checkpoint directory atomically; force replaces only an onnxformer checkpoint (toolkit/outdir.py)."""
     from safetensors.torch import save_file
 
-    path = Path(path)
-    if path.exists() and not force:
-        raise CheckpointError(f"{path} already exists; choose another --out or pass --force to replace it")
+    path = check_checkpoint_output(path, force)
     if tokenizer is not None and tokenizer.vocab_size > model.config.vocab_size:
         raise ConfigError(f"tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is "
                           f"{model.config.vocab_size}; make vocab_size at least {tokenizer.vocab_size}")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
-    try:
+    with staged_output(path, force, CHECKPOINT_KIND) as tmp:
         model.config.save(tmp / CONFIG)
         state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
         save_file(state, str(tmp / WEIGHTS))
@@ -53,16 +69,6 @@ def save_checkpoint(path: str | Path, model: Transformer, tokenizer: CharTokeniz
             tokenizer.save(tmp / TOKENIZER)
         if training is not None:
             (tmp / TRAINING).write_text(json.dumps(training, indent=2) + "\n")
-        mask = os.umask(0)
-        os.umask(mask)
-        for f in (tmp, *tmp.iterdir()):                  # mkdtemp makes 0700; checkpoints are shared like any file
-            os.chmod(f, (0o777 if f.is_dir() else 0o666) & ~mask)
-        if path.exists():
-            shutil.rmtree(path)
-        os.replace(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return path
 
 

@@ -14,7 +14,7 @@ import importlib
 
 import click
 
-COMMANDS = ("init", "train", "export", "optimize", "generate", "parity", "bench", "inspect", "demo")
+COMMANDS = ("init", "train", "export", "optimize", "generate", "parity", "bench", "inspect", "demo", "serve", "loadtest")
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})

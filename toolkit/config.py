@@ -7,7 +7,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from runtime.errors import ConfigError
+from toolkit.errors import ConfigError
 
 
 @dataclass(frozen=True)

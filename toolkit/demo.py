@@ -83,8 +83,7 @@ def run_demo(out: Path, checkpoint: Path = EXAMPLE, held_out: int = 300, bench: 
 
     if bench:
         step("6. speed: PyTorch (KV cache) vs ONNX Runtime, batch 1 and 8, 16 new tokens, interleaved rounds")
-        from toolkit.bench import BenchSettings, run_bench
-        from toolkit.commands.bench import print_tables
+        from toolkit.bench import BenchSettings, print_tables, run_bench
 
         settings = BenchSettings(batch_sizes=(1, 8), src_len=24, new_tokens=16, repeat=15, warmup=2, nocache=False)
         report = run_bench([str(checkpoint), str(fp32), str(fused), str(int8)], settings)

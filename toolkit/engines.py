@@ -9,9 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from runtime.errors import CheckpointError, ProviderError
-
-PROVIDERS = ("auto", "cpu", "cuda")
+from runtime.errors import ProviderError
+from runtime.session import PROVIDER_CHOICES
+from toolkit.errors import CheckpointError
+from toolkit.extras import require
 
 
 @dataclass
@@ -52,8 +53,8 @@ def model_kind(path: str | Path) -> str:
 def open_model(path: str | Path, provider: str = "auto", threads: int | None = None,
                use_cache: bool = True) -> OpenModel:
     """Load a checkpoint (PyTorch engine) or a bundle (ONNX Runtime engine) from a directory."""
-    if provider not in PROVIDERS:
-        raise ProviderError(f"unknown provider {provider!r}; choose one of: {', '.join(PROVIDERS)}")
+    if provider not in PROVIDER_CHOICES:
+        raise ProviderError(f"unknown provider {provider!r}; choose one of: {', '.join(PROVIDER_CHOICES)}")
     if threads is not None and threads < 1:
         raise ProviderError(f"threads must be at least 1, got {threads}")
     path = Path(path)
@@ -66,8 +67,6 @@ def open_model(path: str | Path, provider: str = "auto", threads: int | None = N
 
 
 def _open_checkpoint(path: Path, provider: str, threads: int | None, use_cache: bool) -> OpenModel:
-    from toolkit.commands._common import require
-
     require("torch")
     import torch
 

@@ -1,32 +1,13 @@
-"""What every command shares: lazy import checks and the one-line error handling."""
+"""What every command shares: the one-line error handling."""
 
 from __future__ import annotations
 
 import functools
-import importlib
 import sys
 
 import click
 
 from runtime.errors import OnnxformerError
-
-
-class MissingExtra(OnnxformerError):
-    """A command needs packages (torch, onnx, onnxscript) that this install lacks."""
-
-
-def require(extra: str = "export"):
-    """Import check for commands that need PyTorch and friends: a clear message instead of a traceback."""
-    missing = []
-    for module in {"export": ("torch", "onnx", "onnxscript"), "torch": ("torch",)}[extra]:
-        try:
-            importlib.import_module(module)
-        except ImportError:
-            missing.append(module)
-    if missing:
-        verb = "is" if len(missing) == 1 else "are"
-        raise MissingExtra(f"this command needs {', '.join(missing)}, which {verb} not installed; "
-                           f"install it with: pip install 'onnxformer[export]'")
 
 
 def friendly(fn):

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import click
 
+from runtime.session import PROVIDER_CHOICES
 from toolkit.commands._common import friendly
 
 
@@ -29,7 +30,7 @@ def parse_sizes(ctx, param, value: str) -> tuple[int, ...]:
 @click.option("--src-len", default=32, show_default=True, type=click.IntRange(min=1), help="source tokens per input")
 @click.option("--new-tokens", default=64, show_default=True, type=click.IntRange(min=1),
               help="tokens generated per input (EOS suppressed, so exactly this many)")
-@click.option("--provider", default="auto", show_default=True, type=click.Choice(["auto", "cpu", "cuda"]))
+@click.option("--provider", default="auto", show_default=True, type=click.Choice(PROVIDER_CHOICES))
 @click.option("--threads", type=click.IntRange(min=1), help="torch and ORT intra-op threads [default: all CPUs]")
 @click.option("--repeat", default=5, show_default=True, type=click.IntRange(min=1), help="timed rounds")
 @click.option("--warmup", default=1, show_default=True, type=click.IntRange(min=0), help="untimed rounds first")
@@ -49,7 +50,7 @@ def command(models, batch_sizes, src_len, new_tokens, provider, threads, repeat,
     time, peak memory, size, roofline fraction and the ratio to the first MODEL's first engine.
     """
     from runtime.errors import InputError
-    from toolkit.bench import BenchSettings, run_bench
+    from toolkit.bench import BenchSettings, print_tables, run_bench
 
     for out in (save, plot):
         if out and not Path(out).resolve().parent.is_dir():
@@ -97,33 +98,3 @@ def progress_bar():
     task = bar.add_task("starting workers", total=None)
     with bar:
         yield lambda done, total, label: bar.update(task, completed=done, total=total, description=label)
-
-
-def print_tables(report: dict) -> None:
-    """The benchmark table (and the step profile), with rich when installed."""
-    from toolkit.bench import PROFILE_COLUMNS, TABLE_COLUMNS, machine_line, profile_table_rows, table_rows
-
-    tables = [(TABLE_COLUMNS, table_rows(report), "onnxformer bench")]
-    if report.get("step_profile"):
-        tables.append((PROFILE_COLUMNS, profile_table_rows(report), "decode step time vs past length (batch 1)"))
-    try:
-        from rich.console import Console
-        from rich.table import Table
-    except ImportError:
-        for columns, rows, title in tables:
-            widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(columns)]
-            click.echo(title)
-            for line in (columns, *rows):
-                click.echo("  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths))))
-        click.echo(machine_line(report))
-        return
-    console = Console(file=sys.stdout, width=None if sys.stdout.isatty() else 160)
-    for columns, rows, title in tables:
-        table = Table(title=title, title_justify="left")
-        for i, name in enumerate(columns):
-            table.add_column(name, justify="left" if i < 2 else "right")
-        for row in rows:
-            table.add_row(*row)
-        console.print(table)
-    console.print(machine_line(report) + "; roofline: share of the memory (mem) or compute (com) bound",
-                  highlight=False)

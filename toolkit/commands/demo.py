@@ -4,7 +4,8 @@ from pathlib import Path
 
 import click
 
-from toolkit.commands._common import friendly, require
+from toolkit.commands._common import friendly
+from toolkit.extras import require
 
 
 @click.command("demo")
@@ -19,7 +20,7 @@ def command(out, held_out, no_bench):
     from toolkit.demo import EXAMPLE, run_demo
 
     if not (EXAMPLE / "config.json").exists():
-        from runtime.errors import CheckpointError
+        from toolkit.errors import CheckpointError
         raise CheckpointError(f"the example checkpoint {EXAMPLE} is missing; train it with "
                               f"'onnxformer train --task dates --out {EXAMPLE}'")
     run_demo(out, held_out=held_out, bench=not no_bench)

@@ -2,7 +2,8 @@
 
 import click
 
-from toolkit.commands._common import friendly, require
+from toolkit.commands._common import friendly
+from toolkit.extras import require
 
 
 @click.command("export")
@@ -15,7 +16,7 @@ def command(checkpoint, out, opset, force):
     """Export a checkpoint to an ONNX bundle (encoder.onnx + cached decoder.onnx), validated by parity."""
     require("export")
     from exporters.export import export_checkpoint
-    from runtime.errors import ParityError
+    from toolkit.parity import ParityError
 
     def progress(message: str) -> None:
         click.echo(f"  {message}")

@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from runtime.errors import InputError
+from runtime.session import PROVIDER_CHOICES
 from toolkit.commands._common import friendly
 
 
@@ -40,20 +41,6 @@ def read_inputs(texts: tuple[str, ...], input_file: str | None, ids: tuple[str, 
     return inputs
 
 
-def encode_inputs(inputs: list[str | list[int]], tokenizer) -> list[list[int]]:
-    """Token ids of every input; text needs a tokenizer."""
-    seqs = []
-    for i, item in enumerate(inputs):
-        if isinstance(item, list):
-            seqs.append(item)
-        elif tokenizer is None:
-            raise InputError(f"input {i} is text, but this model has no tokenizer (tokenizer.json); "
-                             f"pass token ids with --ids \"5 6 7\"")
-        else:
-            seqs.append(tokenizer.encode(item))
-    return seqs
-
-
 @click.command("generate")
 @click.argument("model", type=click.Path(path_type=Path))
 @click.argument("texts", nargs=-1)
@@ -63,7 +50,7 @@ def encode_inputs(inputs: list[str | list[int]], tokenizer) -> list[list[int]]:
 @click.option("--num-return", default=1, show_default=True, help="hypotheses returned per input (<= beam)")
 @click.option("--length-penalty", default=1.0, show_default=True, help="beam scores are log-prob / length ** this")
 @click.option("--max-new-tokens", type=int, help="most tokens generated per input [default: min(64, max_len)]")
-@click.option("--provider", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
+@click.option("--provider", type=click.Choice(PROVIDER_CHOICES), default="auto", show_default=True)
 @click.option("--threads", type=int, help="intra-op threads (default: the library's choice)")
 @click.option("--json", "as_json", is_flag=True, help="one JSON object a line for each returned hypothesis")
 @friendly
@@ -73,7 +60,7 @@ def command(model, texts, input_file, ids, beam, num_return, length_penalty, max
     Prints one line per input: the generated text (or ids, for models without a tokenizer); with
     --num-return N the N hypotheses are tab-separated, best first.
     """
-    from runtime.generate import generate_ids, to_outputs
+    from runtime.generate import encode_inputs, generate_ids, records, to_outputs
     from runtime.search import SearchOptions
     from toolkit.engines import open_model
 
@@ -87,8 +74,8 @@ def command(model, texts, input_file, ids, beam, num_return, length_penalty, max
     if provider == "auto":                                 # say what "auto" chose (stderr: stdout stays the output)
         click.echo(f"generated with {opened.describe()}", err=True)
     if as_json:
-        for out in outputs:
-            click.echo(json.dumps({"input": inputs[out.index], **out.to_dict()}, ensure_ascii=False))
+        for record in records(inputs, outputs):
+            click.echo(json.dumps(record, ensure_ascii=False))
         return
     lines: list[list[str]] = [[] for _ in inputs]
     for out in outputs:

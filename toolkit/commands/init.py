@@ -2,7 +2,8 @@
 
 import click
 
-from toolkit.commands._common import friendly, require
+from toolkit.commands._common import friendly
+from toolkit.extras import require
 
 
 @click.command("init")

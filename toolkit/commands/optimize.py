@@ -2,7 +2,8 @@
 
 import click
 
-from toolkit.commands._common import friendly, require
+from toolkit.commands._common import friendly
+from toolkit.extras import require
 
 
 @click.command("optimize")
@@ -30,7 +31,7 @@ def command(bundle, out, target, precision, fuse, attention, kv_cache, per_chann
     """Optimize a bundle for ONNX Runtime: attention/LayerNorm/GELU fusion, fp16 or int8, checked for parity."""
     require("export")
     from exporters.optimize import optimize_bundle
-    from runtime.errors import ParityError
+    from toolkit.parity import ParityError
 
     def progress(message: str) -> None:
         if not as_json:

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import click
 
-from runtime.errors import CheckpointError
-from toolkit.commands._common import friendly, require
+from toolkit.commands._common import friendly
+from toolkit.extras import require
 
 TASKS = ("dates",)
 
@@ -27,9 +27,10 @@ def command(task, out, steps, seed, eval_every, threads, force):
     Shows step, loss and held-out exact-match accuracy as it goes; training.json in the checkpoint
     records the recipe, the timing and the final held-out accuracy.
     """
-    if out.exists() and not force:                  # refuse before spending minutes on training
-        raise CheckpointError(f"{out} already exists; choose another --out or pass --force to replace it")
     require("torch")
+    from toolkit.checkpoint import check_checkpoint_output
+
+    check_checkpoint_output(out, force)              # refuse before spending minutes on training
     import torch
 
     from toolkit.checkpoint import save_checkpoint

@@ -16,7 +16,7 @@ from runtime.errors import InputError
 from runtime.generate import generate_ids
 from runtime.search import SearchOptions
 from toolkit.parity.tolerances import Tolerance
-from toolkit.tasks import dates
+from toolkit.tasks import task_parity_inputs
 
 BATCH = 64                          # inputs per generate call (both engines see the same padded batches)
 
@@ -86,14 +86,13 @@ class GenerationReport:
 
 
 def parity_inputs(config, tokenizer=None, samples: int = 100, seed: int = 0) -> tuple[list[list[int]], str]:
-    """Token id inputs and their description: dates held-out examples for a dates model, else random ids."""
+    """Token id inputs and their description: the held-out examples of the model's task (toolkit.tasks), else
+    random ids."""
     if samples < 1:
         raise InputError(f"--samples must be at least 1, got {samples}")
-    if tokenizer is not None and "".join(tokenizer.chars) == dates.CHARS:
-        texts = [src for src, _ in dates.held_out_examples()]
-        seqs = [tokenizer.encode(t) for t in texts if len(t) <= config.max_len][:samples]
-        if seqs:                                        # at most the 1,000 held-out examples
-            return seqs, f"{len(seqs)} dates held-out examples"
+    held_out = task_parity_inputs(tokenizer, config.max_len, samples)
+    if held_out is not None:
+        return held_out
     rng = np.random.default_rng(seed)
     low, longest = min(3, config.vocab_size - 1), min(config.max_len, 24)
     lens = rng.integers(1, longest + 1, size=samples)

@@ -1,10 +1,15 @@
-"""Per-graph parity: each ONNX graph's outputs against PyTorch, judged by the tolerance table.
+"""Per-graph parity: each ONNX graph's outputs against a reference, judged by the tolerance table. The one comparator.
 
-The encoder runs once on a padded batch with varied source lengths. The decoder then runs a first
-step with an empty past (past_len 0, new_len >= 1) and `steps` cached one-token steps, ONNX Runtime
-fed with its OWN encoder outputs and presents, PyTorch with its own, so errors that accumulate
-through the cache show up. Both sides receive the same seeded random tokens, so every step sees new
-input (greedy decoding of a trained model repeats EOS once done, and its logits stop varying).
+    graph_parity(model, bundle)                 PyTorch is the reference: the export gate, `onnxformer parity`
+    bundle_parity(source, candidate, config)    another bundle's graphs on ONNX Runtime are: optimize, ORT format
+
+Both sides run the same script (compare): the encoder once on a padded batch with varied source lengths, then
+the decoder's first step with an empty past (past_len 0, new_len >= 1) and `steps` cached one-token steps, each
+side fed with its OWN encoder outputs and presents, so errors that accumulate through the cache show up. The
+tokens fed are the same for both: seeded random ones against PyTorch (greedy decoding of a trained model
+repeats EOS once done, and its logits stop varying), the reference's greedy choice against another bundle (its
+agreement is reported as teacher_forced_tokens_equal). A static-cache decoder runs through
+runtime.static_cache.DynamicView, so both sides are fed and compared in the dynamic contract.
 
 Padding: the model masks keys only, so hidden states and cross K/V at padded source positions are
 well defined (every padded query still attends to the real keys) and deterministic. They are
@@ -24,18 +29,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import onnxruntime as ort
 import torch
 
-from runtime.errors import BundleError, InputError, ParityError
+from runtime.errors import BundleError, InputError
 from runtime.generate import pad_batch
 from runtime.manifest import read_manifest
-from runtime.session import choose_provider, make_session
-from runtime.spec import cache_name, graph_specs
+from runtime.session import SessionConfig, choose_provider, make_session
+from runtime.spec import CROSS, KV, PRESENT, SELF, cache_name, cache_names, first_step_cache, graph_specs, past_of
 from runtime.static_cache import dynamic_view
+from toolkit.config import ModelConfig
 from toolkit.model import Transformer
+from toolkit.parity import ParityError
 from toolkit.parity.tolerances import MIN_REFERENCE_STD, Tolerance, tolerance
 
+GRAPH_OPTIMIZATION = SessionConfig().graph_optimization   # ONNX Runtime sessions as the runtime makes them
 
 
 @dataclass
@@ -49,17 +56,38 @@ class OutputCheck:
     max_rel: float = 0.0            # max_abs / max |reference|
     step: int | None = None         # decoder step of the worst element (0 = first step, past_len 0)
     index: tuple = ()               # index of the worst element
-    expected: float = 0.0           # PyTorch's value there
-    got: float = 0.0                # ONNX Runtime's value there
+    expected: float = 0.0           # the reference's value there
+    got: float = 0.0                # the candidate's value there
     scale: float = 0.0              # largest reference magnitude seen
     limit: float | None = None      # max abs error allowed (None = report only)
     ok: bool = True
+    sides: tuple = ("onnxruntime", "pytorch")   # (candidate, reference), for messages
+
+    def fold(self, ref: np.ndarray, got: np.ndarray, tol: Tolerance | None, step: int | None) -> None:
+        """Fold one comparison into the running worst of this output."""
+        if ref.shape != got.shape:
+            raise ParityError(f"{self.graph} output {self.output} step {step}: {self.sides[0]} shape {got.shape}, "
+                              f"{self.sides[1]} shape {ref.shape}")
+        self.steps += 1
+        if ref.size:
+            diff = np.abs(got.astype(np.float64) - ref.astype(np.float64))
+            diff = np.where(np.isnan(diff), np.inf, diff)   # NaN never passes
+            flat = int(np.argmax(diff))
+            worst = float(diff.flat[flat])
+            self.scale = max(self.scale, float(np.abs(ref).max()))
+            self.max_rel = max(self.max_rel, worst / max(self.scale, 1e-12))
+            if worst >= self.max_abs and (worst > self.max_abs or self.steps == 1):
+                index = np.unravel_index(flat, diff.shape)
+                self.max_abs, self.step, self.index = worst, step, tuple(int(i) for i in index)
+                self.expected, self.got = float(ref[index]), float(got[index])
+        self.limit = None if tol is None else tol.limit(self.output, self.scale)
+        self.ok = self.limit is None or self.max_abs <= self.limit
 
     def where(self) -> str:
         step = "" if self.step is None else f" step {self.step}"
         allowed = "" if self.limit is None else f", allowed {self.limit:.3g}"
-        return (f"{self.graph} output {self.output}{step} at index {list(self.index)}: "
-                f"onnxruntime {self.got:.6g} vs pytorch {self.expected:.6g} (abs error {self.max_abs:.3g}{allowed})")
+        return (f"{self.graph} output {self.output}{step} at index {list(self.index)}: {self.sides[0]} "
+                f"{self.got:.6g} vs {self.sides[1]} {self.expected:.6g} (abs error {self.max_abs:.3g}{allowed})")
 
     def to_dict(self) -> dict:
         return {"graph": self.graph, "output": self.output, "steps": self.steps, "max_abs": self.max_abs,
@@ -73,12 +101,18 @@ class ParityReport:
 
     provider: str
     precision: str
-    tolerance: Tolerance
+    tolerance: Tolerance | None     # None: numbers reported, not judged (as a tolerance whose atol is None)
     batch: int
     src_lens: list[int]
     steps: int
+    reference: str = "pytorch"      # "pytorch" | "source bundle" | ...
     checks: list[OutputCheck] = field(default_factory=list)
     reference_std: dict[str, float] = field(default_factory=dict)
+    teacher_forced_tokens_equal: float | None = None   # fed the reference's greedy tokens: how often both chose them
+
+    @property
+    def judged(self) -> bool:
+        return self.tolerance is not None and self.tolerance.judged
 
     @property
     def vacuous(self) -> list[str]:
@@ -98,12 +132,17 @@ class ParityReport:
             return (f"parity NOT verified: reference outputs {', '.join(self.vacuous)} do not vary "
                     f"(std <= {MIN_REFERENCE_STD:g}), so a comparison would pass vacuously; check the model weights")
         worst = max(self.checks, key=lambda c: c.max_abs)
-        tol = "report only" if self.tolerance.atol is None else f"logits tolerance {self.tolerance.atol:g}"
+        against = "" if self.reference == "pytorch" else f" against the {self.reference}"
+        if not self.judged:
+            return (f"parity reported{against} on {self.provider} {self.precision} (report only, not judged): "
+                    f"max abs error {worst.max_abs:.2e} ({worst.where()})")
+        tol = f"logits tolerance {self.tolerance.atol:g}"
         if self.failures:
             first = max(self.failures, key=lambda c: c.max_abs)
-            return (f"parity FAILED on {self.provider} {self.precision} ({tol}): {len(self.failures)} output(s) out of "
-                    f"tolerance; worst: {first.where()}")
-        return f"parity ok on {self.provider} {self.precision} ({tol}): max abs error {worst.max_abs:.2e} ({worst.where()})"
+            return (f"parity FAILED{against} on {self.provider} {self.precision} ({tol}): {len(self.failures)} "
+                    f"output(s) out of tolerance; worst: {first.where()}")
+        return (f"parity ok{against} on {self.provider} {self.precision} ({tol}): max abs error "
+                f"{worst.max_abs:.2e} ({worst.where()})")
 
     def table(self) -> str:
         """The per-output table; cache outputs are grouped over layers (worst layer shown)."""
@@ -122,12 +161,17 @@ class ParityReport:
                 worst = max(checks, key=lambda c: c.max_abs)
                 per_graph[graph] = {"max_abs": worst.max_abs, "max_rel": max(c.max_rel for c in checks),
                                     "worst_output": worst.output, "ok": all(c.ok for c in checks)}
-        return {"verified": self.ok, "provider": self.provider, "precision": self.precision,
-                "tolerance": self.tolerance.atol, "token_match": self.tolerance.token_match,
-                "batch": self.batch, "src_lens": list(self.src_lens), "steps": self.steps,
-                "max_abs": max((c.max_abs for c in self.checks), default=None), "summary": self.summary(),
-                **per_graph, "reference_std": dict(self.reference_std),
-                "outputs": [c.to_dict() for c in self.checks]}
+        tol = self.tolerance
+        record = {"verified": self.ok, "judged": self.judged, "provider": self.provider, "precision": self.precision,
+                  "reference": self.reference, "graph_optimization": GRAPH_OPTIMIZATION,
+                  "tolerance": None if tol is None else tol.atol, "token_match": None if tol is None else tol.token_match,
+                  "batch": self.batch, "src_lens": list(self.src_lens), "steps": self.steps,
+                  "max_abs": max((c.max_abs for c in self.checks), default=None), "summary": self.summary(),
+                  **per_graph, "reference_std": dict(self.reference_std),
+                  "outputs": [c.to_dict() for c in self.checks]}
+        if self.teacher_forced_tokens_equal is not None:
+            record["teacher_forced_tokens_equal"] = self.teacher_forced_tokens_equal
+        return record
 
 
 def record_table(record: dict) -> str:
@@ -149,9 +193,104 @@ def record_table(record: dict) -> str:
     return "\n".join(lines)
 
 
-def session(path: str | Path, provider: str = "cpu") -> ort.InferenceSession:
-    """An ONNX Runtime session with default (full) graph optimizations, as the runtime makes it."""
-    return make_session(path, choose_provider(provider))
+class TorchSide:
+    """The reference model's encode and cached decode_step, outputs named as the graph specs name them."""
+
+    label = "pytorch"
+
+    def __init__(self, model: Transformer):
+        self.model, self.device = model, next(model.parameters()).device
+
+    def encode(self, ids: np.ndarray, mask: np.ndarray) -> dict[str, np.ndarray]:
+        self.mask = torch.from_numpy(mask).to(self.device)
+        memory, self.cross = self.model.encode(torch.from_numpy(ids).to(self.device), self.mask)
+        self.past = self.model.empty_cache(len(ids), self.device)
+        return {"encoder_hidden_states": _numpy(memory), **_named(self.cross, CROSS)}
+
+    def step(self, tokens: np.ndarray) -> dict[str, np.ndarray]:
+        logits, self.past = self.model.decode_step(torch.from_numpy(tokens).to(self.device), self.mask, self.past,
+                                                   self.cross)
+        return {"logits": _numpy(logits), **_named(self.past, SELF)}
+
+
+def _numpy(t: torch.Tensor) -> np.ndarray:
+    return t.float().cpu().numpy()
+
+
+def _named(layers, attn: str) -> dict[str, np.ndarray]:
+    return {cache_name(PRESENT, i, attn, kv): _numpy(t) for i, layer in enumerate(layers) for kv, t in zip(KV, layer)}
+
+
+class OrtSide:
+    """A bundle's encoder and decoder graphs on ONNX Runtime, the decoder fed back its own presents."""
+
+    def __init__(self, paths: dict[str, Path], config: dict, provider: str, label: str = "onnxruntime"):
+        self.config, self.label = config, label
+        provider = choose_provider(provider)
+        self.encoder = make_session(paths["encoder"], provider)
+        self.decoder = dynamic_view(make_session(paths["decoder"], provider))
+        specs = graph_specs(config)
+        self.encoder_names, self.decoder_names = specs["encoder"].output_names, specs["decoder"].output_names
+        self.presents = cache_names(config["n_decoder_layers"], PRESENT, SELF)
+
+    def encode(self, ids: np.ndarray, mask: np.ndarray) -> dict[str, np.ndarray]:
+        out = dict(zip(self.encoder_names, self.encoder.run(self.encoder_names, {"input_ids": ids,
+                                                                                  "attention_mask": mask})))
+        self.mask, self.feeds = mask, first_step_cache(self.config, out, len(ids))
+        return out
+
+    def step(self, tokens: np.ndarray) -> dict[str, np.ndarray]:
+        out = dict(zip(self.decoder_names, self.decoder.run(self.decoder_names, {
+            "input_ids": tokens, "encoder_attention_mask": self.mask, **self.feeds})))
+        self.feeds.update({past_of(name): out[name] for name in self.presents})    # fed its own cache
+        return out
+
+
+def compare(reference, candidate, config: ModelConfig, tol: Tolerance | None, provider: str, precision: str,
+            steps: int, seed: int, src_lens: list[int], first_len: int = 2, greedy: bool = False,
+            reference_name: str = "pytorch") -> ParityReport:
+    """Run both sides (TorchSide / OrtSide) on the same inputs and fold every output into a report.
+
+    greedy: later tokens are the reference's greedy choice (else seeded random ids, the same for both)."""
+    c, batch = config, len(src_lens)
+    specs = graph_specs(c.to_dict())
+    report = ParityReport(provider, precision, tol, batch, list(src_lens), steps, reference_name)
+    checks: dict[tuple[str, str], OutputCheck] = {}
+
+    def check(graph: str, outs: tuple[dict, dict], step: int | None) -> None:
+        for name in specs[graph].output_names:
+            if (graph, name) not in checks:
+                checks[graph, name] = OutputCheck(graph, name, sides=(candidate.label, reference.label))
+                report.checks.append(checks[graph, name])
+            checks[graph, name].fold(outs[0][name], outs[1][name], tol, step)
+
+    # encoder: once, on the padded batch
+    ids, mask = sample_inputs(c, src_lens, seed)
+    outs = reference.encode(ids, mask), candidate.encode(ids, mask)
+    check("encoder", outs, None)
+    report.reference_std["encoder_hidden_states"] = float(outs[0]["encoder_hidden_states"].std())
+
+    # decoder: first step (empty past, first_len tokens), then one-token cached steps
+    rng = np.random.default_rng(seed + 1)
+    low = min(3, c.vocab_size - 1)
+    tokens = np.concatenate([np.full((batch, 1), c.bos_id, dtype=np.int64),
+                             rng.integers(low, c.vocab_size, (batch, first_len - 1))], axis=1)
+    ref_logits, agree = [], 0
+    for step in range(steps + 1):
+        outs = reference.step(tokens), candidate.step(tokens)
+        check("decoder", outs, step)
+        ref_logits.append(outs[0]["logits"].reshape(-1, c.vocab_size))
+        if greedy:
+            chosen = [o["logits"][:, -1].argmax(-1) for o in outs]
+            agree += int((chosen[0] == chosen[1]).sum())
+            tokens = chosen[0][:, None].astype(np.int64)                # the reference's choice, for both
+        else:
+            tokens = rng.integers(low, c.vocab_size, (batch, 1))        # the same next token for both
+    # per-vocabulary-entry std over all rows and positions, averaged: zero if logits ignore the input
+    report.reference_std["logits"] = float(np.concatenate(ref_logits).std(axis=0).mean())
+    if greedy:
+        report.teacher_forced_tokens_equal = agree / (batch * (steps + 1))
+    return report
 
 
 def graph_paths(model: Transformer, bundle: str | Path | dict, precision: str | None = None) -> tuple[dict, str]:
@@ -183,29 +322,6 @@ def default_src_lens(batch: int, longest: int = 11) -> list[int]:
     return [max(1, round(longest * (batch - i) / batch)) for i in range(batch)]
 
 
-def _compare(check: OutputCheck, ref: np.ndarray, got: np.ndarray, tol: Tolerance, step: int | None) -> None:
-    """Fold one comparison into the running worst of an output."""
-    if ref.shape != got.shape:
-        raise ParityError(f"{check.graph} output {check.output} step {step}: onnxruntime shape {got.shape}, "
-                             f"pytorch shape {ref.shape}")
-    check.steps += 1
-    if ref.size == 0:
-        return
-    diff = np.abs(got.astype(np.float64) - ref.astype(np.float64))
-    diff = np.where(np.isnan(diff), np.inf, diff)   # NaN never passes
-    flat = int(np.argmax(diff))
-    worst = float(diff.flat[flat])
-    scale = float(np.abs(ref).max())
-    check.scale = max(check.scale, scale)
-    check.max_rel = max(check.max_rel, worst / max(scale, 1e-12))
-    if worst >= check.max_abs and (worst > check.max_abs or check.steps == 1):
-        index = np.unravel_index(flat, diff.shape)
-        check.max_abs, check.step, check.index = worst, step, tuple(int(i) for i in index)
-        check.expected, check.got = float(ref[index]), float(got[index])
-    check.limit = tol.limit(check.output, check.scale)
-    check.ok = check.limit is None or check.max_abs <= check.limit
-
-
 @torch.no_grad()
 def graph_parity(model: Transformer, bundle: str | Path | dict, provider: str = "cpu", precision: str | None = None,
                  steps: int = 16, seed: int = 0, batch: int = 3, src_lens=None, first_len: int = 2) -> ParityReport:
@@ -225,63 +341,24 @@ def graph_parity(model: Transformer, bundle: str | Path | dict, provider: str = 
     if max(src_lens) > c.max_len or first_len + steps > c.max_len:
         raise InputError(f"source length {max(src_lens)} or target length {first_len + steps} exceeds the model's "
                          f"max_len {c.max_len}; use fewer steps or shorter sources")
-    specs = graph_specs(c.to_dict())
-    enc_sess, dec_sess = session(paths["encoder"], provider), dynamic_view(session(paths["decoder"], provider))
+    candidate = OrtSide(paths, c.to_dict(), provider)
     was_training = model.training
     model.eval()
-    device = next(model.parameters()).device
-    report = ParityReport(provider, precision, tol, batch, src_lens, steps)
-    checks: dict[tuple[str, str], OutputCheck] = {}
-
-    def check(graph: str, name: str, ref: torch.Tensor, got: np.ndarray, step: int | None) -> None:
-        key = (graph, name)
-        if key not in checks:
-            checks[key] = OutputCheck(graph, name)
-            report.checks.append(checks[key])
-        _compare(checks[key], ref.float().cpu().numpy(), got, tol, step)
-
     try:
-        # encoder: once, on the padded batch
-        ids, mask = sample_inputs(c, src_lens, seed)
-        t_ids, t_mask = torch.from_numpy(ids).to(device), torch.from_numpy(mask).to(device)
-        memory, cross = model.encode(t_ids, t_mask)
-        enc_names = specs["encoder"].output_names
-        enc_out = dict(zip(enc_names, enc_sess.run(enc_names, {"input_ids": ids, "attention_mask": mask})))
-        check("encoder", "encoder_hidden_states", memory, enc_out["encoder_hidden_states"], None)
-        for i, layer in enumerate(cross):
-            for kv, ref in zip(("key", "value"), layer):
-                name = cache_name("present", i, "encoder", kv)
-                check("encoder", name, ref, enc_out[name], None)
-        report.reference_std["encoder_hidden_states"] = float(memory.float().std())
-
-        # decoder: first step (empty past, first_len tokens), then one-token cached steps
-        rng = np.random.default_rng(seed + 1)
-        low = min(3, c.vocab_size - 1)
-        tokens = np.concatenate([np.full((batch, 1), c.bos_id, dtype=np.int64),
-                                 rng.integers(low, c.vocab_size, (batch, first_len - 1))], axis=1)
-        t_past = model.empty_cache(batch, device)
-        o_past = {}                                                     # onnxruntime's caches, by input name
-        empty = np.zeros((batch, c.n_heads, 0, c.head_dim), dtype=np.float32)
-        for i in range(c.n_decoder_layers):
-            for kv in ("key", "value"):
-                o_past[cache_name("past_key_values", i, "decoder", kv)] = empty
-                o_past[cache_name("past_key_values", i, "encoder", kv)] = enc_out[cache_name("present", i, "encoder", kv)]
-        dec_names = specs["decoder"].output_names
-        ref_logits = []
-        for step in range(steps + 1):
-            logits, t_past = model.decode_step(torch.from_numpy(tokens).to(device), t_mask, t_past, cross)
-            out = dict(zip(dec_names, dec_sess.run(dec_names, {"input_ids": tokens, "encoder_attention_mask": mask,
-                                                               **o_past})))
-            check("decoder", "logits", logits, out["logits"], step)
-            for i, layer in enumerate(t_past):
-                for kv, ref in zip(("key", "value"), layer):
-                    name = cache_name("present", i, "decoder", kv)
-                    check("decoder", name, ref, out[name], step)
-                    o_past[cache_name("past_key_values", i, "decoder", kv)] = out[name]   # fed its own cache
-            ref_logits.append(logits.float().cpu().numpy().reshape(-1, c.vocab_size))
-            tokens = rng.integers(low, c.vocab_size, (batch, 1))            # the same next token for both
-        # per-vocabulary-entry std over all rows and positions, averaged: zero if logits ignore the input
-        report.reference_std["logits"] = float(np.concatenate(ref_logits).std(axis=0).mean())
+        return compare(TorchSide(model), candidate, c, tol, provider, precision, steps, seed, src_lens, first_len)
     finally:
         model.train(was_training)
-    return report
+
+
+def bundle_parity(reference: dict[str, Path], candidate: dict[str, Path], config: dict, provider: str = "cpu",
+                  tol: Tolerance | None = None, precision: str = "fp32", steps: int = 8, batch: int = 3,
+                  seed: int = 0, labels: tuple[str, str] = ("optimized", "source bundle")) -> ParityReport:
+    """Candidate graphs against reference graphs, both on ONNX Runtime, fed the reference's greedy tokens;
+    tol None = report only. labels: (candidate, reference), as messages name them."""
+    sides = OrtSide(reference, config, provider, labels[1]), OrtSide(candidate, config, provider, labels[0])
+    return compare(*sides, ModelConfig.from_dict(config), tol, provider, precision, steps, seed,
+                   default_src_lens(batch), greedy=True, reference_name=labels[1])
+
+
+__all__ = ["OutputCheck", "ParityReport", "TorchSide", "OrtSide", "compare", "graph_parity", "bundle_parity",
+           "record_table", "sample_inputs", "default_src_lens", "graph_paths"]

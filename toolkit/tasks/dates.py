@@ -149,6 +149,17 @@ def held_out_examples() -> list[tuple[str, str]]:
     return make_examples(held_out_days(), seed=HELD_OUT_SEED + 1)
 
 
+def owns(tokenizer) -> bool:
+    """Whether a tokenizer is this task's: the dates model's vocabulary is exactly CHARS."""
+    return "".join(getattr(tokenizer, "chars", ())) == CHARS
+
+
+def parity_inputs(tokenizer, max_len: int, samples: int) -> list[list[int]]:
+    """Up to `samples` held-out sources (of the 1,000) as token ids, those that fit max_len: parity's inputs."""
+    texts = [src for src, _ in held_out_examples()]
+    return [tokenizer.encode(t) for t in texts if len(t) <= max_len][:samples]
+
+
 def make_tokenizer() -> CharTokenizer:
     """Digits, the separators " ,./-" and both cases of the alphabet: 67 characters, 70 ids with the specials."""
     return CharTokenizer(CHARS)

@@ -1,0 +1,44 @@
+"""onnxformer serve: an HTTP server (FastAPI on uvicorn) over a bundle, batching requests together."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from toolkit.commands._common import friendly
+from toolkit.extras import require
+
+
+@click.command("serve")
+@click.argument("bundle", type=click.Path(path_type=Path))
+@click.option("--host", default="127.0.0.1", show_default=True, help="address to listen on")
+@click.option("--port", default=8000, show_default=True, help="port to listen on (0: a free one, printed)")
+@click.option("--provider", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
+@click.option("--threads", type=int, help="ONNX Runtime intra-op threads (default: one per core)")
+@click.option("--max-batch", default=32, show_default=True, help="inputs decoded together (and most per request)")
+@click.option("--max-wait-ms", default=5.0, show_default=True, help="how long a request waits for others to batch with")
+@click.option("--max-queue", default=256, show_default=True, help="requests waiting or decoding; more get 503")
+@click.option("--max-beam", default=8, show_default=True, help="largest beam width a request may ask for")
+@friendly
+def command(bundle, host, port, provider, threads, max_batch, max_wait_ms, max_queue, max_beam):
+    """Serve BUNDLE over HTTP: POST /v1/generate, GET /healthz, /v1/model, /metrics, /docs.
+
+    Requests that arrive within --max-wait-ms of each other decode as one batch. SIGTERM (or Ctrl-C) stops
+    accepting connections, answers every accepted request, and exits 0.
+    """
+    require("serve")
+    from toolkit.serve.app import ServeSettings, Service, bind, run
+
+    settings = ServeSettings(provider=provider, threads=threads, max_batch=max_batch, max_wait_ms=max_wait_ms,
+                             max_queue=max_queue, max_beam=max_beam)
+    settings.check()
+    sock = bind(host, port)                           # before loading: a taken port fails at once
+    click.echo(f"loading {bundle} ...", err=True)
+    service = Service.load(bundle, settings)
+    info = service.model_info()
+    bound_host, bound_port = sock.getsockname()[:2]
+    click.echo(f"serving {bundle} ({info['precision']}, {info['kv_cache']} KV cache, ONNX Runtime on "
+               f"{info['provider']}) on http://{bound_host}:{bound_port}: {service.scheduler.kind} batching, "
+               f"max batch {max_batch}, max wait {max_wait_ms:g} ms, queue {max_queue}; warming up", err=True)
+    run(service, sock, log=lambda line: click.echo(line, err=True))

@@ -1,0 +1,201 @@
+"""Request-level batching: requests that arrive within max_wait decode together, on one decoding thread.
+
+    scheduler = Scheduler(engine, max_batch=32, max_wait_ms=5, max_queue=256)
+    scheduler.start()
+    future = scheduler.submit(Job(sequences, opts))     # Overloaded when max_queue requests already wait
+    hypotheses = future.result()                        # list[list[Hypothesis]], one list per input
+    scheduler.stop()                                    # finishes every accepted job, then the thread ends
+
+The thread takes the oldest waiting job, waits until max_wait has passed since that job arrived (or the batch
+is full), and decodes it together with every waiting job that can share its search: greedy jobs of any
+max_new_tokens (each input keeps its own limit, runtime.search.greedy), beam jobs with the same width, length
+and length penalty. A batch holds at most max_batch inputs. One batch runs at a time: on a CPU the engine
+already uses every core, and the batch is where requests share the work.
+
+Every submitted job's future is resolved exactly once: with its hypotheses, with the engine's exception, or
+cancelled (the client went away: `cancel`). A cancelled job that is still waiting never runs; one that is
+decoding gives up its rows at the next step (greedy) or when all its batch is cancelled (beam).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from runtime.generate import generate_ids
+from runtime.search import SearchOptions
+
+
+class Overloaded(Exception):
+    """The queue is full: answer 503 and ask the client to retry after `retry_after` seconds."""
+
+    def __init__(self, message: str, retry_after: int = 1):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class Stopped(Exception):
+    """The scheduler is draining (the server is shutting down): no new jobs."""
+
+
+@dataclass(eq=False)
+class Job:
+    """One request: its inputs' token ids and search options, and the future its answer goes to."""
+
+    sequences: list[list[int]]
+    opts: SearchOptions
+    arrived: float = field(default_factory=time.monotonic)
+    future: Future = field(default_factory=Future)
+    started: float | None = None                    # when its batch began decoding
+    cancelled: bool = False
+    _stop: tuple | None = None                      # (the running batch's stop array, this job's slice of it)
+
+    def key(self) -> tuple:
+        """Jobs with equal keys can decode in one search."""
+        o = self.opts
+        if o.beam == 1:                             # greedy: lengths may differ per input
+            return (1, o.ignore_eos)
+        return (o.beam, o.max_new_tokens, o.num_return, o.length_penalty, o.ignore_eos)
+
+
+class Scheduler:
+    """A bounded queue of jobs and the thread that decodes them in batches (request-level batching)."""
+
+    kind = "request-level"
+
+    def __init__(self, engine, max_batch: int = 32, max_wait_ms: float = 5.0, max_queue: int = 256, metrics=None):
+        if max_batch < 1 or max_queue < 1 or max_wait_ms < 0:
+            raise ValueError("max_batch and max_queue must be at least 1, max_wait_ms at least 0")
+        self.engine, self.metrics = engine, metrics
+        self.max_batch, self.max_wait, self.max_queue = max_batch, max_wait_ms / 1000.0, max_queue
+        self._pending: deque[Job] = deque()
+        self._running: list[Job] = []
+        self._cond = threading.Condition()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="onnxformer-scheduler", daemon=True)
+        self.batches = 0
+
+    # --- called from the server's threads ---
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, job: Job) -> Future:
+        with self._cond:
+            if self._stopping:
+                raise Stopped("the server is shutting down; send the request to another replica or retry later")
+            if len(self._pending) + len(self._running) >= self.max_queue:
+                raise Overloaded(f"the server's queue is full ({self.max_queue} requests); retry after a second")
+            self._pending.append(job)
+            self._gauge()
+            self._cond.notify()
+        return job.future
+
+    def cancel(self, job: Job) -> None:
+        """The client went away: drop the job if it waits, stop its rows if it decodes."""
+        with self._cond:
+            job.cancelled = True
+            if job in self._pending:
+                self._pending.remove(job)
+                job.future.cancel()
+                self._gauge()
+            elif job._stop is not None:
+                stop, rows = job._stop
+                stop[rows] = True
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Take no new jobs, finish the accepted ones, end the thread."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    @property
+    def depth(self) -> int:
+        with self._cond:
+            return len(self._pending)
+
+    # --- the decoding thread ---
+
+    def _gauge(self) -> None:
+        if self.metrics is not None:
+            self.metrics.queue_depth.set(len(self._pending))
+
+    def _next_batch(self) -> list[Job] | None:
+        """The next jobs to decode together (None: stopping and nothing left)."""
+        with self._cond:
+            while True:
+                while not self._pending and not self._stopping:
+                    self._cond.wait()
+                if not self._pending:
+                    return None
+                first = self._pending[0]
+                key = first.key()
+                deadline = first.arrived + self.max_wait
+                while not self._stopping and first in self._pending:
+                    ready = sum(len(j.sequences) for j in self._pending if j.key() == key)
+                    remaining = deadline - time.monotonic()
+                    if ready >= self.max_batch or remaining <= 0:
+                        break
+                    self._cond.wait(remaining)
+                if first not in self._pending:               # cancelled while we waited: start over
+                    continue
+                batch, rows = [], 0
+                for job in list(self._pending):
+                    if job.key() == key and rows + len(job.sequences) <= self.max_batch:
+                        batch.append(job)
+                        rows += len(job.sequences)
+                for job in batch:
+                    self._pending.remove(job)
+                self._running = batch
+                self._gauge()
+                return batch
+
+    def _loop(self) -> None:
+        while (batch := self._next_batch()) is not None:
+            try:
+                self._decode(batch)
+            finally:
+                with self._cond:
+                    self._running = []
+
+    def _decode(self, batch: list[Job]) -> None:
+        sequences = [s for job in batch for s in job.sequences]
+        limits = np.concatenate([np.full(len(job.sequences), job.opts.max_new_tokens) for job in batch])
+        stop = np.zeros(len(sequences), dtype=bool)
+        now, start = time.monotonic(), 0
+        with self._cond:
+            for job in batch:
+                rows = slice(start, start + len(job.sequences))
+                job._stop, job.started, start = (stop, rows), now, rows.stop
+                stop[rows] = job.cancelled
+        opts = batch[0].opts
+        opts = SearchOptions(max_new_tokens=int(limits.max()), beam=opts.beam, num_return=opts.num_return,
+                             length_penalty=opts.length_penalty, ignore_eos=opts.ignore_eos)
+        self.batches += 1
+        if self.metrics is not None:
+            self.metrics.batch_rows.observe(len(sequences))
+            self.metrics.active_rows.set(len(sequences) * opts.beam)
+            for job in batch:
+                self.metrics.queue_wait.observe(now - job.arrived)
+        try:
+            hyps = generate_ids(self.engine, sequences, opts, limits if opts.beam == 1 else None, stop)
+        except Exception as exc:                             # every job of the batch gets the one error
+            for job in batch:
+                if not job.future.done():
+                    job.future.set_exception(exc)
+            return
+        finally:
+            if self.metrics is not None:
+                self.metrics.active_rows.set(0)
+        for job in batch:
+            rows = job._stop[1]
+            job._stop = None
+            if not job.future.done():
+                job.future.set_result(hyps[rows])

@@ -121,7 +121,7 @@ def verify_hashes(bundle_dir: str | Path, manifest: dict,
 
 
 def listed_files(manifest: dict) -> set[str]:
-    """Every file name the manifest accounts for (graphs, ORT graphs, tokenizer, operator config, files)."""
+    """Every file name the manifest accounts for (graphs, ORT graphs, weights, tokenizer, operator config, files)."""
     names = set()
     for section in ("graphs", "ort_graphs"):
         entries = manifest.get(section)
@@ -133,6 +133,9 @@ def listed_files(manifest: dict) -> set[str]:
         names.add(ops["file"])
     if isinstance(manifest.get("tokenizer"), str):
         names.add(manifest["tokenizer"])
+    shared = manifest.get("shared_weights")
+    if isinstance(shared, dict) and isinstance(shared.get("file"), str):
+        names.add(shared["file"])
     if isinstance(manifest.get("files"), dict):
         names.update(name for name in manifest["files"] if isinstance(name, str))
     return names

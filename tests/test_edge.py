@@ -242,8 +242,8 @@ def test_int8_bundle_stores_one_int8_embedding_both_graphs_read(bundles, toy_exp
     embedding = config["vocab_size"] * config["d_model"]
     assert stored < (sum(source.values()) - 2 * 4 * embedding) / 3.0 + embedding + 4096 * 8   # int8, once
     # the int8 lookup reproduces the float table to half a quantization step, row by row
-    encoder = onnx.load(str(path / "encoder.onnx"))
-    values = {t.name: onnx.numpy_helper.to_array(t) for t in encoder.graph.initializer}
+    decoder = onnx.load(str(path / "decoder.onnx"))                       # the projection's scales: one per row
+    values = {t.name: onnx.numpy_helper.to_array(t) for t in decoder.graph.initializer}
     q = values[tables[0]["name"]].T
     scale = next(v for k, v in values.items() if k.endswith(".int8_scale"))
     exported = onnx.load(str(toy_exported[1] / "encoder.onnx"))

@@ -1,7 +1,7 @@
 """8-bit embedding tables (int8 bundles): the token lookup and the tied output projection read one int8 matrix.
 
-      W [V,D] float32 --> Gather(input_ids)                       Q^T [D,V] int8, s [V] float32 (one scale per row of W)
-              \\--> (W^T) --> MatMul(x, .) --> logits       =>     Gather(Q^T, ids, axis=1) -> Transpose -> Cast * s[ids]
+      W [V,D] float32 --> Gather(input_ids) [--> Mul(c)]           Q^T [D,V] int8, s [V] float32 (one scale per row of W)
+              \\--> (W^T) --> MatMul(x, .) --> logits       =>     Gather(Q^T, ids, axis=1) -> Transpose -> Cast * (c s)[ids]
                                                                    DynamicQuantizeMatMul(x, Q^T, s) --> logits
 
 Dynamic int8 quantization (onnxruntime.quantization) touches MatMul weights only, so the embedding stays float32:
@@ -60,15 +60,17 @@ class Int8EmbeddingPass(Pass):
             base = node.inputs[0].name or "embedding"
             qt = self._initializer(graph, f"{base}.int8_t", np.ascontiguousarray(q.T))
             s = self._initializer(graph, f"{base}.int8_scale", scale)
-            axes = self._initializer(graph, f"{base}.int8_axes", np.array([-1], dtype=np.int64))
+            after, factor = self._scalar_mul(node)                   # the sqrt(d_model) scaling, folded in
+            rows = self._initializer(graph, f"{base}.int8_row_scale", (scale * factor)[:, None].astype(np.float32))
             nodes = [ir.node("Gather", [qt, ids], attributes={"axis": 1})]                     # [D, batch, len]
             nodes.append(ir.node("Transpose", [nodes[-1].outputs[0]], attributes={"perm": [1, 2, 0]}))
             nodes.append(ir.node("Cast", [nodes[-1].outputs[0]], attributes={"to": ir.DataType.FLOAT}))
-            rows = ir.node("Gather", [s, ids], attributes={"axis": 0})                          # [batch, len]
-            nodes += [rows, ir.node("Unsqueeze", [rows.outputs[0], axes])]
-            nodes.append(ir.node("Mul", [nodes[2].outputs[0], nodes[-1].outputs[0]]))
+            nodes.append(ir.node("Gather", [rows, ids], attributes={"axis": 0}))                # [batch, len, 1]
+            nodes.append(ir.node("Mul", [nodes[2].outputs[0], nodes[3].outputs[0]]))
             graph.insert_before(node, nodes)
-            self._replace(graph, node, nodes[-1].outputs[0])
+            self._replace(graph, after or node, nodes[-1].outputs[0])
+            if after is not None:
+                graph.remove(node, safe=True)
             lookups += 1
             projections += self._tied_projections(graph, table, qt, s)
         return PassResult(model, lookups > 0, {"int8_embedding": lookups, "int8_tied_projection": projections})
@@ -89,6 +91,20 @@ class Int8EmbeddingPass(Pass):
         if found and ORT_DOMAIN not in graph.opset_imports:
             graph.opset_imports[ORT_DOMAIN] = 1
         return found
+
+    @staticmethod
+    def _scalar_mul(node: ir.Node) -> tuple[ir.Node | None, float]:
+        """The Mul by a constant scalar that is the lookup's only consumer (the embedding scale), and its factor."""
+        uses = list(node.outputs[0].uses())
+        if len(uses) != 1 or node.outputs[0].is_graph_output():
+            return None, 1.0
+        mul = uses[0].node
+        if mul.op_type != "Mul" or mul.domain not in ("", "ai.onnx"):
+            return None, 1.0
+        factor = _const(mul.inputs[1 - uses[0].idx])
+        if factor is None or factor.size != 1 or factor.dtype != np.float32:
+            return None, 1.0
+        return mul, float(factor.reshape(()))
 
     @staticmethod
     def _initializer(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:

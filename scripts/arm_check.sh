@@ -12,8 +12,9 @@
 #      (no torch, no onnx there)
 #   4. on x86 (.venv, `make install`): export the dates checkpoint, optimize it to fp32 and int8 bundles with
 #      ORT-format graphs (the runtime loads the .ort files on the CPU)
-#   5. `onnxformer generate --input held_out.txt --json` with both bundles, on x86 and inside the arm64 root
-#      (every process there runs under qemu-aarch64), on the 1,000 held-out dates
+#   5. `onnxformer generate --input held_out.txt --threads 1 --json` with both bundles, on x86 and inside the arm64
+#      root (every process there runs under qemu-aarch64), on the 1,000 held-out dates; one intra-op thread on
+#      both sides (waiting threads spin, and under emulation spinning costs as much as work)
 #   6. compare: fp32 tokens must be identical (exit 1 otherwise); int8 agreement is reported (int8 kernels differ by
 #      architecture) and judged against the int8 token row; task accuracy on both sides
 # Writes OUT_DIR/result.json and OUT_DIR/summary.txt. Exit 0 = pass, 1 = a check failed, 2 = usage,
@@ -111,7 +112,7 @@ if chroot "$ROOT" "$GUEST/venv/bin/python" -c "import torch" 2>/dev/null \
   echo "arm_check: torch or onnx is importable in the arm64 venv; it must hold only onnxformer[cpu]" >&2; exit 1
 fi
 ARM_VERSIONS=$(chroot "$ROOT" "$GUEST/venv/bin/python" -c \
-  "import platform, numpy, onnxruntime; print(platform.machine(), 'numpy', numpy.__version__, 'onnxruntime', onnxruntime.__version__)")
+  "import platform, numpy, onnxruntime; print(platform.machine(), 'numpy', numpy.__version__, 'onnxruntime', onnxruntime.__version__)" 2> "$OUT/arm64-versions.stderr")
 echo "   arm64 venv: $ARM_VERSIONS"
 done_step
 
@@ -139,7 +140,8 @@ rm -rf "$ROOT$GUEST/run" && mkdir -p "$ROOT$GUEST/run"
 cp -r "$OUT/dates-fp32" "$OUT/dates-int8" "$OUT/held_out.txt" "$ROOT$GUEST/run/"
 for p in fp32 int8; do
   t=$(date +%s%N)
-  "$ONNXFORMER" generate "$OUT/dates-$p" --input "$OUT/held_out.txt" --provider cpu --json > "$OUT/x86-$p.jsonl"
+  "$ONNXFORMER" generate "$OUT/dates-$p" --input "$OUT/held_out.txt" --provider cpu --threads 1 --json \
+    > "$OUT/x86-$p.jsonl"
   echo "   x86 $p: $(elapsed "$t")"
   t=$(date +%s%N)
   # a private mount namespace: /proc is bound into the root for this command only. Not /sys: the host's (x86)
@@ -147,7 +149,7 @@ for p in fp32 int8; do
   unshare --mount --propagation private bash -c '
     mount --bind /proc "$1/proc" &&
     exec chroot "$1" "$2/venv/bin/onnxformer" generate "$2/run/dates-$3" --input "$2/run/held_out.txt" \
-      --provider cpu --json' _ "$ROOT" "$GUEST" "$p" > "$OUT/arm64-$p.jsonl"
+      --provider cpu --threads 1 --json' _ "$ROOT" "$GUEST" "$p" > "$OUT/arm64-$p.jsonl" 2> "$OUT/arm64-$p.stderr"
   echo "   aarch64 $p: $(elapsed "$t")"
 done
 done_step

@@ -23,8 +23,8 @@ from pathlib import Path
 import onnx
 
 from runtime.errors import BundleError
-from runtime.manifest import (FORMAT, FORMAT_VERSION, MANIFEST, PRECISIONS, TARGETS, bundle_files, sha256_file,
-                              validate_manifest, verify_hashes)
+from runtime.manifest import (FORMAT, FORMAT_VERSION, MANIFEST, PRECISIONS, TARGETS, bundle_files, file_entries,
+                              sha256_file, validate_manifest)
 from toolkit.outdir import OutputKind, check_output, staged_output
 
 TENSOR_TYPES = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.FLOAT16: "float16", onnx.TensorProto.INT64: "int64",
@@ -96,7 +96,7 @@ def build_manifest(config: dict, graphs: dict[str, dict], precision: str = "fp32
                    opset: int | None = None, fusions: dict | None = None, passes: list | None = None,
                    parity: dict | None = None, tokenizer: str | None = None, ort_graphs: dict | None = None,
                    source: dict | None = None, kv_cache: str = "dynamic") -> dict:
-    """The manifest dict (format_version 1). graphs: {name: graph_entry(path)}; parity: a report's to_dict()."""
+    """The manifest dict (its "files" list is added by write_manifest). graphs: {name: graph_entry(path)}; parity: a report's to_dict()."""
     if precision not in PRECISIONS:
         raise BundleError(f"unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
     if target not in TARGETS:
@@ -111,14 +111,16 @@ def build_manifest(config: dict, graphs: dict[str, dict], precision: str = "fp32
     }
     if source is not None:
         manifest["source"] = source
-    validate_manifest(manifest, "the new manifest")
+    validate_manifest(manifest, "the new manifest", written=False)
     return manifest
 
 
 def write_manifest(bundle_dir: str | Path, manifest: dict) -> Path:
-    """Write manifest.json (after checking every listed file is present with its recorded hash)."""
+    """Write manifest.json, listing every file in bundle_dir under "files" with its sha256 and size (whatever
+    wrote it), after checking that each file the manifest names is there with the hash it records."""
     bundle_dir = Path(bundle_dir)
-    verify_hashes(bundle_dir, manifest)
+    manifest["files"] = file_entries(bundle_dir)
+    validate_manifest(manifest, "the new manifest")
     path = bundle_dir / MANIFEST
     path.write_text(json.dumps(manifest, indent=2, allow_nan=True) + "\n")
     return path

@@ -3,15 +3,18 @@
     out, report = optimize_bundle("out/bundle", "out/fused", target="cpu", precision="int8")
     print(report.format())
 
-Fusions run as rewrite passes (exporters/fusions) under a PassManager that repeats them until nothing
-changes; precision passes run once after. The new bundle is staged and renamed into place (exporters/bundle),
-so a failure (bad input, parity out of tolerance) leaves nothing behind.
+Three steps: transform (fusions as rewrite passes, exporters/fusions, under onnx_ir's PassManager until nothing
+changes; the static KV cache; int8 pre-passes), convert (precision, judged by parity against the source bundle),
+write (manifest, tokenizer, ORT-format graphs). Options are checked first (exporters/optimize_options). The new
+bundle is staged and renamed into place (exporters/bundle), so a failure (bad input, parity out of tolerance)
+leaves nothing behind.
 """
 
 from __future__ import annotations
 
 import shutil
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -21,28 +24,19 @@ import onnx_ir as ir
 import onnxruntime as ort
 
 from exporters.bundle import build_manifest, copy_tokenizer, graph_entry, op_counts, stage_bundle, write_manifest
-from exporters.fusions import ATTENTION_TARGETS, attention_rules, fusion_passes, quantization_prepasses
+from exporters.fusions import attention_rules, fusion_passes, quantization_prepasses
 from exporters.logs import quiet_loggers
+from exporters.optimize_options import (ATTENTION_OPS, STATIC_ATTENTION_OP, TARGETS, OptimizeError, check_options,
+                                        check_source, resolve_kv_cache)
 from exporters.ort_format import add_ort_format, check_convertible
-from exporters.passes import PassManager, explain_misses
+from exporters.passes import explain_misses, run_passes
 from exporters.precision import precision_pass
 from exporters.shared_weights import inline_external, share_weights, shared_bytes
 from exporters.static_cache import StaticCachePass, StaticCacheError
-from runtime.errors import OnnxformerError
-from toolkit.parity import ParityError
 from runtime.manifest import GRAPHS, PRECISIONS, read_manifest, verify_hashes
-from runtime.spec import KV_CACHES
+from toolkit.parity import ParityError
 from toolkit.parity.graphs import bundle_parity, record_table
 from toolkit.parity.tolerances import tolerance
-
-TARGETS = ("cpu", "cuda")                        # bundle targets optimize writes (the manifest also knows "any")
-ATTENTION_OPS = {"ort": "com.microsoft.MultiHeadAttention", "onnx": "Attention"}
-STATIC_ATTENTION_OP = "DecoderMaskedMultiHeadAttention"   # the static cache's decoder self-attention
-
-
-class OptimizeError(OnnxformerError):
-    """Options or a source bundle that optimize cannot work with (exit 2, nothing written)."""
-
 
 @dataclass
 class OptimizeReport:
@@ -127,73 +121,26 @@ def _mb(n: int) -> str:
     return f"{n / 1e6:.2f} MB"
 
 
-def check_options(target: str, precision: str, attention: str, fuse: bool) -> None:
-    """Refuse option combinations that cannot work, before touching anything."""
-    if target not in TARGETS:
-        raise OptimizeError(f"unknown target {target!r}; choose one of: {', '.join(TARGETS)}")
-    if precision not in PRECISIONS:
-        raise OptimizeError(f"unknown precision {precision!r}; choose one of: {', '.join(PRECISIONS)}")
-    if attention not in ATTENTION_TARGETS:
-        raise OptimizeError(f"unknown attention target {attention!r}; choose ort (onnxruntime's "
-                            f"MultiHeadAttention) or onnx (the standard Attention op, opset 23)")
-    if precision == "fp16" and target != "cuda":
-        raise OptimizeError("fp16 is for the CUDA provider: pass --target cuda (for CPU use --precision fp32 or int8)")
-    if precision in ("int8", "int4") and target != "cpu":
-        raise OptimizeError(f"{precision} quantization is made for the CPU provider: pass --target cpu "
-                            f"(for CUDA use --precision fp16)")
-    if not fuse and precision == "fp32":
-        raise OptimizeError("nothing to do: --no-fuse with --precision fp32 leaves the graphs unchanged; "
-                            "drop --no-fuse or choose --precision int8/fp16")
+@dataclass
+class _Job:
+    """One optimize call: the source, the options (resolved), the report being filled, and the staging folder."""
 
+    bundle_dir: Path
+    out_dir: Path
+    manifest: dict
+    target: str
+    precision: str
+    fuse: bool
+    attention: str
+    kv_cache: str
+    per_channel: bool | None
+    samples: int
+    ort_format: bool
+    report: OptimizeReport
+    progress: Callable[[str], None]
 
-def resolve_kv_cache(kv_cache: str, target: str, fuse: bool, attention: str, manifest: dict,
-                     precision: str = "fp32") -> str:
-    """'auto' -> static on CPU when the attention is (or will be) fused for onnxruntime, else the source's cache."""
-    source = manifest.get("kv_cache", "dynamic")
-    fused_ort = (fuse and attention == "ort") or attention_state(manifest) == "ort"
-    if kv_cache == "auto":
-        return "static" if source == "static" or (target == "cpu" and fused_ort) else "dynamic"
-    if kv_cache not in KV_CACHES:
-        raise OptimizeError(f"unknown KV cache {kv_cache!r}; choose auto, static or dynamic")
-    if kv_cache == "dynamic" and source == "static":
-        raise OptimizeError("the source bundle already has a static KV cache; optimize the exported bundle for "
-                            "--kv-cache dynamic")
-    if kv_cache == "static" and precision == "fp16":
-        raise OptimizeError("--kv-cache static is not available with --precision fp16: the fp16 graphs keep float32 "
-                            "inputs and outputs, so the cache buffer would be cast (copied) every step; use "
-                            "--kv-cache dynamic, or --precision fp32 with --kv-cache static")
-    if kv_cache == "static" and not fused_ort:
-        raise OptimizeError("--kv-cache static needs the decoder's self-attention fused into onnxruntime's "
-                            "MultiHeadAttention: use --attention ort (the default) without --no-fuse, or pass "
-                            "--kv-cache dynamic")
-    return kv_cache
-
-
-def attention_state(manifest: dict) -> str | None:
-    """Which attention op the bundle's graphs already hold: 'ort', 'onnx' or None (decomposed)."""
-    ops = {op for g in GRAPHS for op in manifest["graphs"][g].get("op_counts", {})}
-    if f"com.microsoft.{STATIC_ATTENTION_OP}" in ops or STATIC_ATTENTION_OP in ops:
-        return "ort"
-    for name, op in ATTENTION_OPS.items():
-        if op in ops:
-            return name
-    return None
-
-
-def check_source(bundle_dir: Path, out_dir: Path, manifest: dict, precision: str, fuse: bool, attention: str) -> None:
-    """Refuse re-optimizations that would mean nothing or stack conversions; say what was applied before."""
-    if out_dir.absolute().resolve() == bundle_dir.absolute().resolve():
-        raise OptimizeError(f"--out {out_dir} is the source bundle; write the optimized bundle elsewhere")
-    done = manifest.get("passes") or []
-    applied = f"passes {', '.join(done)}" if done else "no passes"
-    if manifest["precision"] != "fp32":
-        raise OptimizeError(f"bundle {bundle_dir} is already {manifest['precision']} ({applied}); optimize the fp32 "
-                            f"bundle it was made from")
-    fused = attention_state(manifest)
-    if fuse and fused is not None and fused != attention:
-        raise OptimizeError(f"bundle {bundle_dir} already holds {ATTENTION_OPS[fused]} ({applied}), so it cannot be "
-                            f"fused for --attention {attention}: optimize the exported (unfused) bundle, or pass "
-                            f"--attention {fused} (or --no-fuse) to only convert its precision")
+    def source(self, graph: str) -> Path:
+        return self.bundle_dir / self.manifest["graphs"][graph]["file"]
 
 
 def optimize_bundle(bundle_dir: str | Path, out_dir: str | Path, target: str = "cpu", precision: str = "fp32",
@@ -202,6 +149,10 @@ def optimize_bundle(bundle_dir: str | Path, out_dir: str | Path, target: str = "
                     ort_format: bool = False, kv_cache: str = "auto") -> tuple[Path, OptimizeReport]:
     """Fuse and/or convert a bundle into out_dir; returns (out_dir, report). Bad input: OptimizeError/BundleError.
 
+    Three steps, inside a staging folder renamed into place only when all succeed: transform (fusions, static
+    KV cache, int8 pre-passes), convert (precision, judged by parity against the source bundle), write (manifest,
+    tokenizer, ORT-format graphs).
+
     kv_cache: "static" rewrites the decoder for a preallocated cache updated in place (exporters/static_cache);
     "auto" chooses it for CPU targets with fused attention (DecoderMaskedMultiHeadAttention has no float16 CPU
     kernel, and CUDA keeps the dynamic cache until it is measured on a GPU).
@@ -209,91 +160,110 @@ def optimize_bundle(bundle_dir: str | Path, out_dir: str | Path, target: str = "
     per_channel (int8): None chooses per tensor, which is faster, unless its greedy tokens miss the tolerance
     table's int8 row and per-channel scales do better; True/False force one.
     """
-    progress = progress or (lambda msg: None)
     start = time.perf_counter()
     bundle_dir, out_dir = Path(bundle_dir), Path(out_dir)
     check_options(target, precision, attention, fuse)
     if ort_format:                                        # .ort graphs are for the CPU provider's minimal builds
         check_convertible({"precision": precision, "target": target})
     manifest = read_manifest(bundle_dir)
-    verify_hashes(bundle_dir, manifest, which=("graphs",))
+    verify_hashes(bundle_dir, manifest)
     check_source(bundle_dir, out_dir, manifest, precision, fuse, attention)
     kv_cache = resolve_kv_cache(kv_cache, target, fuse, attention, manifest, precision)
-    config = manifest["model"]
-    progress(f"optimizing {bundle_dir} -> {out_dir}")
     report = OptimizeReport(str(bundle_dir), str(out_dir), target, precision, attention if fuse else None, kv_cache)
+    job = _Job(bundle_dir, out_dir, manifest, target, precision, fuse, attention, kv_cache, per_channel, samples,
+               ort_format, report, progress or (lambda msg: None))
+    job.progress(f"optimizing {bundle_dir} -> {out_dir}")
     if manifest.get("ort_graphs"):
         report.notes.append("the source's ORT-format (.ort) graphs are not carried over; convert the new graphs again")
-
     with stage_bundle(out_dir, force) as tmp:
-        src_paths = {g: bundle_dir / manifest["graphs"][g]["file"] for g in GRAPHS}
-        paths = {g: tmp / manifest["graphs"][g]["file"] for g in GRAPHS}
-        models = {}
-        for g in GRAPHS:
-            report.before[g] = _counts(manifest["graphs"][g], src_paths[g])
-            t0 = time.perf_counter()
-            models[g], report.fusions[g], applied = _fuse_graph(
-                src_paths[g], fuse, attention, precision, manifest["graphs"][g].get("opset") or manifest.get("opset"),
-                kv_cache == "static" and g == "decoder")
-            report.passes = sorted(set(report.passes) | set(applied), key=_pass_rank)
-            _check_fused(g, models[g], config, fuse, attention, report)
-            progress(f"{g}: {sum(report.fusions[g].values())} rewrites in {time.perf_counter() - t0:.1f} s")
-        choices = [per_channel] if precision != "int8" or per_channel is not None else [False, True]
-        tried = []
-        for choice in choices:
-            step = precision_pass(precision, bool(choice))
-            folder = tmp if len(choices) == 1 else tmp / f".per_channel_{choice}"
-            folder.mkdir(exist_ok=True)
-            for g in GRAPHS:
-                with quiet_loggers("root", "onnxruntime", "onnxruntime.quantization"):
-                    converted = step(models[g]).model if step is not None else models[g]
-                ir.save(converted, folder / paths[g].name)
-            parity = _parity(manifest, bundle_dir, src_paths, {g: folder / paths[g].name for g in GRAPHS}, target,
-                             precision, samples, progress)
-            tried.append((choice, folder, parity))
-            if parity.get("verified") or len(choices) == 1:
-                break
-        choice, folder, report.parity = _choose(tried, report)
-        if step is not None:
-            report.passes.append(step.name)
-        if folder != tmp:
-            for g in GRAPHS:
-                (folder / paths[g].name).replace(paths[g])
-            for _, other, _ in tried:
-                shutil.rmtree(other, ignore_errors=True)
-        shared = share_weights(paths)        # weights.data: one copy of what both graphs hold (same bytes: parity holds)
-        if shared is not None:
-            report.notes.append(f"weights in {shared['file']} ({shared['bytes'] / 1e6:.2f} MB), "
-                                f"{shared_bytes(shared) / 1e6:.2f} MB of them stored once for both graphs "
-                                f"({', '.join(t['name'] for t in shared['tensors'])})")
-        entries = {g: graph_entry(paths[g]) for g in GRAPHS}
-        for g in GRAPHS:
-            report.after[g] = _counts(entries[g], paths[g])
-        if report.parity.get("judged") and not report.parity["verified"]:
-            raise ParityError(f"optimized graphs differ from the source bundle: {report.parity['summary']}; "
-                              f"nothing was written to {out_dir}", report.parity)
-        fusions = dict(manifest.get("fusions") or {})
-        for rule, n in report.totals.items():
-            if n:
-                fusions[rule] = fusions.get(rule, 0) + n
-        source = {"bundle": str(bundle_dir.absolute()), "precision": manifest["precision"],
-                  "target": manifest.get("target", "any"), "passes": manifest.get("passes") or [],
-                  "graphs": {g: {"sha256": manifest["graphs"][g]["sha256"], **report.before[g]} for g in GRAPHS},
-                  "options": {"target": target, "precision": precision, "fuse": fuse, "attention": attention,
-                              "kv_cache": kv_cache,
-                              "per_channel": choice if precision == "int8" else None},
-                  "fusions_by_graph": report.fusions}
-        new = build_manifest(config, entries, precision=precision, target=target,
-                             fusions=fusions, passes=(manifest.get("passes") or []) + report.passes,
-                             parity=report.parity, tokenizer=_tokenizer(bundle_dir, manifest, tmp), source=source,
-                             kv_cache=kv_cache)
-        if shared is not None:
-            new["shared_weights"] = shared
-        if ort_format:
-            add_ort_format(tmp, new, progress=progress)   # adds encoder.ort, decoder.ort, required_operators.config
-        write_manifest(tmp, new)
+        models = transform(job)
+        per_channel = convert(job, models, tmp)
+        write(job, tmp, per_channel)
     report.seconds = time.perf_counter() - start
     return out_dir, report
+
+
+def transform(job: _Job) -> dict[str, ir.Model]:
+    """Load each graph and run its rewrite passes (fusions until nothing changes, the static cache, int8 pre-passes)."""
+    report, models = job.report, {}
+    for g in GRAPHS:
+        entry = job.manifest["graphs"][g]
+        report.before[g] = _counts(entry, job.source(g))
+        t0 = time.perf_counter()
+        models[g], report.fusions[g], applied = _fuse_graph(
+            job.source(g), job.fuse, job.attention, job.precision, entry.get("opset") or job.manifest.get("opset"),
+            job.kv_cache == "static" and g == "decoder")
+        report.passes = sorted(set(report.passes) | set(applied), key=_pass_rank)
+        _check_fused(g, models[g], job.manifest["model"], job.fuse, job.attention, report)
+        job.progress(f"{g}: {sum(report.fusions[g].values())} rewrites in {time.perf_counter() - t0:.1f} s")
+    return models
+
+
+def convert(job: _Job, models: dict[str, ir.Model], tmp: Path) -> bool | None:
+    """Convert to the precision and save into tmp, judged by parity (int8: per-tensor, then per-channel scales if
+    per-tensor misses the token row); returns the per_channel choice kept. Out of tolerance: ParityError."""
+    report, precision, files = job.report, job.precision, {g: job.manifest["graphs"][g]["file"] for g in GRAPHS}
+    choices = [job.per_channel] if precision != "int8" or job.per_channel is not None else [False, True]
+    tried = []
+    for choice in choices:
+        step = precision_pass(precision, bool(choice))
+        folder = tmp if len(choices) == 1 else tmp / f".per_channel_{choice}"
+        folder.mkdir(exist_ok=True)
+        for g in GRAPHS:
+            with quiet_loggers("root", "onnxruntime", "onnxruntime.quantization"):
+                converted = step(models[g]).model if step is not None else models[g]
+            ir.save(converted, folder / files[g])
+        parity = _parity(job, {g: folder / files[g] for g in GRAPHS})
+        tried.append((choice, folder, parity))
+        if parity.get("verified") or len(choices) == 1:
+            break
+    choice, folder, report.parity = _choose(tried, report)
+    if step is not None:
+        report.passes.append(step.name)
+    if folder != tmp:
+        for g in GRAPHS:
+            (folder / files[g]).replace(tmp / files[g])
+        for _, other, _ in tried:
+            shutil.rmtree(other, ignore_errors=True)
+    if report.parity.get("judged") and not report.parity["verified"]:
+        raise ParityError(f"optimized graphs differ from the source bundle: {report.parity['summary']}; "
+                          f"nothing was written to {job.out_dir}", report.parity)
+    return choice
+
+
+def write(job: _Job, tmp: Path, per_channel: bool | None) -> None:
+    """The new bundle's manifest (graph entries, fusions, passes, parity, where it came from), its tokenizer and,
+    when asked, its ORT-format graphs."""
+    report, manifest = job.report, job.manifest
+    paths = {g: tmp / manifest["graphs"][g]["file"] for g in GRAPHS}
+    shared = share_weights(paths)        # weights.data: one copy of what both graphs hold (same bytes: parity holds)
+    if shared is not None:
+        report.notes.append(f"weights in {shared['file']} ({shared['bytes'] / 1e6:.2f} MB), "
+                            f"{shared_bytes(shared) / 1e6:.2f} MB of them stored once for both graphs "
+                            f"({', '.join(t['name'] for t in shared['tensors'])})")
+    entries = {g: graph_entry(paths[g]) for g in GRAPHS}
+    for g in GRAPHS:
+        report.after[g] = _counts(entries[g], paths[g])
+    fusions = dict(manifest.get("fusions") or {})
+    for rule, n in report.totals.items():
+        if n:
+            fusions[rule] = fusions.get(rule, 0) + n
+    source = {"bundle": str(job.bundle_dir.absolute()), "precision": manifest["precision"],
+              "target": manifest.get("target", "any"), "passes": manifest.get("passes") or [],
+              "graphs": {g: {"sha256": manifest["graphs"][g]["sha256"], **report.before[g]} for g in GRAPHS},
+              "options": {"target": job.target, "precision": job.precision, "fuse": job.fuse,
+                          "attention": job.attention, "kv_cache": job.kv_cache,
+                          "per_channel": per_channel if job.precision == "int8" else None},
+              "fusions_by_graph": report.fusions}
+    new = build_manifest(manifest["model"], entries, precision=job.precision, target=job.target,
+                         fusions=fusions, passes=(manifest.get("passes") or []) + report.passes,
+                         parity=report.parity, tokenizer=_tokenizer(job.bundle_dir, manifest, tmp), source=source,
+                         kv_cache=job.kv_cache)
+    if shared is not None:
+        new["shared_weights"] = shared
+    if job.ort_format:
+        add_ort_format(tmp, new, progress=job.progress)   # adds encoder.ort, decoder.ort, required_operators.config
+    write_manifest(tmp, new)
 
 
 def _counts(entry: dict, path: Path) -> dict:
@@ -320,24 +290,26 @@ def _fuse_graph(path: Path, fuse: bool, attention: str, precision: str, opset: i
                 static_cache: bool = False) -> tuple[ir.Model, dict[str, int], list[str]]:
     """Load one graph and run the fusion passes until nothing changes (then the static cache and int8 passes)."""
     model = ir.load(path)
-    inline_external(model)                      # a source with shared weights: its graphs are written anew
-    counts, applied = {}, []
+    inline_external(model)                      # a source with weights.data: its graphs are written anew
+    counts, applied = Counter(), []
     if fuse:
-        result = PassManager(fusion_passes(attention, opset or 20))(model)
-        model, counts, applied = result.model, result.counts, list(result.applied)
-    if static_cache:
+        run = run_passes(fusion_passes(attention, opset or 20), model)
+        model, applied = run.model, run.applied
+        counts.update(run.counts)
+    if static_cache:                                  # called directly: the manager would wrap its error
+        static = StaticCachePass()
         try:
-            result = StaticCachePass()(model)
+            static(model)
         except StaticCacheError as exc:
             raise OptimizeError(str(exc)) from None
-        counts = {**counts, **result.counts}
-        applied += [p for p in result.applied if p not in applied]
+        counts.update(static.counts)
+        applied += [static.name] if static.changed else []
     if precision in ("int8", "int4"):
-        result = PassManager(quantization_prepasses(), steps=2)(model)
-        model = result.model
-        counts = {**counts, **{k: counts.get(k, 0) + v for k, v in result.counts.items()}}
-        applied += [p for p in result.applied if p not in applied]
-    return model, counts, applied
+        run = run_passes(quantization_prepasses(), model, steps=2)
+        model = run.model
+        counts.update(run.counts)
+        applied += [p for p in run.applied if p not in applied]
+    return model, dict(counts), applied
 
 
 PIPELINE = ("opset_23", "fuse_attention", "fuse_layer_norm", "fuse_erf_gelu", "fuse_skip_layer_norm", "fuse_bias_gelu",
@@ -370,8 +342,10 @@ def _tokenizer(bundle_dir: Path, manifest: dict, tmp: Path) -> str | None:
     return copy_tokenizer(bundle_dir / name, tmp) if name else None
 
 
-def _parity(manifest, bundle_dir, src_paths, paths, target, precision, samples, progress) -> dict:
+def _parity(job: _Job, paths: dict[str, Path]) -> dict:
     """The parity record: graph outputs and greedy tokens of the new graphs against the source bundle's."""
+    manifest, bundle_dir, target, precision = job.manifest, job.bundle_dir, job.target, job.precision
+    src_paths, samples, progress = {g: job.source(g) for g in GRAPHS}, job.samples, job.progress
     config = manifest["model"]
     provider = "cuda" if target == "cuda" else "cpu"
     if provider == "cuda" and "CUDAExecutionProvider" not in ort.get_available_providers():

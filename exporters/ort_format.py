@@ -154,18 +154,15 @@ def ort_format_bundle(bundle_dir: str | Path, out_dir: str | Path, force: bool =
     """A copy of a finished bundle with ORT-format graphs added; atomic (nothing is left behind on failure)."""
     bundle_dir, out_dir = Path(bundle_dir), Path(out_dir)
     manifest = read_manifest(bundle_dir)
-    verify_hashes(bundle_dir, manifest, which=("graphs",))
+    verify_hashes(bundle_dir, manifest)
     check_convertible(manifest, target_platform)
     if manifest.get("ort_graphs"):
         raise OrtFormatError(f"bundle {bundle_dir} already has ORT-format graphs; nothing to do")
     check_destination(out_dir, force)
     if out_dir.absolute().resolve() == bundle_dir.absolute().resolve():
         raise OrtFormatError(f"--out {out_dir} is the source bundle; write the converted bundle elsewhere")
-    files = [manifest["graphs"][g]["file"] for g in GRAPHS]
-    files += [manifest["shared_weights"]["file"]] if manifest.get("shared_weights") else []
-    files += [manifest["tokenizer"]] if manifest.get("tokenizer") else []
     with stage_bundle(out_dir, force) as tmp:
-        for name in files:
+        for name in manifest["files"]:                   # every file of the bundle, whoever added it
             if not (bundle_dir / name).is_file():
                 raise BundleError(f"bundle {bundle_dir} is missing {name}; copy the whole bundle directory")
             shutil.copyfile(bundle_dir / name, tmp / name)

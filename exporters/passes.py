@@ -1,14 +1,17 @@
-"""Graph passes as objects, in the spirit of onnx_ir.passes: each declares whether it works in place and
-reports whether it changed the model (and, for rewrites, how often each rule fired). A manager chains
-passes and repeats the chain until nothing changes.
+"""Graph passes on onnx_ir.passes: each pass is an `ir.passes.InPlacePass` (it mutates and returns its model)
+or an `ir.passes.FunctionalPass` (it returns a new one), and `ir.passes.PassManager` chains them, repeating
+the chain until no pass changes the model.
 
-    manager = PassManager([RewritePass("fuse_attention", attention_rules("ort")), CleanupPass()])
-    result = manager(model)           # result.model, result.modified, result.counts {"attention_self": 6, ...}
+What onnx_ir's PassResult does not carry is the report optimize writes: which passes changed the model and
+how often each rewrite rule fired. Our passes (`Reporting`) keep that on themselves over every round the
+manager runs them, and `run_passes` gathers it:
+
+    passes = [RewritePass("fuse_attention", attention_rules("ort")), CleanupPass()]
+    run = run_passes(passes, model)      # run.model, run.modified, run.counts {"attention_self": 6, ...}, run.applied
 """
 
 from __future__ import annotations
 
-import abc
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -19,112 +22,98 @@ from onnx_ir.passes.common import (CommonSubexpressionEliminationPass, RemoveUnu
 from onnxscript.rewriter import pattern
 
 
-@dataclass
-class PassResult:
-    """What a pass (or a manager) returns: the model, whether it changed, and rewrite counts by rule name."""
+class Reporting:
+    """Mixin for our passes: a name (listed in the manifest's `passes`), how often each of its rules fired, and
+    whether it ever changed a model. Put it before the onnx_ir base class: class P(Reporting, ir.passes.InPlacePass)."""
 
-    model: ir.Model
-    modified: bool
-    counts: dict[str, int] = field(default_factory=dict)
-    applied: list[str] = field(default_factory=list)   # names of the passes that changed the model, in order
-    iterations: int = 1
+    name = "pass"
 
+    def __init__(self):
+        super().__init__()
+        self.counts: Counter = Counter()
+        self.changed = False
 
-class Pass(abc.ABC):
-    """A model transformation. in_place passes mutate and return the same model; others return a new one."""
-
-    name: str = "pass"
-    in_place: bool = True
-
-    def __call__(self, model: ir.Model) -> PassResult:
-        result = self.call(model)
-        if self.in_place and result.model is not model:
-            raise RuntimeError(f"pass {self.name} declares in_place but returned a new model")
-        if not self.in_place and result.model is model:
-            raise RuntimeError(f"pass {self.name} declares it returns a new model but returned its input")
-        if result.modified and self.name not in result.applied:
-            result.applied = [self.name, *result.applied]
+    def __call__(self, model_or_result):
+        result = super().__call__(model_or_result)
+        self.changed |= bool(result.modified)
         return result
 
-    @abc.abstractmethod
-    def call(self, model: ir.Model) -> PassResult:
-        """Do the work."""
 
-
-class RewritePass(Pass):
+class RewritePass(Reporting, ir.passes.InPlacePass):
     """Applies rewrite rules one at a time (in the given order), counting each rule's rewrites by its name."""
 
     def __init__(self, name: str, rules: Sequence[pattern.RewriteRule]):
+        super().__init__()
         self.name, self.rules = name, list(rules)
+        self.counts.update({rule.name: 0 for rule in self.rules})
 
-    def call(self, model: ir.Model) -> PassResult:
-        counts: Counter = Counter({rule.name: 0 for rule in self.rules})
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        fired = 0
         for rule in self.rules:
-            counts[rule.name] += pattern.RewriteRuleSet([rule]).apply_to_model(model)
-        return PassResult(model, any(counts.values()), dict(counts))
+            n = pattern.RewriteRuleSet([rule]).apply_to_model(model)
+            self.counts[rule.name] += n
+            fired += n
+        return ir.passes.PassResult(model, fired > 0)
 
 
-class CleanupPass(Pass):
+class CleanupPass(Reporting, ir.passes.InPlacePass):
     """Common-subexpression elimination (this is what leaves one attention bias per graph), dead nodes, order."""
 
     name = "cleanup"
 
-    def call(self, model: ir.Model) -> PassResult:
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
         modified = bool(CommonSubexpressionEliminationPass()(model).modified)
         modified |= bool(RemoveUnusedNodesPass()(model).modified)
         TopologicalSortPass()(model)    # reorders only; not a change worth another round
-        return PassResult(model, modified)
+        return ir.passes.PassResult(model, modified)
 
 
-class OpsetPass(Pass):
+class OpsetPass(Reporting, ir.passes.InPlacePass):
     """Raise the default-domain opset (e.g. to 23 for the ONNX Attention op); never lowers it."""
 
     def __init__(self, version: int):
+        super().__init__()
         self.version, self.name = version, f"opset_{version}"
 
-    def call(self, model: ir.Model) -> PassResult:
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
         current = model.opset_imports.get("", model.graph.opset_imports.get("", 1))
         if current >= self.version:
-            return PassResult(model, False)
+            return ir.passes.PassResult(model, False)
         from onnxscript import version_converter
         version_converter.convert_version(model, self.version)
-        return PassResult(model, True)
+        return ir.passes.PassResult(model, True)
 
 
-class FunctionalPass(Pass):
-    """A pass that makes a new model from its input (precision conversions work on protobufs and files)."""
-
-    in_place = False
+class ConvertPass(Reporting, ir.passes.FunctionalPass):
+    """A conversion that makes a new model from its input (the precision passes work on protobufs and files)."""
 
     def __init__(self, name: str, fn: Callable[[ir.Model], ir.Model]):
+        super().__init__()
         self.name, self.fn = name, fn
 
-    def call(self, model: ir.Model) -> PassResult:
-        return PassResult(self.fn(model), True)
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        return ir.passes.PassResult(self.fn(model), True)
 
 
-class PassManager:
-    """Runs its passes in order, repeating the chain until no pass changes the model (at most `steps` rounds)."""
+@dataclass
+class PassRun:
+    """What a run of passes did: the model, whether it changed, rewrites by rule, the passes that changed it."""
 
-    def __init__(self, passes: Sequence[Pass], steps: int = 4):
-        self.passes, self.steps = list(passes), steps
+    model: ir.Model
+    modified: bool
+    counts: dict[str, int] = field(default_factory=dict)
+    applied: list[str] = field(default_factory=list)
 
-    def __call__(self, model: ir.Model) -> PassResult:
-        counts: Counter = Counter()
-        applied: list[str] = []
-        rounds = 0
-        for rounds in range(1, self.steps + 1):
-            changed = False
-            for p in self.passes:
-                result = p(model)
-                model = result.model
-                for name, n in result.counts.items():
-                    counts[name] += n
-                changed |= result.modified
-                applied += [name for name in result.applied if name not in applied]
-            if not changed:
-                break
-        return PassResult(model, bool(applied), dict(counts), applied, rounds)
+
+def run_passes(passes: Sequence[Reporting], model: ir.Model, steps: int = 4) -> PassRun:
+    """Run `passes` under onnx_ir's PassManager, repeated until nothing changes (at most `steps` rounds)."""
+    for p in passes:                                  # a fresh report, should a pass object be run again
+        p.counts, p.changed = Counter({name: 0 for name in p.counts}), False
+    result = ir.passes.PassManager(list(passes), steps=steps, early_stop=True)(model)
+    counts: Counter = Counter()
+    for p in passes:
+        counts.update(p.counts)
+    return PassRun(result.model, bool(result.modified), dict(counts), [p.name for p in passes if p.changed])
 
 
 def explain_misses(model: ir.Model, rules: Sequence[pattern.RewriteRule]) -> dict[str, str]:
@@ -144,3 +133,7 @@ def explain_misses(model: ir.Model, rules: Sequence[pattern.RewriteRule]) -> dic
                                  f"{len(best.match_result.nodes)} nodes, at {best.root_node.op_type} " \
                                  f"{best.root_node.name})"
     return reasons
+
+
+__all__ = ["Reporting", "RewritePass", "CleanupPass", "OpsetPass", "ConvertPass", "PassRun", "run_passes",
+           "explain_misses"]

@@ -22,7 +22,8 @@ from pathlib import Path
 import onnx
 import onnx_ir as ir
 
-from exporters.passes import FunctionalPass
+from exporters.passes import ConvertPass
+
 
 def to_fp16(model: ir.Model) -> ir.Model:
     """A float16 copy of the model with float32 graph inputs and outputs."""
@@ -47,7 +48,7 @@ def to_int8(model: ir.Model, per_channel: bool = True) -> ir.Model:
         return ir.from_proto(onnx.load(str(dst)))
 
 
-INT4_BLOCK = 32          # weights per scale along K: the quantizer's default; 16 and 64 measured in benchmarks/RESULTS.md
+INT4_BLOCK = 32          # weights per scale along K (the quantizer's default)
 
 
 def to_int4(model: ir.Model, block_size: int = INT4_BLOCK) -> ir.Model:
@@ -64,14 +65,14 @@ def to_int4(model: ir.Model, block_size: int = INT4_BLOCK) -> ir.Model:
     return ir.from_proto(quantizer.model.model)
 
 
-def precision_pass(precision: str, per_channel: bool = True) -> FunctionalPass | None:
+def precision_pass(precision: str, per_channel: bool = True) -> ConvertPass | None:
     """The pass for a precision (None for fp32)."""
     if precision == "fp16":
-        return FunctionalPass("float16", to_fp16)
+        return ConvertPass("float16", to_fp16)
     if precision == "int8":
-        return FunctionalPass("quantize_int8", lambda model: to_int8(model, per_channel))
+        return ConvertPass("quantize_int8", lambda model: to_int8(model, per_channel))
     if precision == "int4":
-        return FunctionalPass("quantize_int4", to_int4)
+        return ConvertPass("quantize_int4", to_int4)
     if precision == "fp32":
         return None
     raise ValueError(f"unknown precision {precision!r}")

@@ -11,7 +11,15 @@ self-attention into com.microsoft.DecoderMaskedMultiHeadAttention with past_pres
 the new key/value at row past_sequence_length of the buffer and attends over rows 0..past_sequence_length;
 the runtime binds one buffer as both past and present, so nothing is copied (runtime/static_cache.py).
 
-What changes besides the attention nodes:
+Two rewriter rules, like the fusions (pattern, check, replacement, count):
+
+    query key value causal_bias past_key past_value                 query key value past_key past_value
+           \\          |         |         |        |                  \\      |       |      |       /
+            MultiHeadAttention (com.microsoft, 3 outputs)     =>   DecoderMaskedMultiHeadAttention(past_sequence_length,
+                 -> attention, present_key, present_value               past_present_share_buffer=1)
+
+    past (a decoder self-attention past) -> Shape[start:end]   =>   the same dims, dim 2 = past_sequence_length
+
 - positions: the graph read past_len from the past's shape (Shape(past)[2]); that now comes from the new
   `past_sequence_length` input;
 - the causal attention bias is dropped: with one new token every cached position is visible, which is what
@@ -24,45 +32,112 @@ Parity with the dynamic graph is proved by optimize, as for every pass.
 from __future__ import annotations
 
 import onnx_ir as ir
-from onnx_ir.passes.common import RemoveUnusedNodesPass, TopologicalSortPass
+from onnx_ir.passes.common import CommonSubexpressionEliminationPass, RemoveUnusedNodesPass, TopologicalSortPass
+from onnxscript.rewriter import pattern
 
-from exporters.passes import Pass, PassResult
+from exporters.passes import Reporting, RewritePass
 from runtime.errors import OnnxformerError
 from runtime.spec import CACHE_LEN, PAST, PAST_SEQUENCE_LENGTH, PRESENT, SELF, is_cache
 
 MS = "com.microsoft"
-# MultiHeadAttention inputs: query key value bias key_padding_mask attention_bias past_key past_value ...
-_MHA_PAST_KEY, _MHA_PAST_VALUE = 6, 7
+RANK = 4                                              # caches are [B, H, len, Dh]; dim 2 is the length
 
 
 class StaticCacheError(OnnxformerError):
     """The decoder graph cannot take a static cache (e.g. its self-attention is not fused)."""
 
 
-class StaticCachePass(Pass):
-    """Decoder self-attention with past/present -> DecoderMaskedMultiHeadAttention over a shared buffer."""
+def _is_self_past(value: ir.Value | None) -> bool:
+    return value is not None and value.is_graph_input() and is_cache(value.name, PAST, SELF)
+
+
+def _past_sequence_length(value: ir.Value) -> ir.Value | None:
+    """The graph's past_sequence_length input (StaticCachePass adds it before the rules run)."""
+    return next((v for v in value.graph.inputs if v.name == PAST_SEQUENCE_LENGTH), None)
+
+
+def _needs_static_input(result: pattern.MatchResult, past_key: ir.Value, past_value: ir.Value):
+    if not (_is_self_past(past_key) and _is_self_past(past_value)):
+        return result.fail("the past key/value are not the decoder's self-attention cache inputs", past_key)
+    if _past_sequence_length(past_key) is None:
+        return result.fail(f"the graph has no {PAST_SEQUENCE_LENGTH} input: run StaticCachePass, not the rules alone")
+    return result
+
+
+class StaticAttention(pattern.RewriteRuleClassBase):
+    """Fused decoder self-attention with past/present -> DecoderMaskedMultiHeadAttention over a shared buffer."""
+
+    def __init__(self):
+        super().__init__("static_kv_cache")
+
+    def pattern(self, op, query, key, value, causal_bias, past_key, past_value):
+        # no projection bias, no key padding mask (our attention fusion emits neither; with one, nothing matches)
+        return op.MultiHeadAttention(query, key, value, None, None, causal_bias, past_key, past_value, _domain=MS,
+                                     _allow_other_attributes=True, _outputs=["attention", "present_key",
+                                                                             "present_value"])
+
+    def check(self, context, past_key, past_value, **_) -> pattern.MatchResult:
+        return _needs_static_input(pattern.MatchResult(), past_key, past_value)
+
+    def rewrite(self, op, query, key, value, past_key, past_value, attention, **_):
+        fused = attention.producer()
+        attributes = {"num_heads": fused.attributes.get_int("num_heads"), "past_present_share_buffer": 1}
+        scale = fused.attributes.get_float("scale", None)
+        if scale is not None:
+            attributes["scale"] = scale
+        return op.DecoderMaskedMultiHeadAttention(query, key, value, None, None, past_key, past_value,
+                                                  _past_sequence_length(past_key), **attributes, _domain=MS,
+                                                  _outputs=3)
+
+
+class PastLengthFromInput(pattern.RewriteRuleClassBase):
+    """Shape(past)[start:end] -> the same dims, with dim 2 (the filled length) read from past_sequence_length."""
+
+    def __init__(self):
+        super().__init__("past_len_from_input")
+
+    def pattern(self, op, past):
+        return op.Shape(past, _allow_other_attributes=True, _outputs=["dims"])
+
+    def check(self, context, past, **_) -> pattern.MatchResult:
+        return _needs_static_input(pattern.MatchResult(), past, past)
+
+    def rewrite(self, op, past, dims, **_):
+        node = dims.producer()
+        start, end = (node.attributes.get_int(k, default) for k, default in (("start", 0), ("end", RANK)))
+        start, end = (max(0, min(s + RANK if s < 0 else s, RANK)) for s in (start, end))
+        parts = []
+        if start < min(end, 2):
+            parts.append(op.Shape(past, start=start, end=min(end, 2)))
+        if start <= 2 < end:
+            parts.append(op.Cast(_past_sequence_length(past), to=ir.DataType.INT64))
+        if max(start, 3) < end:
+            parts.append(op.Shape(past, start=max(start, 3), end=end))
+        return parts[0] if len(parts) == 1 else op.Concat(*parts, axis=0)
+
+
+def static_cache_rules() -> list[pattern.RewriteRule]:
+    return [StaticAttention().rule(), PastLengthFromInput().rule()]
+
+
+class StaticCachePass(Reporting, ir.passes.InPlacePass):
+    """The static-cache interface (past_sequence_length in, cache_len axes, one-token input_ids) and its rules."""
 
     name = "static_kv_cache"
 
-    def call(self, model: ir.Model) -> PassResult:
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
         pasts = [v for v in graph.inputs if is_cache(v.name, PAST, SELF)]
         if not pasts or any(v.name == PAST_SEQUENCE_LENGTH for v in graph.inputs):
-            return PassResult(model, False)                          # an encoder, or already static
-        attention, shapes = _consumers(pasts)
+            return ir.passes.PassResult(model, False)                  # an encoder, or already static
+        _refuse_unfused(pasts)
         model.opset_imports.setdefault(MS, 1)
-
-        psl = ir.Value(name=PAST_SEQUENCE_LENGTH, type=ir.TensorType(ir.DataType.INT32), shape=ir.Shape([1]))
-        graph.inputs.insert(2, psl)                                  # after input_ids, encoder_attention_mask
-        cast = ir.node("Cast", [psl], attributes={"to": ir.DataType.INT64}, name="past_len_from_input")
-        graph.insert_before(graph.node(0), cast)
-        past_len = cast.outputs[0]                                   # int64 [1]
-        past_len.name, past_len.shape, past_len.type = "past_len", ir.Shape([1]), ir.TensorType(ir.DataType.INT64)
-
-        for node in shapes:
-            _replace_shape(graph, node, past_len)
-        for node in attention:
-            _replace_attention(graph, node, psl)
+        graph.inputs.insert(2, ir.Value(name=PAST_SEQUENCE_LENGTH, type=ir.TensorType(ir.DataType.INT32),
+                                        shape=ir.Shape([1])))          # after input_ids, encoder_attention_mask
+        rules = RewritePass(self.name, static_cache_rules())
+        rules(model)
+        self.counts[self.name] += rules.counts["static_kv_cache"]
+        _refuse_leftovers(pasts)
         for v in pasts:
             v.shape = _with_len(v.shape, CACHE_LEN)
         for v in graph.outputs:
@@ -73,82 +148,35 @@ class StaticCachePass(Pass):
         ids = next(v for v in graph.inputs if v.name == "input_ids")
         if ids.shape is not None:
             ids.shape = ir.Shape([ids.shape[0], 1])
-        RemoveUnusedNodesPass()(model)                               # the causal-bias subgraph is dead now
+        CommonSubexpressionEliminationPass()(model)                    # one Cast of past_sequence_length
+        RemoveUnusedNodesPass()(model)                                 # the causal-bias subgraph is dead now
         TopologicalSortPass()(model)
-        return PassResult(model, True, {"static_kv_cache": len(attention)})
+        return ir.passes.PassResult(model, True)
 
 
-def _consumers(pasts: list[ir.Value]) -> tuple[list[ir.Node], list[ir.Node]]:
-    """The fused self-attention nodes and the Shape nodes reading the past caches; anything else is refused."""
-    attention, shapes = {}, {}
+_UNFUSED = ("the static KV cache needs the decoder's self-attention fused into MultiHeadAttention; optimize with "
+            "--attention ort (the default) and without --no-fuse, or pass --kv-cache dynamic")
+
+
+def _refuse_unfused(pasts: list[ir.Value]) -> None:
+    """Before any change: the pasts may feed only fused attention and Shape nodes."""
     for v in pasts:
         for use in v.uses():
-            node, index = use.node, use.idx
-            if node.op_type == "MultiHeadAttention" and node.domain == MS and index in (_MHA_PAST_KEY, _MHA_PAST_VALUE):
-                attention[id(node)] = node
-            elif node.op_type == "Shape" and node.domain == "":
-                shapes[id(node)] = node
-            else:
-                raise StaticCacheError(
-                    f"{v.name} feeds a {node.op_type} node ({node.name}), not a fused attention: the static KV cache "
-                    f"needs the decoder's self-attention fused into MultiHeadAttention; optimize with --attention ort "
-                    f"(the default) and without --no-fuse, or pass --kv-cache dynamic")
-    for node in attention.values():
-        inputs = list(node.inputs)
-        extra = (len(inputs) > 4 and inputs[4] is not None) or any(x is not None for x in inputs[_MHA_PAST_VALUE + 1:])
-        if extra or len(node.outputs) > 3:
-            raise StaticCacheError(f"self-attention {node.name} uses a key padding mask or extra MultiHeadAttention "
-                                   f"inputs/outputs that the static cache does not carry; pass --kv-cache dynamic")
-    return list(attention.values()), list(shapes.values())
+            node = use.node
+            if not ((node.op_type == "MultiHeadAttention" and node.domain == MS) or
+                    (node.op_type == "Shape" and node.domain == "")):
+                raise StaticCacheError(f"{v.name} feeds a {node.op_type} node ({node.name}), not a fused "
+                                       f"attention: {_UNFUSED}")
 
 
-def _replace_shape(graph: ir.Graph, node: ir.Node, past_len: ir.Value) -> None:
-    """Shape(past)[start:end] -> the same dims with dim 2 (past_len) taken from past_sequence_length."""
-    x = node.inputs[0]
-    rank = 4
-    start = node.attributes.get_int("start", 0)
-    end = node.attributes.get_int("end", rank)
-    start, end = (s + rank if s < 0 else s for s in (start, end))
-    start, end = max(0, min(start, rank)), max(0, min(end, rank))
-    parts: list[ir.Value] = []
-    new_nodes: list[ir.Node] = []
-    for lo, hi in ((start, min(end, 2)), (max(start, 3), end)):
-        if lo < hi:
-            piece = ir.node("Shape", [x], attributes={"start": lo, "end": hi})
-            new_nodes.append(piece)
-            parts.append((lo, piece.outputs[0]))
-    if start <= 2 < end:
-        parts.append((2, past_len))
-    values = [v for _, v in sorted(parts, key=lambda p: p[0])]
-    if len(values) == 1:
-        result = values[0]
-    else:
-        concat = ir.node("Concat", values, attributes={"axis": 0})
-        new_nodes.append(concat)
-        result = concat.outputs[0]
-    for n in new_nodes:
-        graph.insert_before(node, n)
-    ir.convenience.replace_all_uses_with(node.outputs[0], result)
-    graph.remove(node, safe=True)
-
-
-def _replace_attention(graph: ir.Graph, node: ir.Node, psl: ir.Value) -> None:
-    """MultiHeadAttention(q, k, v, bias, -, causal bias, past k, past v) -> DecoderMaskedMultiHeadAttention."""
-    q, k, v = node.inputs[0], node.inputs[1], node.inputs[2]
-    bias = node.inputs[3] if len(node.inputs) > 3 else None
-    inputs = [q, k, v, None, None, node.inputs[_MHA_PAST_KEY], node.inputs[_MHA_PAST_VALUE], psl, None, None, bias]
-    while inputs[-1] is None:
-        inputs.pop()
-    attributes = {"num_heads": node.attributes.get_int("num_heads"), "past_present_share_buffer": 1}
-    scale = node.attributes.get_float("scale", None)
-    if scale is not None:
-        attributes["scale"] = scale
-    new = ir.node("DecoderMaskedMultiHeadAttention", inputs, attributes=attributes, domain=MS,
-                  num_outputs=3, name=(node.name or "attention") + "_static")
-    old = list(node.outputs)
-    for out, was in zip(new.outputs, old):
-        out.shape, out.type = was.shape, was.type
-    ir.convenience.replace_nodes_and_values(graph, node, [node], [new], old, list(new.outputs)[:len(old)])
+def _refuse_leftovers(pasts: list[ir.Value]) -> None:
+    """After the rules: a past still read by anything but the new attention did not match (extra inputs)."""
+    for v in pasts:
+        for use in v.uses():
+            if use.node.op_type != "DecoderMaskedMultiHeadAttention":
+                raise StaticCacheError(f"self-attention {use.node.name} ({use.node.op_type}) uses a projection bias, "
+                                       f"a key padding mask or extra inputs/outputs that the static cache does not carry; pass "
+                                       f"--kv-cache dynamic")
 
 
 def _with_len(shape: ir.Shape | None, length: str) -> ir.Shape | None:
@@ -160,4 +188,4 @@ def _with_len(shape: ir.Shape | None, length: str) -> ir.Shape | None:
     return ir.Shape(dims)
 
 
-__all__ = ["StaticCachePass", "StaticCacheError"]
+__all__ = ["StaticCachePass", "StaticCacheError", "StaticAttention", "PastLengthFromInput", "static_cache_rules"]

@@ -4,8 +4,9 @@
     hyps = generate_ids(bundle.engine, [[5, 6, 7]], SearchOptions(beam=4))
     print(bundle.provider)                      # "cpu" or "cuda": what "auto" chose
 
-Every way a bundle can be broken (missing file, changed graph, newer format, graph whose interface
-differs from its manifest) is a BundleError when loading, never a crash at run time.
+Every way a bundle can be broken (missing file, any changed file: graphs, .ort graphs, tokenizer, operator config
+or whatever else the manifest lists; older or newer format, graph whose interface differs from its manifest) is a
+BundleError when loading, never a crash at run time.
 """
 
 from __future__ import annotations

@@ -15,12 +15,12 @@ from runtime.errors import BundleError
 from runtime.spec import KV_CACHES, GraphSpec, TensorSpec
 
 FORMAT = "onnxformer-bundle"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2                 # 2: "files" lists every file with its sha256 and size
 MANIFEST = "manifest.json"
 GRAPHS = ("encoder", "decoder")
 PRECISIONS = ("fp32", "fp16", "int8", "int4")
 TARGETS = ("any", "cpu", "cuda")
-REQUIRED = ("format", "format_version", "model", "precision", "graphs")
+REQUIRED = ("format", "format_version", "model", "precision", "graphs", "files")
 
 
 def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
@@ -50,8 +50,9 @@ def read_manifest(bundle_dir: str | Path) -> dict:
     return manifest
 
 
-def validate_manifest(manifest, where: str | Path = MANIFEST) -> None:
-    """Check the manifest's structure (format, version, required fields, graph entries)."""
+def validate_manifest(manifest, where: str | Path = MANIFEST, written: bool = True) -> None:
+    """Check the manifest's structure (format, version, required fields, graph entries, the file list).
+    written=False: a manifest being built, before its "files" list is made (exporters.bundle.write_manifest)."""
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise BundleError(f"{where} is not an onnxformer bundle manifest (format is not {FORMAT!r}); re-export the bundle")
     version = manifest.get("format_version")
@@ -60,7 +61,10 @@ def validate_manifest(manifest, where: str | Path = MANIFEST) -> None:
     if version > FORMAT_VERSION:
         raise BundleError(f"{where} has format_version {version}, newer than this onnxformer reads ({FORMAT_VERSION}); "
                           f"upgrade onnxformer or re-export the bundle with this version")
-    missing = [key for key in REQUIRED if key not in manifest]
+    if version < FORMAT_VERSION:
+        raise BundleError(f"{where} has format_version {version}, whose manifest does not hash every file of the "
+                          f"bundle; re-export the bundle with this onnxformer (format {FORMAT_VERSION})")
+    missing = [key for key in REQUIRED if key not in manifest and (written or key != "files")]
     if missing:
         raise BundleError(f"{where} lacks field(s) {', '.join(missing)}; re-export the bundle")
     if manifest["precision"] not in PRECISIONS:
@@ -77,65 +81,100 @@ def validate_manifest(manifest, where: str | Path = MANIFEST) -> None:
         entry = graphs[name]
         if not isinstance(entry, dict) or any(k not in entry for k in ("file", "sha256", "inputs", "outputs")):
             raise BundleError(f"{where}: graph {name!r} needs file, sha256, inputs and outputs; re-export the bundle")
+        if not isinstance(entry["inputs"], list) or not isinstance(entry["outputs"], list):
+            raise BundleError(f"{where}: graph {name!r} inputs and outputs must be lists; re-export the bundle")
         _safe_file(entry["file"], where)
-    for name, entry in (manifest.get("ort_graphs") or {}).items():
+    ort_graphs = manifest.get("ort_graphs") or {}
+    if not isinstance(ort_graphs, dict):
+        raise BundleError(f"{where}: 'ort_graphs' must be an object; re-export the bundle")
+    for name, entry in ort_graphs.items():
         if not isinstance(entry, dict) or "file" not in entry or "sha256" not in entry:
             raise BundleError(f"{where}: ort graph {name!r} needs file and sha256; re-export the bundle")
         _safe_file(entry["file"], where)
-    shared = manifest.get("shared_weights")
-    if shared is not None:
-        if (not isinstance(shared, dict) or any(k not in shared for k in ("file", "sha256", "tensors"))
-                or not isinstance(shared["tensors"], list)):
-            raise BundleError(f"{where}: shared_weights needs file, sha256 and tensors; re-optimize the bundle")
-        _safe_file(shared["file"], where)
+    if manifest.get("tokenizer") is not None:
+        _safe_file(manifest["tokenizer"], where)
+    if "files" in manifest:
+        _check_file_list(manifest, where)
 
 
-def _safe_file(name, where) -> None:
-    """Graph files must be plain names inside the bundle directory."""
-    if not isinstance(name, str) or not name or Path(name).name != name or name in (".", ".."):
-        raise BundleError(f"{where}: graph file {name!r} must be a file name inside the bundle; re-export the bundle")
+def _check_file_list(manifest: dict, where) -> None:
+    """"files" maps every file of the bundle to its sha256 and size; every file named elsewhere is in it."""
+    files = manifest["files"]
+    if not isinstance(files, dict):
+        raise BundleError(f"{where}: 'files' must map file names to sha256 and bytes; re-export the bundle")
+    for name, entry in files.items():
+        _safe_file(name, where)
+        if (not isinstance(entry, dict) or not isinstance(entry.get("sha256"), str) or len(entry["sha256"]) != 64
+                or not isinstance(entry.get("bytes"), int) or isinstance(entry["bytes"], bool) or entry["bytes"] < 0):
+            raise BundleError(f"{where}: file {name!r} needs a sha256 (64 hex digits) and a size in bytes; "
+                              f"re-export the bundle")
+    for name, sha in _named_files(manifest):
+        if name not in files:
+            raise BundleError(f"{where} names {name} but does not list it under 'files', so it cannot be verified; "
+                              f"re-export the bundle")
+        if sha is not None and sha != files[name]["sha256"]:
+            raise BundleError(f"{where} records two different sha256 for {name}; re-export the bundle")
 
 
-def verify_hashes(bundle_dir: str | Path, manifest: dict,
-                  which: tuple[str, ...] = ("graphs", "ort_graphs", "shared_weights")) -> None:
-    """Check every listed file exists with its recorded size and sha256 (a tampered or truncated bundle fails).
-
-    The graphs' external data (weights.data) belongs to the graphs: checking "graphs" checks it too."""
-    bundle_dir = Path(bundle_dir)
-    sections = list(which) + (["shared_weights"] if "graphs" in which and "shared_weights" not in which else [])
-    for section in sections:
-        entries = manifest.get(section) or {}
-        if section == "shared_weights":                               # one file entry, not a name -> entry table
-            entries = {"shared weights": entries} if entries else {}
-        for name, entry in entries.items():
-            path = bundle_dir / entry["file"]
-            if not path.is_file():
-                raise BundleError(f"bundle {bundle_dir} is missing {entry['file']} ({name}); copy the whole bundle directory")
-            size = path.stat().st_size
-            if "bytes" in entry and size != entry["bytes"]:
-                raise BundleError(f"{path} is {size} bytes, the manifest says {entry['bytes']}: the file is truncated or "
-                                  f"was changed; copy the bundle again or re-export it")
-            if sha256_file(path) != entry["sha256"]:
-                raise BundleError(f"{path} does not match its sha256 in {MANIFEST}: the file was changed or corrupted; "
-                                  f"copy the bundle again or re-export it")
-
-
-def listed_files(manifest: dict) -> set[str]:
-    """Every file name the manifest accounts for (graphs, ORT graphs, weights, tokenizer, operator config, files)."""
-    names = set()
+def _named_files(manifest: dict) -> list[tuple[str, str | None]]:
+    """(file, sha256 or None) of every file the manifest names outside 'files' (graphs, .ort, tokenizer, ...)."""
+    named = []
     for section in ("graphs", "ort_graphs"):
         entries = manifest.get(section)
         for entry in (entries.values() if isinstance(entries, dict) else ()):
             if isinstance(entry, dict) and isinstance(entry.get("file"), str):
-                names.add(entry["file"])
-    ops = (manifest.get("ort_format") or {}).get("required_operators") if isinstance(manifest.get("ort_format"), dict) else None
+                named.append((entry["file"], entry.get("sha256") if isinstance(entry.get("sha256"), str) else None))
+    record = manifest.get("ort_format")
+    ops = record.get("required_operators") if isinstance(record, dict) else None
     if isinstance(ops, dict) and isinstance(ops.get("file"), str):
-        names.add(ops["file"])
+        named.append((ops["file"], ops.get("sha256") if isinstance(ops.get("sha256"), str) else None))
     if isinstance(manifest.get("tokenizer"), str):
-        names.add(manifest["tokenizer"])
-    shared = manifest.get("shared_weights")
+        named.append((manifest["tokenizer"], None))
+    shared = manifest.get("shared_weights")                  # the graphs' external data (exporters/shared_weights)
     if isinstance(shared, dict) and isinstance(shared.get("file"), str):
-        names.add(shared["file"])
+        named.append((shared["file"], shared.get("sha256") if isinstance(shared.get("sha256"), str) else None))
+    return named
+
+
+def _safe_file(name, where) -> None:
+    """Files must be plain names inside the bundle directory."""
+    if not isinstance(name, str) or not name or Path(name).name != name or name in (".", "..") or name == MANIFEST:
+        raise BundleError(f"{where}: file {name!r} must be a file name inside the bundle; re-export the bundle")
+
+
+def file_entries(bundle_dir: str | Path) -> dict[str, dict]:
+    """{name: {sha256, bytes}} of every file in a bundle directory but the manifest (what write_manifest lists)."""
+    bundle_dir = Path(bundle_dir)
+    entries = {}
+    for path in sorted(bundle_dir.iterdir()):
+        if path.name == MANIFEST:
+            continue
+        if not path.is_file() or path.is_symlink():
+            raise BundleError(f"{path} is not a plain file; a bundle holds only files, so remove it")
+        entries[path.name] = {"sha256": sha256_file(path), "bytes": path.stat().st_size}
+    return entries
+
+
+def verify_hashes(bundle_dir: str | Path, manifest: dict) -> None:
+    """Check every file the manifest lists exists with its recorded size and sha256 (a tampered, truncated,
+    swapped or missing file fails), whatever kind of file it is."""
+    bundle_dir = Path(bundle_dir)
+    for name, entry in manifest["files"].items():
+        path = bundle_dir / name
+        if not path.is_file():
+            raise BundleError(f"bundle {bundle_dir} is missing {name}; copy the whole bundle directory")
+        size = path.stat().st_size
+        if size != entry["bytes"]:
+            raise BundleError(f"{path} is {size} bytes, the manifest says {entry['bytes']}: the file is truncated or "
+                              f"was changed; copy the bundle again or re-export it")
+        if sha256_file(path) != entry["sha256"]:
+            raise BundleError(f"{path} does not match its sha256 in {MANIFEST}: the file was changed or corrupted; "
+                              f"copy the bundle again or re-export it")
+
+
+def listed_files(manifest: dict) -> set[str]:
+    """Every file name the manifest accounts for (its 'files' list and every file it names elsewhere)."""
+    names = {name for name, _ in _named_files(manifest)}
     if isinstance(manifest.get("files"), dict):
         names.update(name for name in manifest["files"] if isinstance(name, str))
     return names
@@ -183,6 +222,7 @@ def inspect_report(bundle_dir: str | Path) -> dict:
         "tokenizer": manifest.get("tokenizer"), "fusions": manifest.get("fusions") or {},
         "passes": manifest.get("passes") or [], "producer": manifest.get("producer") or {},
         "parity": _parity_summary(manifest.get("parity")), "created": manifest.get("created"),
+        "files": manifest["files"],
         "total_bytes": sum(p.stat().st_size for p in bundle_dir.iterdir() if p.is_file()),
     }
 
@@ -236,6 +276,9 @@ def format_inspect(report: dict, max_io: int = 8) -> str:
         lines.append("  ops: " + ", ".join(f"{op} {n}" for op, n in ops))
     for name, g in report["ort_graphs"].items():
         lines.append(f"\nort {name}: {g['file']}  {_size(g.get('bytes', 0))}")
+    files = report.get("files") or {}
+    lines.append(f"\nfiles ({len(files)}, sizes and sha256 verified): "
+                 + ", ".join(f"{name} {_size(e['bytes'])}" for name, e in files.items()))
     fusions = report["fusions"]
     lines.append("\nfusions: " + (", ".join(f"{k} {v}" for k, v in fusions.items()) if fusions else "none"))
     if report["passes"]:

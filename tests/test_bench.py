@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from toolkit import bench
+from toolkit.bench import probe
+from toolkit.bench import report as bench_report
 from toolkit.checkpoint import save_checkpoint
 from toolkit.cli import main
 from toolkit.config import preset
@@ -93,7 +94,7 @@ def test_precision_fusion_and_weights_come_from_the_model(run, models):
     by_engine = {(r["engine"], r["batch_size"]): r for r in report["rows"]}
     torch_row, ort_row = by_engine["torch-cache", 1], by_engine["cpu", 1]
     assert (ort_row["precision"], ort_row["fused"], ort_row["torch_loaded"]) == ("fp32", False, False)
-    expected = bench.torch_step_weight_bytes(Transformer(preset("tiny", max_len=24)))
+    expected = probe.torch_step_weight_bytes(Transformer(preset("tiny", max_len=24)))
     assert torch_row["weight_mb_per_step"] == pytest.approx(expected / 2**20, abs=0.01)
     # the exported decoder holds the same weights (the embedding table only as a lookup and the output matrix)
     assert ort_row["weight_mb_per_step"] == pytest.approx(torch_row["weight_mb_per_step"], rel=0.05)
@@ -163,27 +164,27 @@ def test_engine_load_errors_come_back_as_user_errors(models):
 
 
 def test_peak_rss_sees_an_allocation_and_resets():
-    if not bench.reset_peak():                                      # earlier tests may have left a higher peak
+    if not probe.reset_peak():                                      # earlier tests may have left a higher peak
         pytest.skip("this kernel cannot reset the peak-RSS mark (/proc/self/clear_refs)")
-    before = bench.peak_rss_bytes()
+    before = probe.peak_rss_bytes()
     block = np.ones(64 << 20, dtype=np.uint8)                       # 64 MiB, touched
-    assert bench.peak_rss_bytes() >= before + (60 << 20)
+    assert probe.peak_rss_bytes() >= before + (60 << 20)
     del block
-    assert bench.reset_peak()
-    assert bench.peak_rss_bytes() < before + (32 << 20)
+    assert probe.reset_peak()
+    assert probe.peak_rss_bytes() < before + (32 << 20)
 
 
 def test_roofline_picks_the_larger_bound():
     config = preset("base", vocab_size=8000).to_dict()
     machine = {"bandwidth_gbs": 10.0, "gemm_gflops": 100.0}
     weights = 100 * 10**6
-    small = bench.roofline(config, weights, batch=1, past=10, src_len=32, step_s=0.02, machine=machine)
+    small = bench_report.roofline(config, weights, batch=1, past=10, src_len=32, step_s=0.02, machine=machine)
     assert small["roofline_bound"] == "memory"
-    assert small["bound_ms"] == pytest.approx((weights + bench.step_cache_bytes(config, 1, 10, 32)) / 1e10 * 1e3, rel=1e-3)
+    assert small["bound_ms"] == pytest.approx((weights + bench_report.step_cache_bytes(config, 1, 10, 32)) / 1e10 * 1e3, rel=1e-3)
     assert small["roofline_fraction"] == pytest.approx(small["bound_ms"] / 20, rel=1e-3)
-    big = bench.roofline(config, weights, batch=64, past=10, src_len=32, step_s=0.02, machine=machine)
+    big = bench_report.roofline(config, weights, batch=64, past=10, src_len=32, step_s=0.02, machine=machine)
     assert big["roofline_bound"] == "compute"
     # per token: 6 layers x (6 d^2 + 2 d d_ff) + vocab x d multiply-adds, plus attention over 11 + 32 keys
     d, f = 512, 2048
     macs = 6 * (6 * d * d + 2 * d * f) + 8000 * d + 6 * 2 * d * (11 + 32)
-    assert bench.step_flops(config, 64, 10, 32) == 2 * 64 * macs
+    assert bench_report.step_flops(config, 64, 10, 32) == 2 * 64 * macs

@@ -112,6 +112,11 @@ def rewrite(bundle: Path, **changes) -> None:
     (dict(format="something-else"), "not an onnxformer bundle"),
     (dict(format_version=FORMAT_VERSION + 1), "newer than this onnxformer reads"),
     (dict(format_version="1"), "bad format_version"),
+    (dict(format_version=1), "does not hash every file"),
+    (dict(files=[]), "'files' must map"),
+    (dict(files={"encoder.onnx": {"sha256": "ab", "bytes": 1}}), "64 hex digits"),
+    (dict(files={"../x": {"sha256": "a" * 64, "bytes": 1}}), "inside the bundle"),
+    (dict(ort_graphs=["encoder.ort"]), "'ort_graphs' must be an object"),
     (dict(precision="fp8"), "unknown precision"),
     (dict(graphs={"encoder": {}}), "must list graphs"),
 ])
@@ -161,7 +166,7 @@ def test_verify_hashes_catches_missing_truncated_and_changed_files(bundle):
 
 
 def test_writer_refuses_a_manifest_whose_files_differ(tmp_path):
-    with pytest.raises(BundleError, match="was changed"):
+    with pytest.raises(BundleError, match="two different sha256 for decoder.onnx"):
         with stage_bundle(tmp_path / "b") as tmp:
             onnx.save(small_graph(False), str(tmp / "encoder.onnx"))
             onnx.save(small_graph(False), str(tmp / "decoder.onnx"))

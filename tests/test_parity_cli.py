@@ -12,7 +12,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from runtime.manifest import sha256_file
+from runtime.manifest import file_entries, sha256_file
 from runtime.tokenizer import CharTokenizer
 from toolkit.checkpoint import save_checkpoint
 from toolkit.cli import main
@@ -70,6 +70,7 @@ def perturbed_bundle(toy_exported, tmp_path_factory) -> Path:
     manifest = json.loads((out / "manifest.json").read_text())
     manifest["graphs"]["decoder"].update(sha256=sha256_file(out / "decoder.onnx"),
                                          bytes=(out / "decoder.onnx").stat().st_size)
+    manifest["files"] = file_entries(out)
     (out / "manifest.json").write_text(json.dumps(manifest))
     return out
 

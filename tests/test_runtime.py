@@ -19,7 +19,7 @@ from click.testing import CliRunner
 from runtime.bundle import load_bundle
 from runtime.errors import BundleError, InputError, ProviderError
 from runtime.generate import generate_ids, to_outputs
-from runtime.manifest import FORMAT_VERSION, sha256_file
+from runtime.manifest import FORMAT_VERSION, file_entries, sha256_file
 from runtime.ort_engine import default_io_binding
 from runtime.search import SearchOptions
 from runtime.session import FLOAT, INT64, SessionConfig, choose_provider, gather_model, make_session
@@ -188,6 +188,10 @@ def test_ort_format_graphs_are_used_and_decode_identically(bundle, tmp_path, eng
     manifest = json.loads((copy / "manifest.json").read_text())
     manifest["ort_graphs"] = {name: {"file": f"{name}.ort", "sha256": sha256_file(copy / f"{name}.ort"),
                                      "bytes": (copy / f"{name}.ort").stat().st_size} for name in ("encoder", "decoder")}
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(BundleError, match="names encoder.ort but does not list it under 'files'"):
+        load_bundle(copy, provider="cpu")
+    manifest["files"] = file_entries(copy)
     (copy / "manifest.json").write_text(json.dumps(manifest))
     loaded = load_bundle(copy, provider="cpu")
     assert loaded.files == {"encoder": "encoder.ort", "decoder": "decoder.ort"}

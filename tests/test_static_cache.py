@@ -45,8 +45,8 @@ def test_rewrite_gives_the_static_interface(bundles):
     model, _, dynamic, _ = bundles
     c = model.config
     graph = ir.load(dynamic / "decoder.onnx")
-    result = StaticCachePass()(graph)
-    assert result.modified and result.counts == {"static_kv_cache": c.n_decoder_layers}
+    static = StaticCachePass()
+    assert static(graph).modified and static.counts == {"static_kv_cache": c.n_decoder_layers}
     assert not StaticCachePass()(graph).modified                    # already static: a no-op
     ops = [n.op_type for n in graph.graph]
     assert ops.count("DecoderMaskedMultiHeadAttention") == ops.count("MultiHeadAttention") == c.n_decoder_layers

@@ -4,7 +4,7 @@
     python greedy_numpy.py BUNDLE --ids "5 6 7"                     # token ids in, ids out (models without text)
 
 For applications that embed the graphs themselves: everything needed is in the bundle's manifest.json
-(model config, graph files, their sha256) and tokenizer.json. On the CPU it runs the ORT-format graphs
+(model config, graph files, every file's sha256) and tokenizer.json. On the CPU it runs the ORT-format graphs
 (.ort) when the bundle lists them, else the .onnx graphs, as onnxformer does.
 """
 
@@ -22,14 +22,14 @@ SPECIALS = 3                               # tokenizer ids 0, 1, 2: <pad>, <s>, 
 def load(bundle: Path, use_ort_format: bool = True):
     """Manifest, encoder and decoder sessions (hashes checked), and the tokenizer's characters (or None)."""
     manifest = json.loads((bundle / "manifest.json").read_text())
+    for name, entry in manifest["files"].items():                  # every file of the bundle, graphs and tokenizer
+        if hashlib.sha256((bundle / name).read_bytes()).hexdigest() != entry["sha256"]:
+            raise SystemExit(f"{bundle / name} does not match its sha256 in manifest.json; copy the bundle again")
     sessions = {}
     for name in ("encoder", "decoder"):
         entry = (manifest.get("ort_graphs") or {}).get(name) if use_ort_format else None
         entry = entry or manifest["graphs"][name]
-        path = bundle / entry["file"]
-        if hashlib.sha256(path.read_bytes()).hexdigest() != entry["sha256"]:
-            raise SystemExit(f"{path} does not match its sha256 in manifest.json; copy the bundle again")
-        sessions[name] = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        sessions[name] = ort.InferenceSession(str(bundle / entry["file"]), providers=["CPUExecutionProvider"])
     chars = None
     if manifest.get("tokenizer"):
         chars = json.loads((bundle / manifest["tokenizer"]).read_text())["chars"]

@@ -20,16 +20,16 @@ from exporters.fusions.pack_matmul import PackMatMulsPass
 from exporters.fusions.int8_embedding import Int8EmbeddingPass
 from exporters.fusions.skip_layernorm import skip_layernorm_rules
 from exporters.fusions.transposed_weight import transposed_weight_rules
-from exporters.passes import CleanupPass, OpsetPass, Pass, RewritePass
+from exporters.passes import CleanupPass, OpsetPass, Reporting, RewritePass
 
 ONNX_ATTENTION_OPSET = 23
 
 
-def fusion_passes(attention: str = "ort", opset: int = 20) -> list[Pass]:
+def fusion_passes(attention: str = "ort", opset: int = 20) -> list[Reporting]:
     """The fusion passes for one attention target, in order; the manager repeats them until nothing changes."""
     if attention not in ATTENTION_TARGETS:
         raise ValueError(f"unknown attention target {attention!r}")
-    passes: list[Pass] = []
+    passes: list[Reporting] = []
     if attention == "onnx":
         passes.append(OpsetPass(ONNX_ATTENTION_OPSET))
         opset = max(opset, ONNX_ATTENTION_OPSET)
@@ -45,8 +45,9 @@ def fusion_passes(attention: str = "ort", opset: int = 20) -> list[Pass]:
     return passes
 
 
-def quantization_prepasses() -> list[Pass]:
-    """Before int8 quantization: give every constant MatMul weight an initializer of its own, then int8 embeddings."""
+def quantization_prepasses() -> list[Reporting]:
+    """Before int8/int4 quantization: give every constant MatMul weight an initializer of its own, then 8-bit
+    embedding tables (the tied projection reads the same int8 matrix)."""
     return [RewritePass("fold_transposed_weights", transposed_weight_rules()), Int8EmbeddingPass(), CleanupPass()]
 
 

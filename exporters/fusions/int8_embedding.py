@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from exporters.passes import Pass, PassResult
+from exporters.passes import Reporting
 from runtime.spec import INPUT_IDS
 
 ORT_DOMAIN = "com.microsoft"
@@ -41,12 +41,12 @@ def _const(value: ir.Value | None) -> np.ndarray | None:
     return None if tensor is None else tensor.numpy()
 
 
-class Int8EmbeddingPass(Pass):
+class Int8EmbeddingPass(Reporting, ir.passes.InPlacePass):
     """Quantize token-embedding Gathers (and the tied projection that reads the same matrix) to int8 per row."""
 
     name = "int8_embedding"
 
-    def call(self, model: ir.Model) -> PassResult:
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
         ids = next((v for v in graph.inputs if v.name == INPUT_IDS), None)
         lookups, projections = 0, 0
@@ -54,7 +54,8 @@ class Int8EmbeddingPass(Pass):
             if ids is None or node.op_type != "Gather" or node.domain not in ("", "ai.onnx") or node.inputs[1] is not ids:
                 continue
             table = _const(node.inputs[0])
-            if table is None or table.ndim != 2 or table.dtype != np.float32 or node.attributes.get_int("axis", 0) != 0:
+            if (table is None or table.ndim != 2 or table.shape[1] < 2 or table.dtype != np.float32
+                    or node.attributes.get_int("axis", 0) != 0):                    # [V, 1]: our own row scales
                 continue
             q, scale = quantize_rows(table)
             base = node.inputs[0].name or "embedding"
@@ -73,7 +74,8 @@ class Int8EmbeddingPass(Pass):
                 graph.remove(node, safe=True)
             lookups += 1
             projections += self._tied_projections(graph, table, qt, s)
-        return PassResult(model, lookups > 0, {"int8_embedding": lookups, "int8_tied_projection": projections})
+        self.counts.update({"int8_embedding": lookups, "int8_tied_projection": projections})
+        return ir.passes.PassResult(model, lookups > 0)
 
     def _tied_projections(self, graph: ir.Graph, table: np.ndarray, qt: ir.Value, s: ir.Value) -> int:
         """MatMul(x, W^T) with W this table -> DynamicQuantizeMatMul(x, Q^T, s): the same int8 matrix and scales."""

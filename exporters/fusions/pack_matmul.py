@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from exporters.passes import Pass, PassResult
+from exporters.passes import Reporting
 
 
 def _const(value: ir.Value | None) -> np.ndarray | None:
@@ -38,12 +38,12 @@ def _projection(node: ir.Node) -> tuple[np.ndarray, ir.Node | None, np.ndarray |
     return weight, None, None
 
 
-class PackMatMulsPass(Pass):
+class PackMatMulsPass(Reporting, ir.passes.InPlacePass):
     """Join every group of >= 2 constant-weight MatMuls (with or without bias Adds) that share an input."""
 
     name = "pack_matmuls"
 
-    def call(self, model: ir.Model) -> PassResult:
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph, packed = model.graph, 0
         shared = {}
         for node in graph:
@@ -60,7 +60,8 @@ class PackMatMulsPass(Pass):
                 if len(members) >= 2:
                     self._pack(graph, x, members)
                     packed += 1
-        return PassResult(model, packed > 0, {"packed_matmul": packed})
+        self.counts["packed_matmul"] += packed
+        return ir.passes.PassResult(model, packed > 0)
 
     @staticmethod
     def _pack(graph: ir.Graph, x: ir.Value, members: list) -> None:

@@ -33,7 +33,7 @@ import torch
 
 from runtime.errors import BundleError, InputError
 from runtime.generate import pad_batch
-from runtime.manifest import read_manifest
+from runtime.manifest import read_manifest, verify_hashes
 from runtime.session import SessionConfig, choose_provider, make_session
 from runtime.spec import CROSS, KV, PRESENT, SELF, cache_name, cache_names, first_step_cache, graph_specs, past_of
 from runtime.static_cache import dynamic_view
@@ -298,6 +298,7 @@ def graph_paths(model: Transformer, bundle: str | Path | dict, precision: str | 
     if isinstance(bundle, dict):
         return {name: Path(bundle[name]) for name in ("encoder", "decoder")}, precision or "fp32"
     manifest = read_manifest(bundle)
+    verify_hashes(bundle, manifest)                    # parity of a changed file would prove nothing
     if precision is not None and precision != manifest["precision"]:
         raise BundleError(f"bundle {bundle} is {manifest['precision']}, not {precision}; "
                           f"judge it with precision {manifest['precision']}")

@@ -1,0 +1,91 @@
+"""What optimize accepts, refused before any work: targets, precisions, attention ops, the KV cache, the source."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from exporters.fusions import ATTENTION_TARGETS
+from runtime.errors import OnnxformerError
+from runtime.manifest import GRAPHS, PRECISIONS
+from runtime.spec import KV_CACHES
+
+TARGETS = ("cpu", "cuda")                        # bundle targets optimize writes (the manifest also knows "any")
+ATTENTION_OPS = {"ort": "com.microsoft.MultiHeadAttention", "onnx": "Attention"}
+STATIC_ATTENTION_OP = "DecoderMaskedMultiHeadAttention"   # the static cache's decoder self-attention
+
+
+class OptimizeError(OnnxformerError):
+    """Options or a source bundle that optimize cannot work with (exit 2, nothing written)."""
+
+
+def check_options(target: str, precision: str, attention: str, fuse: bool) -> None:
+    """Refuse option combinations that cannot work, before touching anything."""
+    if target not in TARGETS:
+        raise OptimizeError(f"unknown target {target!r}; choose one of: {', '.join(TARGETS)}")
+    if precision not in PRECISIONS:
+        raise OptimizeError(f"unknown precision {precision!r}; choose one of: {', '.join(PRECISIONS)}")
+    if attention not in ATTENTION_TARGETS:
+        raise OptimizeError(f"unknown attention target {attention!r}; choose ort (onnxruntime's "
+                            f"MultiHeadAttention) or onnx (the standard Attention op, opset 23)")
+    if precision == "fp16" and target != "cuda":
+        raise OptimizeError("fp16 is for the CUDA provider: pass --target cuda (for CPU use --precision fp32 or int8)")
+    if precision in ("int8", "int4") and target != "cpu":
+        raise OptimizeError(f"{precision} quantization is made for the CPU provider: pass --target cpu "
+                            f"(for CUDA use --precision fp16)")
+    if not fuse and precision == "fp32":
+        raise OptimizeError("nothing to do: --no-fuse with --precision fp32 leaves the graphs unchanged; "
+                            "drop --no-fuse or choose --precision int8/fp16")
+
+
+def resolve_kv_cache(kv_cache: str, target: str, fuse: bool, attention: str, manifest: dict,
+                     precision: str = "fp32") -> str:
+    """'auto' -> static on CPU when the attention is (or will be) fused for onnxruntime, else the source's cache."""
+    source = manifest.get("kv_cache", "dynamic")
+    fused_ort = (fuse and attention == "ort") or attention_state(manifest) == "ort"
+    if kv_cache == "auto":
+        return "static" if source == "static" or (target == "cpu" and fused_ort) else "dynamic"
+    if kv_cache not in KV_CACHES:
+        raise OptimizeError(f"unknown KV cache {kv_cache!r}; choose auto, static or dynamic")
+    if kv_cache == "dynamic" and source == "static":
+        raise OptimizeError("the source bundle already has a static KV cache; optimize the exported bundle for "
+                            "--kv-cache dynamic")
+    if kv_cache == "static" and precision == "fp16":
+        raise OptimizeError("--kv-cache static is not available with --precision fp16: the fp16 graphs keep float32 "
+                            "inputs and outputs, so the cache buffer would be cast (copied) every step; use "
+                            "--kv-cache dynamic, or --precision fp32 with --kv-cache static")
+    if kv_cache == "static" and not fused_ort:
+        raise OptimizeError("--kv-cache static needs the decoder's self-attention fused into onnxruntime's "
+                            "MultiHeadAttention: use --attention ort (the default) without --no-fuse, or pass "
+                            "--kv-cache dynamic")
+    return kv_cache
+
+
+def attention_state(manifest: dict) -> str | None:
+    """Which attention op the bundle's graphs already hold: 'ort', 'onnx' or None (decomposed)."""
+    ops = {op for g in GRAPHS for op in manifest["graphs"][g].get("op_counts", {})}
+    if f"com.microsoft.{STATIC_ATTENTION_OP}" in ops or STATIC_ATTENTION_OP in ops:
+        return "ort"
+    for name, op in ATTENTION_OPS.items():
+        if op in ops:
+            return name
+    return None
+
+
+def check_source(bundle_dir: Path, out_dir: Path, manifest: dict, precision: str, fuse: bool, attention: str) -> None:
+    """Refuse re-optimizations that would mean nothing or stack conversions; say what was applied before."""
+    if out_dir.absolute().resolve() == bundle_dir.absolute().resolve():
+        raise OptimizeError(f"--out {out_dir} is the source bundle; write the optimized bundle elsewhere")
+    done = manifest.get("passes") or []
+    applied = f"passes {', '.join(done)}" if done else "no passes"
+    if manifest["precision"] != "fp32":
+        raise OptimizeError(f"bundle {bundle_dir} is already {manifest['precision']} ({applied}); optimize the fp32 "
+                            f"bundle it was made from")
+    fused = attention_state(manifest)
+    if fuse and fused is not None and fused != attention:
+        raise OptimizeError(f"bundle {bundle_dir} already holds {ATTENTION_OPS[fused]} ({applied}), so it cannot be "
+                            f"fused for --attention {attention}: optimize the exported (unfused) bundle, or pass "
+                            f"--attention {fused} (or --no-fuse) to only convert its precision")
+
+
+__all__ = ["TARGETS", "ATTENTION_OPS", "STATIC_ATTENTION_OP", "OptimizeError", "check_options", "resolve_kv_cache",
+           "attention_state", "check_source"]

@@ -25,6 +25,7 @@ import onnx
 from runtime.errors import BundleError
 from runtime.manifest import (FORMAT, FORMAT_VERSION, MANIFEST, PRECISIONS, TARGETS, bundle_files, file_entries,
                               sha256_file, validate_manifest)
+from runtime.tokenizer import load_tokenizer, tokenizer_files
 from toolkit.outdir import OutputKind, check_output, staged_output
 
 TENSOR_TYPES = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.FLOAT16: "float16", onnx.TensorProto.INT64: "int64",
@@ -127,8 +128,13 @@ def write_manifest(bundle_dir: str | Path, manifest: dict) -> Path:
 
 
 def copy_tokenizer(tokenizer: str | Path | None, bundle_dir: Path) -> str | None:
-    """Copy tokenizer.json into the bundle; returns its name for the manifest (None when the model has none)."""
+    """Copy tokenizer.json and the files it names (SentencePiece models, vocabularies) into the bundle; returns its
+    name for the manifest (None when the model has none); write_manifest hashes them with every other file."""
     if tokenizer is None:
         return None
+    tokenizer = Path(tokenizer)
+    for name in tokenizer_files(load_tokenizer(tokenizer)):
+        shutil.copyfile(tokenizer.parent / name, bundle_dir / name)
     shutil.copyfile(tokenizer, bundle_dir / "tokenizer.json")
     return "tokenizer.json"
+

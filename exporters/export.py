@@ -95,7 +95,8 @@ def example_input(t: S.TensorSpec, config, gen: torch.Generator) -> torch.Tensor
             mask = torch.ones(shape, dtype=torch.long)
             mask[0, -2:] = 0                                # one padded row, so masking is traced
             return mask
-        return torch.randint(min(3, config.vocab_size - 1), config.vocab_size, shape, generator=gen)
+        vocab = min(config.vocab_size, config.source_vocab_size)      # valid as source and as target ids
+        return torch.randint(min(3, vocab - 1), vocab, shape, generator=gen)
     return torch.randn(shape, generator=gen)
 
 

@@ -313,8 +313,8 @@ def _fuse_graph(path: Path, fuse: bool, attention: str, precision: str, opset: i
 
 
 PIPELINE = ("opset_23", "fuse_attention", "fuse_layer_norm", "fuse_erf_gelu", "fuse_skip_layer_norm", "fuse_bias_gelu",
-            "pack_matmuls", "cleanup", "static_kv_cache", "fold_transposed_weights", "int8_embedding", "float16", "quantize_int8",
-            "quantize_int4")
+            "fuse_silu", "pack_matmuls", "cleanup", "static_kv_cache", "fold_transposed_weights", "int8_embedding",
+            "float16", "quantize_int8", "quantize_int4")
 
 
 def _pass_rank(name: str) -> tuple[int, str]:
@@ -381,11 +381,11 @@ def _generation(config, bundle_dir, manifest, src_paths, paths, provider, precis
     """Greedy decoding with both bundles through the runtime engine; token agreement position by position."""
     from runtime.ort_engine import OrtEngine
     from runtime.session import SessionConfig, make_session
-    from runtime.tokenizer import CharTokenizer
+    from runtime.tokenizer import load_tokenizer
     from toolkit.config import ModelConfig
     from toolkit.parity.generation import generation_parity, parity_inputs
 
-    tokenizer = CharTokenizer.load(bundle_dir / manifest["tokenizer"]) if manifest.get("tokenizer") else None
+    tokenizer = load_tokenizer(bundle_dir / manifest["tokenizer"]) if manifest.get("tokenizer") else None
     seqs, source = parity_inputs(ModelConfig.from_dict(config), tokenizer, samples=samples)
     options = SessionConfig()
     engines = [OrtEngine(make_session(p["encoder"], provider, options.for_graph("encoder")),

@@ -22,8 +22,8 @@ from runtime.errors import BundleError, ProviderError, TokenizerError
 from runtime.manifest import GRAPHS, manifest_specs, read_manifest, verify_hashes
 from runtime.ort_engine import OrtEngine
 from runtime.session import SessionConfig, choose_provider, installed_onnxruntime, make_session
-from runtime.spec import GraphSpec, graph_specs
-from runtime.tokenizer import CharTokenizer
+from runtime.spec import GraphSpec, graph_specs, source_vocab_size
+from runtime.tokenizer import CharTokenizer, load_tokenizer
 
 _LOAD_ERRORS = (ort_errors.Fail, ort_errors.InvalidGraph, ort_errors.InvalidProtobuf, ort_errors.NotImplemented,
                 ort_errors.RuntimeException, ort_errors.InvalidArgument, ort_errors.NoSuchFile)
@@ -132,10 +132,11 @@ def _tokenizer(path: Path, manifest: dict) -> CharTokenizer | None:
     if not name:
         return None
     try:
-        tokenizer = CharTokenizer.load(path / name)
+        tokenizer = load_tokenizer(path / name)
     except TokenizerError as exc:
         raise BundleError(f"bundle {path}: {exc}; copy the bundle again or re-export it") from None
-    if tokenizer.vocab_size > manifest["model"]["vocab_size"]:
+    if tokenizer.vocab_size > manifest["model"]["vocab_size"] or \
+            getattr(tokenizer, "src_vocab_size", 0) > source_vocab_size(manifest["model"]):
         raise BundleError(f"bundle {path}: tokenizer has {tokenizer.vocab_size} tokens, more than the model's "
                           f"vocab_size {manifest['model']['vocab_size']}; re-export the bundle")
     return tokenizer

@@ -39,6 +39,7 @@ class SearchOptions:
     length_penalty: float = 1.0   # beam scores are log-prob / len ** length_penalty
     num_return: int = 1           # hypotheses returned per input (<= beam)
     ignore_eos: bool = False      # never stop at EOS (benchmarks: every engine does the same work)
+    suppress: tuple[int, ...] = ()  # token ids never generated (the model's, e.g. Marian's pad; set by generate_ids)
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
@@ -91,7 +92,7 @@ def greedy(state: DecodeState, batch: int, bos: int, eos: int, opts: SearchOptio
         logits = state.step(last, keep)             # [live, V]
         if opts.ignore_eos:
             logits[:, eos] = -np.inf
-        nxt = logits.argmax(axis=-1)
+        nxt = suppress(logits.copy(), opts.suppress).argmax(axis=-1) if opts.suppress else logits.argmax(axis=-1)
         scores[live] += chosen_logprob(logits, nxt)
         for row, item in enumerate(live):
             tokens[item].append(int(nxt[row]))
@@ -102,17 +103,33 @@ def greedy(state: DecodeState, batch: int, bos: int, eos: int, opts: SearchOptio
     return [[Hypothesis(tokens[i], float(scores[i]), done[i])] for i in range(batch)]
 
 
+def suppress(logits: np.ndarray, ids: tuple[int, ...]) -> np.ndarray:
+    """Tokens the model never generates (Marian's pad) get -inf, in place."""
+    if ids:
+        logits[:, list(ids)] = -np.inf
+    return logits
+
+
 def beam_search(state: DecodeState, batch: int, bos: int, eos: int, opts: SearchOptions,
                 stop: np.ndarray | None = None) -> list[list[Hypothesis]]:
     """Keep the `beam` best partial hypotheses per input; return the best finished ones by normalized score.
 
     `stop` (as in greedy): once every input is stopped, the search ends early (its partial results are for nobody).
+
+    The rules are Hugging Face's (transformers' `_beam_search`, early_stopping=False), so that imported models
+    give the very tokens their original gives:
+    - each step ranks the 2K best continuations of all K beams by summed log-probability; of these, the ones
+      ending in EOS that rank within the first K are finished (score / length ** length_penalty, EOS counted in
+      the length), and the first K that do not end in EOS go on;
+    - an input keeps its K best finished hypotheses, and is done once it has K and its best live beam, normalized
+      by the current length, does not beat the worst of them;
+    - at the last allowed step every one of the first K continuations counts as finished (unfinished: no EOS).
     """
     k = opts.beam
     rows = batch * k
     seqs = np.zeros((rows, 0), dtype=np.int64)                       # tokens of each live beam
     beam_scores = np.tile(np.r_[0.0, np.full(k - 1, -np.inf)], batch)  # only beam 0 starts live
-    finished: list[list[Hypothesis]] = [[] for _ in range(batch)]
+    finished: list[list[Hypothesis]] = [[] for _ in range(batch)]   # the K best finished, best first
     closed = np.zeros(batch, dtype=bool)
     last, keep = np.full(rows, bos, dtype=np.int64), None
 
@@ -125,56 +142,53 @@ def beam_search(state: DecodeState, batch: int, bos: int, eos: int, opts: Search
         logits = state.step(last, keep)                              # [B*K, V]
         if opts.ignore_eos:
             logits[:, eos] = -np.inf
-        logp = log_softmax(logits)
+        logp = suppress(log_softmax(logits), opts.suppress)          # suppressed after normalizing, as HF does
         vocab = logp.shape[-1]
         cand = (beam_scores[:, None] + logp).reshape(batch, k * vocab)
         top = top_k_stable(cand, 2 * k)                              # best 2K continuations per input
+        final = step == opts.max_new_tokens - 1
         next_rows, next_tok, next_scores = [], [], []
         for b in range(batch):
             picked = 0
-            for c in top[b]:
-                src_row, tok, score = b * k + c // vocab, int(c % vocab), float(cand[b, c])
-                if picked == k:
-                    break
-                if closed[b]:                                       # keep shapes: pad with a dead beam
-                    next_rows.append(b * k), next_tok.append(eos), next_scores.append(-np.inf)
-                    picked += 1
-                    continue
-                if tok == eos:
-                    if np.isfinite(score) and c in top[b, :k]:
-                        toks = seqs[src_row].tolist() + [tok]
-                        finished[b].append(Hypothesis(toks, norm(score, len(toks))))
-                    continue
-                next_rows.append(src_row), next_tok.append(tok), next_scores.append(score)
-                picked += 1
-            while picked < k:                                       # every continuation ended: dead beams
+            if not closed[b]:
+                for rank, c in enumerate(top[b]):
+                    src_row, tok, score = b * k + c // vocab, int(c % vocab), float(cand[b, c])
+                    if tok == eos or final:
+                        if rank < k and np.isfinite(score):
+                            toks = seqs[src_row].tolist() + [tok]
+                            finished[b].append(Hypothesis(toks, norm(score, len(toks)), tok == eos))
+                        continue
+                    if picked < k:
+                        next_rows.append(src_row), next_tok.append(tok), next_scores.append(score)
+                        picked += 1
+                finished[b] = sorted(finished[b], key=lambda h: -h.score)[:k]   # stable: earlier ones win ties
+            while picked < k:                                       # closed input, or every continuation ended
                 next_rows.append(b * k), next_tok.append(eos), next_scores.append(-np.inf)
                 picked += 1
+        if final:
+            break
         keep = np.asarray(next_rows, dtype=np.int64)
         last = np.asarray(next_tok, dtype=np.int64)
         beam_scores = np.asarray(next_scores, dtype=np.float64)
         seqs = np.concatenate([seqs[keep], last[:, None]], axis=1)
         for b in range(batch):                                      # an input is done when no live beam can win
-            if closed[b] or len(finished[b]) < k:
+            if closed[b]:
                 continue
-            worst = min(h.score for h in finished[b])
             best_live = beam_scores[b * k:(b + 1) * k].max()
-            if not np.isfinite(best_live) or norm(best_live, step + 1) <= worst:
+            if not np.isfinite(best_live):
+                closed[b] = True
+            elif len(finished[b]) == k and norm(best_live, step + 1) <= finished[b][-1].score:
                 closed[b] = True
         if closed.all():
             break
         if (keep == np.arange(rows)).all():
             keep = None
-    results = []
-    for b in range(batch):
-        hyps = list(finished[b])
-        if not closed[b]:                                           # stopped at max_new_tokens: live beams count too
-            for r in range(b * k, (b + 1) * k):
-                if np.isfinite(beam_scores[r]) and seqs.shape[1]:
-                    hyps.append(Hypothesis(seqs[r].tolist(), norm(beam_scores[r], seqs.shape[1]), False))
-        hyps.sort(key=lambda h: -h.score)
-        results.append(hyps[: opts.num_return])
-    return results
+    for b in range(batch):                  # stopped early (`stop`): what the live beams had
+        if not finished[b]:
+            live = [Hypothesis(seqs[r].tolist(), norm(beam_scores[r], max(seqs.shape[1], 1)), False)
+                    for r in range(b * k, (b + 1) * k) if np.isfinite(beam_scores[r])]
+            finished[b] = sorted(live, key=lambda h: -h.score)
+    return [finished[b][: opts.num_return] for b in range(batch)]
 
 
 def search(state: DecodeState, batch: int, bos: int, eos: int, opts: SearchOptions,

@@ -164,6 +164,22 @@ def decoder_spec(n_decoder_layers: int, n_heads: int, d_model: int, vocab_size: 
     return GraphSpec("decoder", inputs=tuple(inputs), outputs=tuple(outputs))
 
 
+def source_vocab_size(config: dict) -> int:
+    """Size of the source vocabulary: the encoder's input ids (the target's when the model shares one)."""
+    return config.get("src_vocab_size") or config["vocab_size"]
+
+
+def source_pad_id(config: dict) -> int:
+    """The id source rows are padded with: pad, or 0 where pad lies outside a separate source vocabulary (padded
+    positions are masked, so any id inside the vocabulary gives the same outputs)."""
+    return config["pad_id"] if config["pad_id"] < source_vocab_size(config) else 0
+
+
+def suppressed_ids(config: dict) -> tuple[int, ...]:
+    """Token ids the model never generates: pad, for models that start decoding from it (Marian)."""
+    return (config["pad_id"],) if config.get("suppress_pad") else ()
+
+
 def graph_specs(config: dict, float_type: str = "float32", kv_cache: str = "dynamic") -> dict[str, GraphSpec]:
     """Both graphs' specs from a model config given as a dict (as stored in config.json and the manifest)."""
     if kv_cache not in KV_CACHES:
@@ -175,4 +191,5 @@ def graph_specs(config: dict, float_type: str = "float32", kv_cache: str = "dyna
 
 __all__ = ["TensorSpec", "GraphSpec", "PAST_SEQUENCE_LENGTH", "CACHE_LEN", "KV_CACHES", "PAST", "PRESENT", "SELF",
            "CROSS", "KV", "cache_name", "cache_names", "parse_cache_name", "is_cache", "past_of", "present_of",
-           "empty_past", "first_step_cache", "encoder_spec", "decoder_spec", "graph_specs"]
+           "empty_past", "first_step_cache", "encoder_spec", "decoder_spec", "graph_specs", "source_vocab_size",
+           "source_pad_id", "suppressed_ids"]

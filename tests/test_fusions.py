@@ -13,7 +13,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from exporters.fusions import (PackMatMulsPass, attention_rules, bias_gelu_rules, erf_gelu_rules, fusion_passes,
-                               layernorm_rules, quantization_prepasses, skip_layernorm_rules)
+                               layernorm_rules, quantization_prepasses, silu_rules, skip_layernorm_rules)
 from exporters.passes import CleanupPass, OpsetPass, Reporting, RewritePass, explain_misses, run_passes
 
 FILL = float(np.finfo(np.float32).min)   # what torch's masked_fill writes
@@ -361,6 +361,27 @@ def test_erf_gelu_then_bias_gelu(form, opset, domain):
 
 
 # ------------------------------------------------------------------------------------------ packed projections
+
+@pytest.mark.parametrize("order", ["x_first", "sigmoid_first"])
+def test_silu_becomes_quick_gelu_with_alpha_one(order):
+    """x * Sigmoid(x) (Marian's swish) -> com.microsoft.QuickGelu(alpha=1.0), which computes x * Sigmoid(alpha x)."""
+    g = Builder()
+    x = g.input("x", ["batch", "seq", D])
+    h = x
+    for _ in range(2):
+        h = g.op("Add", g.op("MatMul", h, g.weight(D, 2 * D)), g.weight(2 * D, scale=0.1))
+        s = g.op("Sigmoid", h)
+        h = g.op("Mul", *((h, s) if order == "x_first" else (s, h)))
+        h = g.op("MatMul", h, g.weight(2 * D, D))
+    g.op("Identity", h, out="y")
+    g.output("y")
+    model = g.model()
+    fused, counts, ops = fuse(model, [RewritePass("fuse_silu", silu_rules())])
+    assert counts["silu"] == 2 and ops["QuickGelu"] == 2 and "Sigmoid" not in ops
+    assert all(a.f == 1.0 for n in fused.graph.node if n.op_type == "QuickGelu" for a in n.attribute if a.name == "alpha")
+    feeds = {"x": np.random.default_rng(0).standard_normal((2, 3, D)).astype(np.float32) * 3}
+    assert_same(model, fused, feeds)
+
 
 def test_projections_sharing_an_input_are_packed():
     """Q/K/V with biases (packed with their Adds), two bias-free projections of another input, one lone MatMul."""

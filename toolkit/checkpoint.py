@@ -13,13 +13,14 @@ import torch
 
 from runtime.errors import TokenizerError
 from toolkit.errors import CheckpointError, ConfigError
-from runtime.tokenizer import CharTokenizer
+from runtime.tokenizer import CharTokenizer, load_tokenizer, tokenizer_files
 from toolkit.config import ModelConfig
 from toolkit.model import Transformer
 from toolkit.outdir import OutputKind, check_output, staged_output
 
 CONFIG, WEIGHTS, WEIGHTS_PT, TOKENIZER, TRAINING = "config.json", "weights.safetensors", "weights.pt", "tokenizer.json", "training.json"
-CHECKPOINT_FILES = (CONFIG, WEIGHTS, WEIGHTS_PT, TOKENIZER, TRAINING)   # every file a checkpoint writer may write
+IMPORTED = "import.json"            # where an imported checkpoint came from (toolkit/importers)
+CHECKPOINT_FILES = (CONFIG, WEIGHTS, WEIGHTS_PT, TOKENIZER, TRAINING, IMPORTED)   # every file a writer may write
 
 
 def checkpoint_files(path: Path) -> set[str] | None:
@@ -31,7 +32,13 @@ def checkpoint_files(path: Path) -> set[str] | None:
         return None
     if not any((path / w).is_file() for w in (WEIGHTS, WEIGHTS_PT)):
         return None
-    return set(CHECKPOINT_FILES)
+    files = set(CHECKPOINT_FILES)
+    if (path / TOKENIZER).is_file():                 # a SentencePiece tokenizer's models and vocabularies
+        try:
+            files |= set(tokenizer_files(load_tokenizer(path / TOKENIZER)))
+        except TokenizerError:
+            return None
+    return files
 
 
 CHECKPOINT_KIND = OutputKind("checkpoint", checkpoint_files, "'onnxformer init', 'train' or 'import'")
@@ -48,19 +55,20 @@ class Checkpoint:
 
     model: Transformer
     config: ModelConfig
-    tokenizer: CharTokenizer | None
+    tokenizer: CharTokenizer | None       # or a runtime.tokenizer.SentencePieceTokenizer
     path: Path
 
 
 def save_checkpoint(path: str | Path, model: Transformer, tokenizer: CharTokenizer | None = None,
-                    training: dict | None = None, force: bool = False) -> Path:
+                    training: dict | None = None, force: bool = False, imported: dict | None = None) -> Path:
     """Write a checkpoint directory atomically; force replaces only an onnxformer checkpoint (toolkit/outdir.py)."""
     from safetensors.torch import save_file
 
     path = check_checkpoint_output(path, force)
-    if tokenizer is not None and tokenizer.vocab_size > model.config.vocab_size:
-        raise ConfigError(f"tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is "
-                          f"{model.config.vocab_size}; make vocab_size at least {tokenizer.vocab_size}")
+    if tokenizer is not None:
+        problem = vocab_mismatch(tokenizer, model.config)
+        if problem:
+            raise ConfigError(problem)
     with staged_output(path, force, CHECKPOINT_KIND) as tmp:
         model.config.save(tmp / CONFIG)
         state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
@@ -69,6 +77,8 @@ def save_checkpoint(path: str | Path, model: Transformer, tokenizer: CharTokeniz
             tokenizer.save(tmp / TOKENIZER)
         if training is not None:
             (tmp / TRAINING).write_text(json.dumps(training, indent=2) + "\n")
+        if imported is not None:
+            (tmp / IMPORTED).write_text(json.dumps(imported, indent=2) + "\n")
     return path
 
 
@@ -102,13 +112,25 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
     tokenizer = None
     if (path / TOKENIZER).exists():
         try:
-            tokenizer = CharTokenizer.load(path / TOKENIZER)
+            tokenizer = load_tokenizer(path / TOKENIZER)
         except TokenizerError as exc:
             raise CheckpointError(f"checkpoint {path}: {exc}") from None
-        if tokenizer.vocab_size > config.vocab_size:
-            raise CheckpointError(f"checkpoint {path}: tokenizer has {tokenizer.vocab_size} tokens, more than "
-                                  f"vocab_size {config.vocab_size}")
+        problem = vocab_mismatch(tokenizer, config)
+        if problem:
+            raise CheckpointError(f"checkpoint {path}: {problem}")
     return Checkpoint(model, config, tokenizer, path)
+
+
+def vocab_mismatch(tokenizer, config: ModelConfig) -> str | None:
+    """Why a tokenizer cannot feed a model (ids beyond its vocabularies), or None."""
+    src = getattr(tokenizer, "src_vocab_size", tokenizer.vocab_size)
+    if tokenizer.vocab_size > config.vocab_size:
+        return (f"tokenizer has {tokenizer.vocab_size} target tokens but the model's vocab_size is {config.vocab_size}; "
+                f"make vocab_size at least {tokenizer.vocab_size}")
+    if src > config.source_vocab_size:
+        return (f"tokenizer has {src} source tokens but the model's source vocabulary has {config.source_vocab_size}; "
+                f"make it at least {src}")
+    return None
 
 
 def _load_state(path: Path) -> dict[str, torch.Tensor]:

@@ -14,7 +14,8 @@ import importlib
 
 import click
 
-COMMANDS = ("init", "train", "export", "optimize", "generate", "parity", "bench", "inspect", "demo", "serve", "loadtest")
+COMMANDS = ("init", "train", "importer", "export", "optimize", "generate", "parity", "bench", "inspect", "demo", "serve",
+            "loadtest")
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -23,7 +24,7 @@ def main():
     """Export a seq2seq Transformer to KV-cached ONNX graphs, optimize them, and run them with ONNX Runtime.
 
     \b
-    Pipeline:  checkpoint --export--> bundle --optimize--> bundle
+    Pipeline:  [Marian / nn.Transformer --import-->] checkpoint --export--> bundle --optimize--> bundle
     Both checkpoints (PyTorch) and bundles (ONNX Runtime) can be passed to generate and bench.
     """
 

@@ -10,6 +10,10 @@ from pathlib import Path
 from toolkit.errors import ConfigError
 
 
+ACTIVATIONS = ("relu", "gelu", "silu")
+POSITIONS = ("interleaved", "halves")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Sizes and choices of the encoder-decoder Transformer ("Attention Is All You Need", sec. 3)."""
@@ -23,12 +27,20 @@ class ModelConfig:
     max_len: int = 256              # longest source and longest target (positional table size)
     dropout: float = 0.1            # P_drop, applied only in training
     norm: str = "post"              # "post": LayerNorm(x + sublayer(x)) as in the paper; "pre": x + sublayer(LayerNorm(x))
-    activation: str = "relu"        # FFN non-linearity: "relu" (paper) or "gelu"
-    tie_embeddings: bool = True     # output projection shares the embedding matrix (sec. 3.4)
+    activation: str = "relu"        # FFN non-linearity: "relu" (paper), "gelu" (exact erf) or "silu" (x * sigmoid(x), Marian's swish)
+    tie_embeddings: bool = True     # output projection shares the target embedding matrix (sec. 3.4)
     layer_norm_eps: float = 1e-5    # LayerNorm epsilon
     pad_id: int = 0                 # padding token
-    bos_id: int = 1                 # decoder start token
+    bos_id: int = 1                 # decoder start token (Marian starts from pad: bos_id == pad_id)
     eos_id: int = 2                 # end of sequence
+    # variants of real checkpoints (importers set them; the defaults are the paper's choices)
+    positions: str = "interleaved"  # sinusoid table: "interleaved" sin/cos (paper) or "halves": sin | cos (Marian)
+    scale_embeddings: bool = True   # token embeddings times sqrt(d_model) (paper); False: times 1
+    logits_bias: bool = False       # a bias added to the logits (Marian's final_logits_bias, a tutorial Linear's bias)
+    src_vocab_size: int | None = None   # source vocabulary size when it differs from the target's (None: shared)
+    share_embeddings: bool = True   # source and target token embeddings are one matrix (needs one vocabulary size)
+    final_norm: bool = False        # a LayerNorm after the post-norm encoder and decoder stacks (torch.nn.Transformer)
+    suppress_pad: bool = False      # never generate pad (Marian: its bad_words_ids are [[pad]])
 
     def __post_init__(self) -> None:
         self.validate()
@@ -52,15 +64,37 @@ class ModelConfig:
                 f"choose a head count that divides d_model")
         if self.norm not in ("post", "pre"):
             raise ConfigError(f"norm must be 'post' or 'pre', got {self.norm!r}")
-        if self.activation not in ("relu", "gelu"):
-            raise ConfigError(f"activation must be 'relu' or 'gelu', got {self.activation!r}")
+        if self.activation not in ACTIVATIONS:
+            raise ConfigError(f"activation must be one of {', '.join(ACTIVATIONS)}, got {self.activation!r}")
+        if self.positions not in POSITIONS:
+            raise ConfigError(f"positions must be one of {', '.join(POSITIONS)}, got {self.positions!r}")
+        for name in ("tie_embeddings", "scale_embeddings", "logits_bias", "share_embeddings", "final_norm",
+                     "suppress_pad"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"config field {name!r} must be true or false, got {getattr(self, name)!r}")
+        if self.src_vocab_size is not None and (not isinstance(self.src_vocab_size, int) or self.src_vocab_size < 1):
+            raise ConfigError(f"src_vocab_size must be a positive integer or null, got {self.src_vocab_size!r}")
+        if self.share_embeddings and self.source_vocab_size != self.vocab_size:
+            raise ConfigError(f"shared source/target embeddings need one vocabulary size, got src_vocab_size "
+                              f"{self.src_vocab_size} and vocab_size {self.vocab_size}; set share_embeddings false")
+        if self.final_norm and self.norm == "pre":
+            raise ConfigError("final_norm is for post-norm stacks (pre-norm stacks always end with a LayerNorm); "
+                              "set norm 'post' or final_norm false")
         if not 0.0 <= float(self.dropout) < 1.0:
             raise ConfigError(f"dropout must be in [0, 1), got {self.dropout!r}")
         for name in ("pad_id", "bos_id", "eos_id"):
             if not 0 <= ints[name] < self.vocab_size:
                 raise ConfigError(f"{name} ({ints[name]}) must lie inside the vocabulary [0, {self.vocab_size})")
-        if len({self.pad_id, self.bos_id, self.eos_id}) != 3:
-            raise ConfigError("pad_id, bos_id and eos_id must be three different tokens")
+        if self.eos_id in (self.pad_id, self.bos_id):
+            raise ConfigError("eos_id must differ from pad_id and bos_id")
+        if self.bos_id == self.pad_id and not self.suppress_pad:
+            raise ConfigError("bos_id equals pad_id (decoding starts from pad, as in Marian) only with suppress_pad "
+                              "true, so that pad is never generated")
+
+    @property
+    def source_vocab_size(self) -> int:
+        """Size of the source vocabulary (the target's when they are shared)."""
+        return self.vocab_size if self.src_vocab_size is None else self.src_vocab_size
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -24,28 +25,43 @@ KV = tuple[torch.Tensor, torch.Tensor]  # (key, value), each [B, H, len, Dh]
 
 
 class Embeddings(nn.Module):
-    """Token embeddings scaled by sqrt(d_model) (sec. 3.4)."""
+    """Token embeddings scaled by sqrt(d_model) (sec. 3.4; scale 1 as an option)."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, vocab_size: int | None = None):
         super().__init__()
-        self.lut = nn.Embedding(config.vocab_size, config.d_model)
-        self.scale = math.sqrt(config.d_model)
+        self.lut = nn.Embedding(vocab_size or config.vocab_size, config.d_model)
+        self.scale = math.sqrt(config.d_model) if config.scale_embeddings else 1.0
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.lut(ids) * self.scale  # [B, T] -> [B, T, D]
 
 
+def sinusoid_table(config: ModelConfig) -> torch.Tensor:
+    """[max_len, d_model] positions. "interleaved" (sec. 3.5): PE(pos, 2i) = sin(pos / 10000^(2i/d)),
+    PE(pos, 2i+1) = cos(...). "halves" (Marian): the sines in the first half, the cosines in the second, computed in
+    float64 as Marian does, so that imported models see the very same table."""
+    n, d = config.max_len, config.d_model
+    if config.positions == "halves":
+        angle = np.arange(n, dtype=np.float64)[:, None] / np.power(10000, 2 * (np.arange(d) // 2) / d)[None, :]
+        half = d // 2 + d % 2
+        pe = torch.empty(n, d)
+        pe[:, :half] = torch.FloatTensor(np.sin(angle[:, 0::2]))
+        pe[:, half:] = torch.FloatTensor(np.cos(angle[:, 1::2]))
+        return pe
+    pos = torch.arange(n, dtype=torch.float32).unsqueeze(1)
+    div = torch.exp(torch.arange(0, d, 2, dtype=torch.float32) * (-math.log(10000.0) / d))
+    pe = torch.zeros(n, d)
+    pe[:, 0::2] = torch.sin(pos * div)
+    pe[:, 1::2] = torch.cos(pos * div[: d // 2])
+    return pe
+
+
 class PositionalEncoding(nn.Module):
-    """Sinusoidal positions PE(pos, 2i) = sin(pos / 10000^(2i/d)), PE(pos, 2i+1) = cos(...) (sec. 3.5)."""
+    """Sinusoidal positions added to the embeddings (sec. 3.5), in the table layout the config names."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
-        pos = torch.arange(config.max_len, dtype=torch.float32).unsqueeze(1)
-        div = torch.exp(torch.arange(0, config.d_model, 2, dtype=torch.float32) * (-math.log(10000.0) / config.d_model))
-        pe = torch.zeros(config.max_len, config.d_model)
-        pe[:, 0::2] = torch.sin(pos * div)
-        pe[:, 1::2] = torch.cos(pos * div[: config.d_model // 2])
-        self.register_buffer("pe", pe, persistent=False)  # derived, never stored in checkpoints
+        self.register_buffer("pe", sinusoid_table(config), persistent=False)  # derived, never stored in checkpoints
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor, start: int | torch.Tensor = 0) -> torch.Tensor:
@@ -92,13 +108,13 @@ class MultiHeadAttention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    """FFN(x) = max(0, x W1 + b1) W2 + b2, position-wise (sec. 3.3); GELU as an option."""
+    """FFN(x) = max(0, x W1 + b1) W2 + b2, position-wise (sec. 3.3); GELU or SiLU (swish) as options."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.w_1 = nn.Linear(config.d_model, config.d_ff)
         self.w_2 = nn.Linear(config.d_ff, config.d_model)
-        self.act = nn.ReLU() if config.activation == "relu" else nn.GELU()
+        self.act = {"relu": nn.ReLU, "gelu": nn.GELU, "silu": nn.SiLU}[config.activation]()
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -156,13 +172,20 @@ class DecoderLayer(nn.Module):
         return x, present
 
 
+def stack_norm(config: ModelConfig) -> nn.Module:
+    """The LayerNorm after a stack: always in pre-norm models, in post-norm ones with final_norm (nn.Transformer)."""
+    if config.norm == "pre" or config.final_norm:
+        return nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
+    return nn.Identity()
+
+
 class Encoder(nn.Module):
-    """A stack of N encoder layers (plus a final LayerNorm in pre-norm models)."""
+    """A stack of N encoder layers (plus a final LayerNorm in pre-norm models and with final_norm)."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.layers = nn.ModuleList([EncoderLayer(config) for _ in range(config.n_encoder_layers)])
-        self.norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps) if config.norm == "pre" else nn.Identity()
+        self.norm = stack_norm(config)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         for layer in self.layers:
@@ -171,12 +194,12 @@ class Encoder(nn.Module):
 
 
 class Decoder(nn.Module):
-    """A stack of N decoder layers (plus a final LayerNorm in pre-norm models)."""
+    """A stack of N decoder layers (plus a final LayerNorm in pre-norm models and with final_norm)."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.layers = nn.ModuleList([DecoderLayer(config) for _ in range(config.n_decoder_layers)])
-        self.norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps) if config.norm == "pre" else nn.Identity()
+        self.norm = stack_norm(config)
 
     def forward(self, x, self_mask, cross_mask, past: list[KV], cross: list[KV]) -> tuple[torch.Tensor, list[KV]]:
         presents = []
@@ -187,7 +210,8 @@ class Decoder(nn.Module):
 
 
 class Generator(nn.Module):
-    """Linear projection to vocabulary logits, optionally tied to the embeddings (sec. 3.4)."""
+    """Linear projection to vocabulary logits, optionally tied to the target embeddings (sec. 3.4), optionally
+    with a bias (Marian's final_logits_bias, the bias of the tutorial's generator Linear)."""
 
     def __init__(self, config: ModelConfig, embeddings: Embeddings):
         super().__init__()
@@ -195,10 +219,12 @@ class Generator(nn.Module):
         self.embeddings = [embeddings]  # a list, so the tied weight is not registered twice
         if not self.tied:
             self.proj = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.bias = nn.Parameter(torch.zeros(config.vocab_size)) if config.logits_bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.embeddings[0].lut.weight if self.tied else self.proj.weight
-        return x @ weight.t()  # [B, T, D] -> [B, T, V] (logits, before softmax)
+        logits = x @ weight.t()  # [B, T, D] -> [B, T, V] (logits, before softmax)
+        return logits if self.bias is None else logits + self.bias
 
 
 def causal_mask(new_len: int, past_len: int | torch.Tensor, device=None) -> torch.Tensor:
@@ -214,7 +240,9 @@ class Transformer(nn.Module):
     def __init__(self, config: ModelConfig, seed: int | None = 0):
         super().__init__()
         self.config = config
-        self.embed = Embeddings(config)  # shared by source, target and (when tied) the output projection
+        self.embed = Embeddings(config)  # the target's; also the source's when shared, and the output matrix when tied
+        if not config.share_embeddings:
+            self.src_embed = Embeddings(config, config.source_vocab_size)
         self.pos = PositionalEncoding(config)
         self.encoder = Encoder(config)
         self.decoder = Decoder(config)
@@ -232,12 +260,18 @@ class Transformer(nn.Module):
                 elif name.endswith("bias"):
                     p.zero_()
             # the embedding is also the (tied) output matrix: N(0, d^-1/2) keeps logits O(1) (as in the paper's setup)
-            self.embed.lut.weight.copy_(torch.randn(self.embed.lut.weight.shape, generator=gen) * self.config.d_model ** -0.5)
+            for embed in dict.fromkeys((self.embed, self.source_embed)):
+                embed.lut.weight.copy_(torch.randn(embed.lut.weight.shape, generator=gen) * self.config.d_model ** -0.5)
+
+    @property
+    def source_embed(self) -> Embeddings:
+        """The source side's token embeddings (the target's when they are shared)."""
+        return self.embed if self.config.share_embeddings else self.src_embed
 
     def encode(self, src_ids: torch.Tensor, src_mask: torch.Tensor) -> tuple[torch.Tensor, list[KV]]:
         """Encoder output [B, S, D] and each decoder layer's cross-attention K/V [B, H, S, Dh]."""
         mask = src_mask.bool()[:, None, None, :]  # [B, 1, 1, S]: keys that are real tokens
-        memory = self.encoder(self.pos(self.embed(src_ids)), mask)
+        memory = self.encoder(self.pos(self.source_embed(src_ids)), mask)
         cross = [layer.cross_attn.project_kv(memory) for layer in self.decoder.layers]
         return memory, cross
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from runtime.spec import source_vocab_size, suppressed_ids
 from toolkit.model import KV, Transformer
 
 
@@ -52,6 +53,7 @@ class TorchEngine:
         c = model.config
         self.pad_id, self.bos_id, self.eos_id = c.pad_id, c.bos_id, c.eos_id
         self.vocab_size, self.max_len = c.vocab_size, c.max_len
+        self.src_vocab_size, self.suppress_ids = source_vocab_size(c.to_dict()), suppressed_ids(c.to_dict())
         self.name = "torch-cache" if use_cache else "torch-nocache"
 
     @torch.no_grad()

@@ -4,6 +4,7 @@
     layernorm.py        decomposed LayerNorm -> LayerNormalization
     skip_layernorm.py   residual Add + LayerNormalization -> com.microsoft.SkipLayerNormalization
     gelu.py             Erf-spelled GELU -> Gelu; bias Add + Gelu -> com.microsoft.BiasGelu / FastGelu
+    silu.py             x * Sigmoid(x) -> com.microsoft.QuickGelu(alpha=1.0) (SiLU / swish, Marian's activation)
     pack_matmul.py      constant-weight MatMuls sharing an input (Q/K/V, cross K/V) -> one MatMul + Split
     transposed_weight.py  MatMul(x, Transpose(W)) -> MatMul(x, W^T): run before int8 quantization only
 
@@ -18,6 +19,7 @@ from exporters.fusions.gelu import bias_gelu_rules, erf_gelu_rules
 from exporters.fusions.layernorm import layernorm_rules
 from exporters.fusions.pack_matmul import PackMatMulsPass
 from exporters.fusions.int8_embedding import Int8EmbeddingPass
+from exporters.fusions.silu import silu_rules
 from exporters.fusions.skip_layernorm import skip_layernorm_rules
 from exporters.fusions.transposed_weight import transposed_weight_rules
 from exporters.passes import CleanupPass, OpsetPass, Reporting, RewritePass
@@ -40,6 +42,7 @@ def fusion_passes(attention: str = "ort", opset: int = 20) -> list[Reporting]:
     if attention == "ort":
         passes.append(RewritePass("fuse_skip_layer_norm", skip_layernorm_rules()))
         passes.append(RewritePass("fuse_bias_gelu", bias_gelu_rules()))
+        passes.append(RewritePass("fuse_silu", silu_rules()))
     passes.append(PackMatMulsPass())
     passes.append(CleanupPass())
     return passes
@@ -52,5 +55,5 @@ def quantization_prepasses() -> list[Reporting]:
 
 
 __all__ = ["AttentionFusion", "PackMatMulsPass", "attention_rules", "layernorm_rules", "skip_layernorm_rules",
-           "erf_gelu_rules", "bias_gelu_rules", "transposed_weight_rules", "fusion_passes", "quantization_prepasses",
+           "erf_gelu_rules", "bias_gelu_rules", "silu_rules", "transposed_weight_rules", "fusion_passes", "quantization_prepasses",
            "ATTENTION_TARGETS"]

@@ -62,7 +62,7 @@ def check_sizes(infos: list[ModelInfo], s: BenchSettings) -> None:
 
 def source_batch(infos: list[ModelInfo], s: BenchSettings) -> np.ndarray:
     """The one random source batch every engine gets [max batch, src_len]; batch b uses its first b rows."""
-    vocab = min(info.config["vocab_size"] for info in infos)
+    vocab = min(info.config.get("src_vocab_size") or info.config["vocab_size"] for info in infos)   # source ids
     rng = np.random.default_rng(s.seed)
     return rng.integers(FIRST_TOKEN, vocab, size=(max(s.batch_sizes), s.src_len), dtype=np.int64)
 

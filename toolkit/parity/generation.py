@@ -94,9 +94,10 @@ def parity_inputs(config, tokenizer=None, samples: int = 100, seed: int = 0) -> 
     if held_out is not None:
         return held_out
     rng = np.random.default_rng(seed)
-    low, longest = min(3, config.vocab_size - 1), min(config.max_len, 24)
+    vocab = config.source_vocab_size
+    low, longest = min(3, vocab - 1), min(config.max_len, 24)
     lens = rng.integers(1, longest + 1, size=samples)
-    return [rng.integers(low, config.vocab_size, size=int(n)).tolist() for n in lens], \
+    return [rng.integers(low, vocab, size=int(n)).tolist() for n in lens], \
         f"{samples} random id sequences, lengths 1..{longest}"
 
 

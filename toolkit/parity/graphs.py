@@ -35,7 +35,8 @@ from runtime.errors import BundleError, InputError
 from runtime.generate import pad_batch
 from runtime.manifest import read_manifest, verify_hashes
 from runtime.session import SessionConfig, choose_provider, make_session
-from runtime.spec import CROSS, KV, PRESENT, SELF, cache_name, cache_names, first_step_cache, graph_specs, past_of
+from runtime.spec import (CROSS, KV, PRESENT, SELF, cache_name, cache_names, first_step_cache, graph_specs, past_of,
+                          source_pad_id)
 from runtime.static_cache import dynamic_view
 from toolkit.config import ModelConfig
 from toolkit.model import Transformer
@@ -314,8 +315,9 @@ def graph_paths(model: Transformer, bundle: str | Path | dict, precision: str | 
 def sample_inputs(config, src_lens, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """Right-padded random source ids [B, S] and mask [B, S] (1 = token), ids drawn from the non-special range."""
     rng = np.random.default_rng(seed)
-    low = min(3, config.vocab_size - 1)
-    return pad_batch([rng.integers(low, config.vocab_size, n).tolist() for n in src_lens], config.pad_id)
+    vocab = config.source_vocab_size
+    low = min(3, vocab - 1)
+    return pad_batch([rng.integers(low, vocab, n).tolist() for n in src_lens], source_pad_id(config.to_dict()))
 
 
 def default_src_lens(batch: int, longest: int = 11) -> list[int]:

@@ -7,6 +7,7 @@
 | fp16      | cuda     | 5e-2                                          | >= 99%              | -             |
 | int8      | cpu      | report only                                   | >= 98%              | within 1 point|
 | int4      | cpu      | report only                                   | >= 98%              | within 1 point|
+| imported model (fp32) vs its original framework (PyTorch vs PyTorch, CPU): 1e-5, 100% greedy and beam |
 
 The max abs error applies to logits as written. Hidden states and K/V caches are judged by the same
 number relative to their magnitude when it exceeds 1 (atol * max|reference|): a trained model's keys
@@ -52,6 +53,9 @@ TOLERANCES: dict[tuple[str, str], Tolerance] = {
     # numbers are reported, not judged, and the row is int8's (benchmarks/RESULTS.md, "int4").
     ("int4", "cpu"): Tolerance(atol=None, token_match=0.98, accuracy_drop=1.0),
 }
+
+# an imported model against the framework it came from (MarianMTModel, the tutorial's nn.Transformer): both PyTorch
+IMPORTED = Tolerance(atol=1e-5, token_match=1.0, accuracy_drop=None)
 
 # reference outputs must vary at least this much (std), or a comparison could pass vacuously
 MIN_REFERENCE_STD = 1e-3

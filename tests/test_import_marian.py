@@ -1,0 +1,208 @@
+"""Marian (opus-mt) import against the original: transformers' MarianTokenizer and MarianMTModel.
+
+Everything is built offline: SentencePiece models trained on a generated corpus and a small MarianMTModel
+trained briefly on it (toolkit/tasks/tiny_marian.py), saved with save_pretrained, so the importer's real
+loading code runs. The trained model's outputs vary with the input (>= 32 distinct of 64 is asserted), so
+token equality means something. The fused bundle's greedy and beam-4 tokens must equal MarianMTModel.generate's.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+
+pytest.importorskip("transformers")
+pytest.importorskip("sentencepiece")
+
+from runtime.bundle import load_bundle  # noqa: E402
+from runtime.errors import BundleError  # noqa: E402
+from runtime.generate import generate_ids, pad_batch  # noqa: E402
+from runtime.search import SearchOptions  # noqa: E402
+from toolkit.checkpoint import load_checkpoint  # noqa: E402
+from toolkit.cli import main  # noqa: E402
+from toolkit.importers import import_model  # noqa: E402
+from toolkit.parity.original import hf_generate, load_marian, logits_check, marian_parity  # noqa: E402
+from toolkit.tasks.tiny_marian import build_tiny_marian, corpus  # noqa: E402
+from toolkit.torch_engine import TorchEngine  # noqa: E402
+
+TEXTS = corpus(n=64, seed=1)
+ODD = [">>de<< ka lo mi.", ">>fr<<ka", "ka </s> lo", "ω zen ar!", "  ka  lo  ", "KA LO", ">>xx<< mi", "<unk> <pad> ta",
+       ">>de<<", "a", "shi, shi, shi, qu qu."]
+
+
+@pytest.fixture(scope="module")
+def marian(tmp_path_factory):
+    """(Marian directory, imported checkpoint, MarianMTModel, MarianTokenizer)."""
+    root = tmp_path_factory.mktemp("marian")
+    directory = build_tiny_marian(root / "opus-mt-tiny", steps=150)
+    ckpt = import_model(directory, root / "checkpoint")
+    model, tok = load_marian(directory)
+    return directory, ckpt, model, tok
+
+
+@pytest.fixture(scope="module")
+def fused(marian, tmp_path_factory):
+    from exporters.export import export_checkpoint
+    from exporters.optimize import optimize_bundle
+
+    root = tmp_path_factory.mktemp("marian-bundles")
+    bundle = export_checkpoint(marian[1], root / "bundle")
+    out, _ = optimize_bundle(bundle, root / "fused")
+    return out
+
+
+def test_tokenizer_matches_marian_tokenizer(marian):
+    _, ckpt, _, tok = marian
+    ours = load_checkpoint(ckpt).tokenizer
+    for text in TEXTS + ODD:
+        assert ours.encode(text) == tok(text)["input_ids"], text
+    rng = np.random.default_rng(0)
+    for n in range(40):                                   # decode: any ids, specials and language tokens included
+        ids = rng.integers(0, len(tok.encoder), size=int(rng.integers(0, 12))).tolist()
+        assert ours.decode(ids) == tok.decode(ids, skip_special_tokens=True), ids
+
+
+def test_imported_logits_equal_marian_on_padded_batches(marian):
+    _, ckpt, model, tok = marian
+    seqs = [tok(t)["input_ids"] for t in TEXTS]
+    assert len({len(s) for s in seqs}) > 5                   # padded batches
+    check = logits_check(model, load_checkpoint(ckpt).model, seqs)
+    assert check.ok and check.value <= 1e-5, check.detail
+
+
+@pytest.mark.parametrize("beam,length_penalty", [(1, 1.0), (4, 1.0), (4, 0.6), (3, 2.0)])
+def test_pytorch_tokens_equal_marian_generate(marian, beam, length_penalty):
+    """Our search on the imported PyTorch model reproduces HF's greedy and beam search (its stopping rule)."""
+    _, ckpt, model, tok = marian
+    seqs = [tok(t)["input_ids"] for t in TEXTS]
+    want = hf_generate(model, seqs, beam, 20, length_penalty)
+    opts = SearchOptions(max_new_tokens=20, beam=beam, length_penalty=length_penalty)
+    got = [h[0].tokens for h in generate_ids(TorchEngine(load_checkpoint(ckpt).model), seqs, opts)]
+    assert len({tuple(w) for w in want}) >= 32
+    assert got == want
+
+
+def test_parity_command_against_marian_on_the_fused_bundle(marian, fused, tmp_path):
+    directory = marian[0]
+    texts = tmp_path / "texts.txt"
+    texts.write_text("\n".join(TEXTS) + "\n")
+    result = CliRunner().invoke(main, ["parity", str(directory), str(fused), "--input", str(texts), "--samples", "64",
+                                       "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output[result.output.index("{"):])
+    checks = {c["what"]: c for c in report["checks"]}
+    assert report["verdict"] == "ok" and set(checks) == {"tokenizer", "logits", "greedy", "beam 4"}
+    assert checks["logits"]["value"] <= 1e-5
+    for search in ("greedy", "beam 4"):
+        assert checks[search]["value"] == 1.0 and checks[search]["distinct_outputs"] >= 32
+
+
+def test_generate_text_equals_marian(marian, fused):
+    directory, _, model, tok = marian
+    texts = TEXTS[:6] + [">>de<< ka lo mi.", "ω zen ar!"]
+    for beam in (1, 4):
+        result = CliRunner().invoke(main, ["generate", str(fused), *texts, "--beam", str(beam),
+                                           "--max-new-tokens", "24"])
+        assert result.exit_code == 0, result.output
+        batch = tok(texts, return_tensors="pt", padding=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            gen = model.generate(**batch, num_beams=beam, max_new_tokens=24, early_stopping=False,
+                                 forced_eos_token_id=None)
+        want = tok.batch_decode(gen, skip_special_tokens=True)
+        assert [line for line in result.stdout.splitlines() if not line.startswith("generated with")] == want
+
+
+def test_bundle_hashes_the_tokenizer_files(fused, tmp_path):
+    manifest = json.loads((fused / "manifest.json").read_text())
+    assert {"tokenizer.json", "source.spm", "target.spm", "vocab.json"} <= set(manifest["files"])   # with hashes
+    assert manifest["model"]["positions"] == "halves" and manifest["model"]["suppress_pad"]
+    broken = tmp_path / "broken"
+    shutil.copytree(fused, broken)
+    with open(broken / "vocab.json", "a") as f:
+        f.write(" ")
+    with pytest.raises(BundleError, match="vocab.json"):
+        load_bundle(broken, "cpu")
+
+
+@pytest.mark.slow
+def test_separate_vocabularies(tmp_path):
+    directory = build_tiny_marian(tmp_path / "sep", steps=300, separate_vocabs=True)
+    ckpt = load_checkpoint(import_model(directory, tmp_path / "ckpt"))
+    model, tok = load_marian(directory)
+    c = ckpt.config
+    assert not c.share_embeddings and not c.tie_embeddings and c.src_vocab_size != c.vocab_size
+    seqs = [tok(t)["input_ids"] for t in TEXTS]
+    assert all(ckpt.tokenizer.encode(t) == s for t, s in zip(TEXTS, seqs))
+    check = logits_check(model, ckpt.model, seqs)
+    assert check.ok, check.detail
+    want = hf_generate(model, seqs, 1, 16)
+    got = [h[0].tokens for h in generate_ids(TorchEngine(ckpt.model), seqs, SearchOptions(max_new_tokens=16))]
+    assert got == want and len({tuple(w) for w in want}) >= 16
+    for ids in ([5, 6, 7, 0], list(range(c.vocab_size))):
+        assert ckpt.tokenizer.decode(ids) == tok.decode(ids, skip_special_tokens=True)
+
+
+def _copy(directory: Path, dest: Path, config: dict | None = None, extra_weights: dict | None = None) -> Path:
+    shutil.copytree(directory, dest)
+    if config:
+        data = json.loads((dest / "config.json").read_text())
+        data.update(config)
+        (dest / "config.json").write_text(json.dumps(data))
+    if extra_weights:
+        from safetensors.torch import load_file, save_file
+        state = load_file(str(dest / "model.safetensors"))
+        state.update(extra_weights)
+        save_file(state, str(dest / "model.safetensors"))
+    return dest
+
+
+@pytest.mark.parametrize("case,message", [
+    ("prenorm", "pre-norm layers"),
+    ("embedding_ln", "cannot be represented (it has layernorm_embedding"),
+    ("gelu_new", "activation 'gelu_new' cannot be represented"),
+    ("heads", "different attention heads"),
+    ("no_vocab", "lacks the tokenizer file(s) vocab.json"),
+    ("not_marian", "model_type is not 'marian'"),
+])
+def test_unrepresentable_or_broken_sources_exit_2(marian, tmp_path, case, message):
+    directory = marian[0]
+    d = 32
+    source = {
+        "prenorm": lambda: _copy(directory, tmp_path / "s", {"normalize_before": True}),
+        "embedding_ln": lambda: _copy(directory, tmp_path / "s", extra_weights={
+            "model.encoder.layernorm_embedding.weight": torch.ones(d),
+            "model.encoder.layernorm_embedding.bias": torch.zeros(d)}),
+        "gelu_new": lambda: _copy(directory, tmp_path / "s", {"activation_function": "gelu_new"}),
+        "heads": lambda: _copy(directory, tmp_path / "s", {"decoder_attention_heads": 2}),
+        "no_vocab": lambda: (_copy(directory, tmp_path / "s"), (tmp_path / "s" / "vocab.json").unlink())[0],
+        "not_marian": lambda: _copy(directory, tmp_path / "s", {"model_type": "bart"}),
+    }[case]()
+    result = CliRunner().invoke(main, ["import", str(source), "--out", str(tmp_path / "out")])
+    assert result.exit_code == 2, result.output
+    assert message in result.output and result.output.count("\n") == 1, result.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_hub_name_without_network_and_destinations(marian, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    result = CliRunner().invoke(main, ["import", "Helsinki-NLP/opus-mt-en-zz", "--out", str(tmp_path / "o")])
+    assert result.exit_code == 2 and "download the model where there is one" in result.output, result.output
+    directory, ckpt = marian[0], marian[1]
+    result = CliRunner().invoke(main, ["import", str(directory), "--out", str(ckpt)])
+    assert result.exit_code == 2 and "--force" in result.output
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    result = CliRunner().invoke(main, ["import", str(directory), "--out", str(mine), "--force"])
+    assert result.exit_code == 2 and "not an onnxformer checkpoint" in result.output and (mine / "notes.txt").exists()
+    result = CliRunner().invoke(main, ["import", str(directory), "--out", str(tmp_path / "new")])
+    assert result.exit_code == 0 and "imported" in result.output
+    assert json.loads((tmp_path / "new" / "import.json").read_text())["format"] == "marian"

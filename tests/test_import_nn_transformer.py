@@ -1,0 +1,211 @@
+"""nn.Transformer checkpoints in the PyTorch translation tutorial's layout, against the tutorial's own module.
+
+The tutorial's Seq2SeqTransformer, PositionalEncoding, TokenEmbedding and greedy_decode are copied below as the
+tutorial writes them (seq-first tensors). The imported model must give the same logits (<= 1e-5, batched and
+padded) and, trained briefly on a reversal task so its outputs vary, the same greedy tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+from torch import Tensor, nn
+from torch.nn import Transformer
+
+from runtime.generate import generate_ids
+from runtime.search import SearchOptions
+from toolkit.checkpoint import load_checkpoint
+from toolkit.cli import main
+from toolkit.importers import import_model
+from toolkit.torch_engine import TorchEngine
+
+UNK_IDX, PAD_IDX, BOS_IDX, EOS_IDX = 0, 1, 2, 3
+
+
+# ---------------------------------------------------------------- the tutorial's code (as published)
+class PositionalEncoding(nn.Module):
+    def __init__(self, emb_size: int, dropout: float, maxlen: int = 5000):
+        super(PositionalEncoding, self).__init__()
+        den = torch.exp(- torch.arange(0, emb_size, 2) * math.log(10000) / emb_size)
+        pos = torch.arange(0, maxlen).reshape(maxlen, 1)
+        pos_embedding = torch.zeros((maxlen, emb_size))
+        pos_embedding[:, 0::2] = torch.sin(pos * den)
+        pos_embedding[:, 1::2] = torch.cos(pos * den)
+        pos_embedding = pos_embedding.unsqueeze(-2)
+        self.dropout = nn.Dropout(dropout)
+        self.register_buffer('pos_embedding', pos_embedding)
+
+    def forward(self, token_embedding: Tensor):
+        return self.dropout(token_embedding + self.pos_embedding[:token_embedding.size(0), :])
+
+
+class TokenEmbedding(nn.Module):
+    def __init__(self, vocab_size: int, emb_size):
+        super(TokenEmbedding, self).__init__()
+        self.embedding = nn.Embedding(vocab_size, emb_size)
+        self.emb_size = emb_size
+
+    def forward(self, tokens: Tensor):
+        return self.embedding(tokens.long()) * math.sqrt(self.emb_size)
+
+
+class Seq2SeqTransformer(nn.Module):
+    def __init__(self, num_encoder_layers, num_decoder_layers, emb_size, nhead, src_vocab_size, tgt_vocab_size,
+                 dim_feedforward=512, dropout=0.1):
+        super(Seq2SeqTransformer, self).__init__()
+        self.transformer = Transformer(d_model=emb_size, nhead=nhead, num_encoder_layers=num_encoder_layers,
+                                       num_decoder_layers=num_decoder_layers, dim_feedforward=dim_feedforward,
+                                       dropout=dropout)
+        self.generator = nn.Linear(emb_size, tgt_vocab_size)
+        self.src_tok_emb = TokenEmbedding(src_vocab_size, emb_size)
+        self.tgt_tok_emb = TokenEmbedding(tgt_vocab_size, emb_size)
+        self.positional_encoding = PositionalEncoding(emb_size, dropout=dropout)
+
+    def forward(self, src, trg, src_mask, tgt_mask, src_padding_mask, tgt_padding_mask, memory_key_padding_mask):
+        src_emb = self.positional_encoding(self.src_tok_emb(src))
+        tgt_emb = self.positional_encoding(self.tgt_tok_emb(trg))
+        outs = self.transformer(src_emb, tgt_emb, src_mask, tgt_mask, None,
+                                src_padding_mask, tgt_padding_mask, memory_key_padding_mask)
+        return self.generator(outs)
+
+    def encode(self, src, src_mask):
+        return self.transformer.encoder(self.positional_encoding(self.src_tok_emb(src)), src_mask)
+
+    def decode(self, tgt, memory, tgt_mask):
+        return self.transformer.decoder(self.positional_encoding(self.tgt_tok_emb(tgt)), memory, tgt_mask)
+
+
+def generate_square_subsequent_mask(sz):
+    mask = (torch.triu(torch.ones((sz, sz))) == 1).transpose(0, 1)
+    return mask.float().masked_fill(mask == 0, float('-inf')).masked_fill(mask == 1, float(0.0))
+
+
+def greedy_decode(model, src, src_mask, max_len, start_symbol):
+    memory = model.encode(src, src_mask)
+    ys = torch.ones(1, 1).fill_(start_symbol).type(torch.long)
+    for i in range(max_len - 1):
+        tgt_mask = (generate_square_subsequent_mask(ys.size(0)).type(torch.bool))
+        out = model.decode(ys, memory, tgt_mask)
+        out = out.transpose(0, 1)
+        prob = model.generator(out[:, -1])
+        _, next_word = torch.max(prob, dim=1)
+        next_word = next_word.item()
+        ys = torch.cat([ys, torch.ones(1, 1).type_as(src.data).fill_(next_word)], dim=0)
+        if next_word == EOS_IDX:
+            break
+    return ys
+# ---------------------------------------------------------------- end of the tutorial's code
+
+
+SRC_V, TGT_V = 40, 36
+HP = {"nhead": 4, "pad_id": PAD_IDX, "bos_id": BOS_IDX, "eos_id": EOS_IDX, "unk_id": UNK_IDX, "max_len": 64}
+
+
+def tutorial_model(seed: int = 0) -> Seq2SeqTransformer:
+    torch.manual_seed(seed)
+    model = Seq2SeqTransformer(2, 2, 32, 4, SRC_V, TGT_V, dim_feedforward=64, dropout=0.0)
+    for p in model.parameters():
+        if p.dim() > 1:
+            nn.init.xavier_uniform_(p)
+    return model
+
+
+def sources(n: int, seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [[BOS_IDX, *rng.integers(4, SRC_V, size=int(rng.integers(2, 10))).tolist(), EOS_IDX] for _ in range(n)]
+
+
+def train_reverse(model: Seq2SeqTransformer, steps: int = 250) -> Seq2SeqTransformer:
+    """The tutorial's training step on a toy task (target = source reversed, ids folded into the target vocab)."""
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    loss_fn = nn.CrossEntropyLoss(ignore_index=PAD_IDX)
+    model.train()
+    for step in range(steps):
+        srcs = sources(32, 100 + step)
+        tgts = [[BOS_IDX, *[4 + (t - 4) % (TGT_V - 4) for t in reversed(s[1:-1])], EOS_IDX] for s in srcs]
+        src = nn.utils.rnn.pad_sequence([torch.tensor(s) for s in srcs], padding_value=PAD_IDX)
+        tgt = nn.utils.rnn.pad_sequence([torch.tensor(t) for t in tgts], padding_value=PAD_IDX)
+        tgt_in = tgt[:-1]
+        tgt_mask = generate_square_subsequent_mask(tgt_in.shape[0])
+        src_mask = torch.zeros((src.shape[0], src.shape[0])).type(torch.bool)
+        logits = model(src, tgt_in, src_mask, tgt_mask, (src == PAD_IDX).T, (tgt_in == PAD_IDX).T, (src == PAD_IDX).T)
+        loss = loss_fn(logits.reshape(-1, TGT_V), tgt[1:].reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model.eval()
+
+
+def save(model, tmp_path, hp=None):
+    torch.save(model.state_dict(), tmp_path / "model.pt")
+    (tmp_path / "hp.json").write_text(json.dumps(hp or HP))
+    return tmp_path / "model.pt", tmp_path / "hp.json"
+
+
+def test_logits_equal_the_tutorial_module_on_padded_batches(tmp_path):
+    model = tutorial_model().eval()
+    pt, hp = save(model, tmp_path)
+    ours = load_checkpoint(import_model(pt, tmp_path / "ckpt", format="nn-transformer", config_file=hp)).model
+    srcs = sources(16, 0)
+    src = nn.utils.rnn.pad_sequence([torch.tensor(s) for s in srcs], padding_value=PAD_IDX)       # [S, B]
+    tgt = torch.from_numpy(np.random.default_rng(1).integers(4, TGT_V, size=(7, 16)))
+    tgt[0] = BOS_IDX
+    with torch.no_grad():
+        want = model(src, tgt, torch.zeros((src.shape[0],) * 2, dtype=torch.bool),
+                     generate_square_subsequent_mask(7), (src == PAD_IDX).T, None, (src == PAD_IDX).T)
+        got = ours(src.T, (src != PAD_IDX).T.long(), tgt.T).transpose(0, 1)
+    err = float((want - got).abs().max())
+    assert err <= 1e-5 and float(want.std()) > 0.1, err
+
+
+@pytest.mark.slow
+def test_greedy_tokens_equal_the_tutorials_greedy_decode(tmp_path):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = train_reverse(tutorial_model(seed=1))
+    finally:
+        torch.set_num_threads(threads)
+    pt, hp = save(model, tmp_path)
+    ours = load_checkpoint(import_model(pt, tmp_path / "ckpt", config_file=hp)).model   # format detected: a file
+    srcs = sources(64, 7)
+    with torch.no_grad():
+        want = []
+        for s in srcs:
+            src = torch.tensor(s).view(-1, 1)
+            ys = greedy_decode(model, src, torch.zeros((len(s), len(s))).type(torch.bool), 20, BOS_IDX)
+            want.append(ys.flatten().tolist()[1:])
+    got = [h[0].tokens for h in generate_ids(TorchEngine(ours), srcs, SearchOptions(max_new_tokens=19))]
+    assert len({tuple(w) for w in want}) >= 32
+    assert got == want
+
+
+@pytest.mark.parametrize("change,message", [
+    ("rename", "not in the tutorial's Seq2SeqTransformer layout"),
+    ("learned", "learned positions cannot be represented"),
+    ("no_config", "needs --config JSON"),
+    ("bad_config", "missing ['eos_id']"),
+])
+def test_wrong_layouts_exit_2_naming_expected_and_found(tmp_path, change, message):
+    model = tutorial_model()
+    state = model.state_dict()
+    hp = dict(HP)
+    if change == "rename":
+        state["src_embed.weight"] = state.pop("src_tok_emb.embedding.weight")
+    if change == "learned":
+        state["positional_encoding.pos_embedding"] = torch.randn_like(state["positional_encoding.pos_embedding"])
+    if change == "bad_config":
+        del hp["eos_id"]
+    torch.save(state, tmp_path / "model.pt")
+    (tmp_path / "hp.json").write_text(json.dumps(hp))
+    args = ["import", str(tmp_path / "model.pt"), "--out", str(tmp_path / "out"), "--format", "nn-transformer"]
+    if change != "no_config":
+        args += ["--config", str(tmp_path / "hp.json")]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2 and message in result.output and result.output.count("\n") == 1, result.output
+    assert not (tmp_path / "out").exists()

@@ -1,0 +1,119 @@
+"""ModelConfig variants of real checkpoints: each one builds, exports, fuses (attention, SkipLayerNorm and its
+activation) and passes the fp32 parity gate; the defaults stay the paper's.
+
+    marian      sin|cos position halves, silu (QuickGelu), logits bias, decoding from pad (pad never generated)
+    tutorial    torch.nn.Transformer as PyTorch's translation tutorial builds it: separate vocabularies and
+                embeddings, untied generator with a bias, the final encoder/decoder LayerNorm
+    plain-gelu  embeddings not scaled, exact GELU (BiasGelu)
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from exporters.export import export_model
+from exporters.optimize import optimize_bundle
+from runtime.bundle import load_bundle
+from toolkit.errors import ConfigError
+from runtime.generate import generate_ids
+from runtime.manifest import read_manifest
+from runtime.search import SearchOptions
+from toolkit.config import ModelConfig, preset
+from toolkit.model import Transformer, sinusoid_table
+from toolkit.parity.graphs import graph_parity
+from toolkit.torch_engine import TorchEngine
+
+VARIANTS = {
+    "marian": dict(positions="halves", activation="silu", logits_bias=True, suppress_pad=True, pad_id=0, bos_id=0,
+                   eos_id=2),
+    "tutorial": dict(src_vocab_size=50, share_embeddings=False, tie_embeddings=False, logits_bias=True,
+                     final_norm=True, pad_id=1, bos_id=2, eos_id=3),
+    "plain-gelu": dict(scale_embeddings=False, activation="gelu"),
+}
+ACTIVATION_OP = {"silu": "com.microsoft.QuickGelu", "gelu": "com.microsoft.BiasGelu", "relu": "Relu"}
+
+
+def variant_model(name: str, seed: int = 3) -> Transformer:
+    model = Transformer(preset("tiny", dropout=0.0, **VARIANTS[name]), seed=seed).eval()
+    with torch.no_grad():
+        if model.generator.bias is not None:      # a bias that matters (a zero bias would prove nothing)
+            model.generator.bias.copy_(torch.randn(model.config.vocab_size, generator=torch.Generator().manual_seed(1)))
+    return model
+
+
+def test_defaults_are_the_papers():
+    c = ModelConfig()
+    assert (c.positions, c.scale_embeddings, c.activation, c.logits_bias, c.src_vocab_size, c.share_embeddings,
+            c.tie_embeddings, c.final_norm, c.suppress_pad, c.norm) == \
+        ("interleaved", True, "relu", False, None, True, True, False, False, "post")
+    pe = sinusoid_table(c)
+    assert torch.allclose(pe[5, 0::2], torch.sin(5 / 10000 ** (torch.arange(0, 512, 2) / 512)), atol=1e-5)
+
+
+def test_halves_table_is_marians():
+    pe = sinusoid_table(preset("tiny", positions="halves"))
+    pos, d = 7, 32
+    angle = pos / np.power(10000, 2 * (np.arange(d) // 2) / d)
+    np.testing.assert_allclose(pe[pos].numpy(), np.r_[np.sin(angle[0::2]), np.cos(angle[1::2])], atol=1e-7)
+
+
+@pytest.mark.parametrize("fields,message", [
+    (dict(positions="learned"), "positions must be one of"),
+    (dict(activation="gelu_new"), "activation must be one of"),
+    (dict(src_vocab_size=50), "shared source/target embeddings need one vocabulary size"),
+    (dict(bos_id=0, pad_id=0), "only with suppress_pad"),
+    (dict(final_norm=True, norm="pre"), "final_norm is for post-norm"),
+    (dict(logits_bias="yes"), "must be true or false"),
+])
+def test_bad_variants_are_refused(fields, message):
+    with pytest.raises(ConfigError, match=message):
+        preset("tiny", **fields)
+
+
+def test_marian_never_generates_pad():
+    model = variant_model("marian")
+    with torch.no_grad():
+        model.generator.bias[model.config.pad_id] = 50.0          # pad would win every step
+    seqs = [[5, 6, 7], [9, 10, 11, 12]]
+    for beam in (1, 3):
+        hyps = generate_ids(TorchEngine(model), seqs, SearchOptions(max_new_tokens=6, beam=beam))
+        assert all(model.config.pad_id not in h[0].tokens and h[0].tokens for h in hyps)
+
+
+@pytest.mark.parametrize("name", ["marian", "tutorial"])
+def test_variant_exports_fuses_and_passes_the_fp32_gate(name, tmp_path):
+    model = variant_model(name)
+    c = model.config
+    bundle = export_model(model, tmp_path / "bundle")
+    fused, report = optimize_bundle(bundle, tmp_path / "fused")
+    manifest = read_manifest(fused)
+    enc, dec = manifest["graphs"]["encoder"]["op_counts"], manifest["graphs"]["decoder"]["op_counts"]
+    assert enc["com.microsoft.MultiHeadAttention"] == c.n_encoder_layers and "Softmax" not in dec
+    assert enc["com.microsoft.SkipLayerNormalization"] == 2 * c.n_encoder_layers
+    assert enc[ACTIVATION_OP[c.activation]] == c.n_encoder_layers and dec[ACTIVATION_OP[c.activation]] == \
+        c.n_decoder_layers
+    if c.final_norm:
+        assert enc["LayerNormalization"] == 1 and dec["LayerNormalization"] == 1
+    assert manifest["model"] == c.to_dict()
+    record = graph_parity(model, fused, provider="cpu", precision="fp32")
+    assert record.ok, record.summary()
+    seqs = [[5, 6, 7], [10, 11, 12, 13, 14, 15], [40, 41]]
+    for beam in (1, 4):
+        opts = SearchOptions(max_new_tokens=10, beam=beam)
+        want = [h[0].tokens for h in generate_ids(TorchEngine(model), seqs, opts)]
+        assert [h[0].tokens for h in generate_ids(load_bundle(fused, "cpu").engine, seqs, opts)] == want
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_variant_int8(name, tmp_path):
+    model = variant_model(name)
+    bundle = export_model(model, tmp_path / "bundle")
+    fused, _ = optimize_bundle(bundle, tmp_path / "fused")
+    if name == "plain-gelu":
+        record = graph_parity(model, fused, provider="cpu", precision="fp32")
+        assert record.ok, record.summary()
+    out, report = optimize_bundle(fused, tmp_path / "int8", precision="int8")
+    assert report.parity["generation"]["samples"] > 0

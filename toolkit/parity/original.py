@@ -1,0 +1,233 @@
+"""Parity against the original framework: an imported model, and bundles made from it, against MarianMTModel.
+
+    report = marian_parity("opus-mt-en-de/", engine, texts=None, samples=64)   # engine: bundle or checkpoint
+
+checks, on the same batched and padded inputs:
+- tokenizer: our SentencePieceTokenizer's ids equal MarianTokenizer's (for text inputs);
+- logits: the reference model imported in memory vs MarianMTModel, teacher-forced, max abs error <= 1e-5
+  (the IMPORTED row: PyTorch vs PyTorch);
+- tokens: the engine's greedy and beam-K best hypotheses vs MarianMTModel.generate with the same settings
+  (num_beams, length_penalty, max_new_tokens, Marian's own bad_words_ids = [[pad]]; sampling, forced EOS,
+  repetition rules and the rest off), identical for fp32 (the bundle's token row otherwise). The reference
+  outputs must vary: with fewer distinct outputs than half the inputs the verdict is "inconclusive", never "ok".
+transformers is imported here only, when a parity against the original is asked for.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from runtime.errors import InputError
+from runtime.generate import generate_ids, pad_batch
+from runtime.search import SearchOptions
+from toolkit.parity.generation import compare_tokens
+from toolkit.parity.tolerances import IMPORTED, Tolerance
+
+
+def require_transformers():
+    try:
+        import transformers
+    except ImportError:
+        raise InputError("parity against a Marian directory needs transformers; pip install 'onnxformer[import]'") \
+            from None
+    return transformers
+
+
+def is_marian_dir(path: str | Path) -> bool:
+    path = Path(path)
+    if not (path / "config.json").is_file() or (path / "manifest.json").exists():
+        return False
+    from toolkit.importers.marian import read_json
+
+    return read_json(path / "config.json").get("model_type") == "marian"
+
+
+@dataclass
+class OriginalCheck:
+    what: str                       # "tokenizer" | "logits" | "greedy" | "beam 4"
+    ok: bool
+    detail: str
+    value: float | None = None      # max abs error or fraction equal
+    limit: float | None = None
+    distinct_outputs: int | None = None
+    first_mismatch: dict | None = None
+
+
+@dataclass
+class OriginalReport:
+    original: str
+    candidate: str
+    samples: int
+    source: str
+    checks: list[OriginalCheck] = field(default_factory=list)
+
+    @property
+    def verdict(self) -> str:
+        if any(not c.ok and c.detail.startswith("inconclusive") for c in self.checks):
+            return "inconclusive"
+        return "ok" if self.checks and all(c.ok for c in self.checks) else "FAILED"
+
+    @property
+    def ok(self) -> bool:
+        return self.verdict == "ok"
+
+    def summary(self) -> str:
+        return f"parity with the original {self.verdict}: " + "; ".join(f"{c.what} {c.detail}" for c in self.checks)
+
+    def table(self) -> str:
+        lines = [f"{'check':<10} {'value':>12} {'limit':>10} {'distinct':>8}  ok", "-" * 50]
+        for c in self.checks:
+            value = "-" if c.value is None else (f"{c.value:.2e}" if c.what in ("logits",) else f"{c.value:.2%}")
+            limit = "-" if c.limit is None else (f"{c.limit:.0e}" if c.what in ("logits",) else f"{c.limit:.0%}")
+            lines.append(f"{c.what:<10} {value:>12} {limit:>10} {c.distinct_outputs or '-':>8}  "
+                         f"{'yes' if c.ok else 'NO'}")
+        lines.append(f"inputs: {self.source}; reference: MarianMTModel (transformers) from {self.original}")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict:
+        return {"ok": self.ok, "verdict": self.verdict, "original": self.original, "candidate": self.candidate,
+                "samples": self.samples, "source": self.source, "summary": self.summary(),
+                "checks": [asdict(c) for c in self.checks]}
+
+
+def load_marian(path: str | Path):
+    """(MarianMTModel in eval mode, MarianTokenizer) from a local directory."""
+    require_transformers()
+    from transformers import MarianMTModel, MarianTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tok = MarianTokenizer.from_pretrained(str(path))
+        model = MarianMTModel.from_pretrained(str(path)).eval()
+    return model, tok
+
+
+def marian_inputs(tok, ours, texts: list[str] | None, samples: int, seed: int = 0,
+                  max_len: int = 24) -> tuple[list[list[int]], str, OriginalCheck | None]:
+    """Source ids: texts tokenized by MarianTokenizer (checked against our tokenizer), else random piece ids."""
+    if samples < 1:
+        raise InputError(f"--samples must be at least 1, got {samples}")
+    if texts:
+        texts = texts[:samples]
+        ref = [tok(t)["input_ids"] for t in texts]
+        check = None
+        if ours is not None:
+            got = [ours.encode(t) for t in texts]
+            same = sum(a == b for a, b in zip(ref, got))
+            bad = next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), None)
+            check = OriginalCheck("tokenizer", same == len(ref), f"{same}/{len(ref)} inputs tokenized identically",
+                                  same / len(ref), 1.0,
+                                  first_mismatch=None if bad is None else
+                                  {"index": bad, "text": texts[bad], "marian": ref[bad], "onnxformer": got[bad]})
+        return ref, f"{len(texts)} texts", check
+    special = set(tok.all_special_ids)
+    ids = [i for i in range(len(tok.encoder)) if i not in special]
+    rng = np.random.default_rng(seed)
+    lens = rng.integers(1, max_len + 1, size=samples)
+    seqs = [[ids[j] for j in rng.integers(0, len(ids), size=int(n))] + [tok.eos_token_id] for n in lens]
+    return seqs, f"{samples} random piece sequences (+ EOS), lengths 2..{max_len + 1}", None
+
+
+def hf_pad(model) -> int:
+    """The id MarianTokenizer pads sources with (pad, inside the source vocabulary)."""
+    c = model.config
+    return c.pad_token_id if c.pad_token_id < c.vocab_size else 0
+
+
+def hf_generate(model, seqs: list[list[int]], beam: int, max_new_tokens: int, length_penalty: float = 1.0,
+                batch: int = 64) -> list[list[int]]:
+    """MarianMTModel.generate's best hypothesis per input, start token dropped, cut after the first EOS."""
+    import torch
+    from transformers import GenerationConfig
+
+    c = model.config
+    gc = GenerationConfig(num_beams=beam, length_penalty=length_penalty, max_new_tokens=max_new_tokens,
+                          do_sample=False, early_stopping=False, num_return_sequences=1,
+                          bad_words_ids=[[c.pad_token_id]], decoder_start_token_id=c.decoder_start_token_id,
+                          eos_token_id=c.eos_token_id, pad_token_id=c.pad_token_id, forced_eos_token_id=None,
+                          forced_bos_token_id=None, no_repeat_ngram_size=0, repetition_penalty=1.0, min_length=0,
+                          use_cache=True)
+    out = []
+    for start in range(0, len(seqs), batch):
+        ids, mask = pad_batch(seqs[start:start + batch], hf_pad(model))
+        with torch.no_grad():
+            gen = model.generate(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask),
+                                 generation_config=gc)
+        for row in gen[:, 1:].tolist():
+            out.append(row[: row.index(c.eos_token_id) + 1] if c.eos_token_id in row else row)
+    return out
+
+
+def logits_check(model, reference, seqs: list[list[int]], steps: int = 8, seed: int = 0,
+                 tolerance: Tolerance = IMPORTED) -> OriginalCheck:
+    """Teacher-forced logits of the reference (our PyTorch model) vs MarianMTModel on padded batches."""
+    import torch
+
+    c = model.config
+    ids, mask = pad_batch(seqs[:64], hf_pad(model))
+    rng = np.random.default_rng(seed)
+    tgt = rng.integers(0, c.decoder_vocab_size, size=(len(ids), steps))
+    tgt[:, 0] = c.decoder_start_token_id
+    ids_t, mask_t, tgt_t = (torch.from_numpy(a) for a in (ids, mask, tgt))
+    with torch.no_grad():
+        want = model(input_ids=ids_t, attention_mask=mask_t, decoder_input_ids=tgt_t).logits
+        got = reference(ids_t, mask_t, tgt_t)
+    err = float((want - got).abs().max())
+    ok = err <= tolerance.atol and float(want.std()) > 1e-3
+    return OriginalCheck("logits", ok, f"max abs error {err:.2e} (limit {tolerance.atol:.0e}, "
+                         f"{len(ids)} padded inputs x {steps} target tokens)", err, tolerance.atol)
+
+
+def token_checks(model, engine, seqs: list[list[int]], beams=(1, 4), max_new_tokens: int = 32,
+                 length_penalty: float = 1.0, token_match: float = 1.0) -> list[OriginalCheck]:
+    """Best hypotheses of the engine vs MarianMTModel.generate, per search; needs varied reference outputs."""
+    checks = []
+    for beam in beams:
+        ref = hf_generate(model, seqs, beam, max_new_tokens, length_penalty)
+        opts = SearchOptions(max_new_tokens=max_new_tokens, beam=beam, length_penalty=length_penalty)
+        got = [h[0].tokens for start in range(0, len(seqs), 64)
+               for h in generate_ids(engine, seqs[start:start + 64], opts)]
+        seq_eq, tok_eq, first = compare_tokens(ref, got)
+        distinct = len({tuple(r) for r in ref})
+        needed = max(1, min(32, len(seqs) // 2))
+        name = "greedy" if beam == 1 else f"beam {beam}"
+        if first is not None:
+            first = {"index": first["index"], "position": first["position"], "marian": first["pytorch"],
+                     "onnxformer": first["onnxruntime"]}
+        if distinct < needed:
+            checks.append(OriginalCheck(name, False, f"inconclusive: only {distinct} distinct reference outputs "
+                                        f"(needs {needed}); use inputs whose translations differ", seq_eq,
+                                        token_match, distinct, first))
+            continue
+        ok = tok_eq >= token_match and (token_match < 1.0 or seq_eq == 1.0)
+        checks.append(OriginalCheck(name, ok, f"{seq_eq:.2%} sequences, {tok_eq:.2%} tokens identical "
+                                    f"({distinct} distinct)", tok_eq, token_match, distinct, first))
+    return checks
+
+
+def marian_parity(original: str | Path, engine, candidate: str = "", texts: list[str] | None = None,
+                  samples: int = 64, beams=(1, 4), max_new_tokens: int = 32, length_penalty: float = 1.0,
+                  tokenizer=None, token_match: float = 1.0, progress=None) -> OriginalReport:
+    """Compare an engine (bundle or checkpoint) with the Marian model it was imported from."""
+    from toolkit.importers.marian import import_marian_model
+
+    progress = progress or (lambda msg: None)
+    model, tok = load_marian(original)
+    seqs, source, tok_check = marian_inputs(tok, tokenizer, texts, samples)
+    report = OriginalReport(str(original), candidate, len(seqs), source)
+    if tok_check is not None:
+        report.checks.append(tok_check)
+    progress("logits: MarianMTModel vs the imported reference model")
+    ours, _ = import_marian_model(Path(original))
+    report.checks.append(logits_check(model, ours, seqs))
+    max_new_tokens = min(max_new_tokens, engine.max_len)
+    progress(f"tokens: MarianMTModel.generate vs {candidate or 'the engine'} (beams {', '.join(map(str, beams))})")
+    report.checks += token_checks(model, engine, seqs, beams, max_new_tokens, length_penalty, token_match)
+    return report

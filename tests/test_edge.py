@@ -334,7 +334,7 @@ def test_greedy_numpy_imports_only_numpy_and_onnxruntime():
     assert imported - set(sys.stdlib_module_names) == {"numpy", "onnxruntime"}
 
 
-@pytest.mark.parametrize("name", ["fp32", "fp32-ort", "int8-ort"])
+@pytest.mark.parametrize("name", ["fp32", "fp32-ort", "int8", "int8-ort"])
 def test_greedy_numpy_prints_what_generate_prints(bundles, name):
     args = [*TEXTS, "--ids", "5 6 7", "--ids", "40 41 42 43 44 45 46", "--max-new-tokens", "20"]
     script = run([sys.executable, SCRIPT, bundles[name], *args]).stdout

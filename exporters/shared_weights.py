@@ -27,9 +27,9 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from exporters.prune import MIN_BYTES
 from runtime.manifest import GRAPHS, sha256_file
 
+MIN_BYTES = 1024             # smaller tensors found in both graphs (shapes, scalars) stay inside each graph
 SHARED_FILE = "weights.data"
 ALIGN = 64                   # offsets of small tensors in the file
 PAGE = 4096                  # large tensors start on a page: ONNX Runtime then maps them instead of reading them

@@ -11,7 +11,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from runtime.errors import BundleError
+from runtime.errors import BundleError, read_json
 from runtime.spec import KV_CACHES, GraphSpec, TensorSpec
 
 FORMAT = "onnxformer-bundle"
@@ -42,10 +42,7 @@ def read_manifest(bundle_dir: str | Path) -> dict:
     path = bundle_dir / MANIFEST
     if not path.is_file():
         raise BundleError(f"{bundle_dir} has no {MANIFEST}, so it is not a bundle; re-export it with 'onnxformer export'")
-    try:
-        manifest = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise BundleError(f"{path} is not valid JSON ({exc}); re-export the bundle") from None
+    manifest = read_json(path, BundleError, "re-export the bundle")
     validate_manifest(manifest, path)
     return manifest
 

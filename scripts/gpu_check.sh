@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # The prepared GPU check (issue 8): on a machine with an NVIDIA GPU, run the GPU tests and a short benchmark
-# (PyTorch eager on CUDA vs ONNX Runtime CUDA fp32 and fp16, base preset, batch 1 and 32) in under 5 minutes,
+# (PyTorch eager on CUDA vs ONNX Runtime CUDA fp32 and fp16, base preset, batch 1 and 32) and a short serving load
+# run (onnxformer serve on CUDA + onnxformer loadtest, 64 requests) in under 5 minutes,
 # writing everything to the directory given as the first argument.
 #
 #   bash scripts/gpu_check.sh OUT_DIR
 #
-# Needs: torch with CUDA, onnx, onnxscript, and onnxruntime-gpu. Where onnxruntime-gpu is not installed, set
+# Needs: torch with CUDA, onnx, onnxscript, onnxruntime-gpu, and the serve extra (fastapi, uvicorn, prometheus-client,
+# httpx). Where onnxruntime-gpu is not installed, set
 # ORT_GPU_WHEEL=/path/to/onnxruntime_gpu-*.whl: it is installed with --no-deps into a private directory put first
 # on PYTHONPATH, so it shadows a CPU-only onnxruntime. Runs from a source checkout (no pip install needed).
 set -uo pipefail
@@ -74,5 +76,36 @@ for r in rows:
           f"{r['tokens_per_s']:>11.1f}"
           f"{r['latency_ms_p50']:>9.1f}{r['ratio_to_first']:>8.2f}")
 EOF
+log "serving on CUDA: onnxformer serve (fused fp32, static KV cache) + a bounded load run (64 requests, 16 clients)"
+serve_rc=1
+ofx serve "$WORK/base-static" --provider cuda --port 0 --max-batch 32 2>"$OUT/serve.log" &
+srv=$!
+url=""
+for _ in $(seq 1 240); do
+  url=$(sed -n 's/^ready: //p' "$OUT/serve.log" | head -1)
+  [ -n "$url" ] || ! kill -0 "$srv" 2>/dev/null && break
+  sleep 0.5
+done
+if [ -n "$url" ]; then
+  "$PY" -c "import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1] + '/v1/model').read().decode())" \
+    "$url" >"$OUT/serve-model.json"
+  # the server must run the engine exactly as generate does on CUDA: IO binding, cache kept on the device
+  "$PY" -c "import json,sys; e=json.load(open(sys.argv[1]))['engine']; print('server engine:', e); \
+sys.exit(0 if e.startswith('ort-cuda-') and ('iobinding' in e or 'static-cache' in e) else 1)" "$OUT/serve-model.json" \
+    | tee -a "$OUT/summary.txt"; engine_rc=${PIPESTATUS[0]}
+  ofx loadtest "$url" --requests 64 --concurrency 16 --min-new-tokens 8 --max-new-tokens 64 --json \
+    >"$OUT/loadtest.json" 2>"$OUT/loadtest.log"; lt_rc=$?
+  kill -TERM "$srv"; wait "$srv"; srv_rc=$?
+  "$PY" -c "import json,sys; r=json.load(open(sys.argv[1])); print(f\"serve load: {r['ok']}/{r['sent']} ok, \
+{r['errors']} errors, {r['lost']} lost, {r['throughput_rps']} req/s, {r['tokens_per_s']} tokens/s, \
+p50 {r['latency_ms']['p50']} ms, p99 {r['latency_ms']['p99']} ms, mean batch {r['mean_batch_rows']}\")" \
+    "$OUT/loadtest.json" 2>/dev/null | tee -a "$OUT/summary.txt"
+  log "serve: engine check $engine_rc, loadtest exit code $lt_rc, server exit code $srv_rc (SIGTERM drain: 0)"
+  [ "$engine_rc" -eq 0 ] && [ "$lt_rc" -eq 0 ] && [ "$srv_rc" -eq 0 ] && serve_rc=0
+else
+  kill "$srv" 2>/dev/null; log "the server did not become ready: see $OUT/serve.log"
+fi
+
 log "done: $OUT"
-[ "$tests_rc" -eq 0 ] && [ "$p32" -eq 0 ] && [ "$p16" -eq 0 ] && [ "$pst" -eq 0 ] && [ "$bench_rc" -eq 0 ]
+[ "$tests_rc" -eq 0 ] && [ "$p32" -eq 0 ] && [ "$p16" -eq 0 ] && [ "$pst" -eq 0 ] && [ "$bench_rc" -eq 0 ] &&
+  [ "$serve_rc" -eq 0 ]

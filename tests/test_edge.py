@@ -2,7 +2,7 @@
 
 - ORT-format graphs (exporters/ort_format.py) are recorded in the manifest, loaded by the runtime on the CPU, and
   give the tokens of the .onnx graphs and of PyTorch (fp32), and of the int8 .onnx graphs (int8).
-- The exported and int8 graphs hold no unused initializers; weights stored twice are reported (exporters/prune.py).
+- The exported and int8 graphs hold no unused initializers.
 - examples/edge/greedy_numpy.py (numpy + onnxruntime only) prints what `onnxformer generate` prints.
 - A fresh virtual environment with only `onnxformer[cpu]` (no torch, onnx, onnxscript) generates from a bundle,
   and the commands that need PyTorch name the extra to install.
@@ -30,6 +30,8 @@ from runtime.search import SearchOptions
 from toolkit.tasks.toy import toy_inputs
 from toolkit.torch_engine import TorchEngine
 
+from conftest import with_ort_graphs
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "edge" / "greedy_numpy.py"
 DATES = ROOT / "examples" / "dates" / "checkpoint"
@@ -55,18 +57,17 @@ def tokens(hyps) -> list[list[list[int]]]:
 def bundles(toy_exported, tmp_path_factory):
     """fp32 and int8 bundles of the shared toy model, each without and with ORT-format graphs."""
     from exporters.optimize import optimize_bundle
-    from exporters.ort_format import ort_format_bundle
 
     root = tmp_path_factory.mktemp("edge")
     fp32 = toy_exported[1]
     int8, _ = optimize_bundle(fp32, root / "int8", target="cpu", precision="int8", samples=8)
     int8_ort, _ = optimize_bundle(fp32, root / "int8-ort", target="cpu", precision="int8", samples=8, ort_format=True)
-    return {"fp32": fp32, "int8": int8, "fp32-ort": ort_format_bundle(fp32, root / "fp32-ort"), "int8-ort": int8_ort}
+    return {"fp32": fp32, "int8": int8, "fp32-ort": with_ort_graphs(fp32, root / "fp32-ort"), "int8-ort": int8_ort}
 
 
 @pytest.fixture(scope="module")
-def seqs(varied_toy_factory):
-    return toy_inputs(varied_toy_factory().config, 12, seed=5)
+def seqs(toy_model_factory):
+    return toy_inputs(toy_model_factory().config, 12, seed=5)
 
 
 # ------------------------------------------------------------------------------------------ ORT format
@@ -95,8 +96,8 @@ def test_ort_graphs_are_recorded_and_loaded(bundles):
     assert int8["precision"] == "int8" and "com.microsoft;1;" in config and "DynamicQuantize" in config
 
 
-def test_fp32_ort_tokens_equal_onnx_and_pytorch(bundles, seqs, varied_toy_factory):
-    reference = TorchEngine(varied_toy_factory())
+def test_fp32_ort_tokens_equal_onnx_and_pytorch(bundles, seqs, toy_model_factory):
+    reference = TorchEngine(toy_model_factory())
     engines = {name: load_bundle(bundles[name], provider="cpu").engine for name in ("fp32", "fp32-ort")}
     for beam in (1, 3):
         opts = SearchOptions(max_new_tokens=16, beam=beam)
@@ -135,11 +136,11 @@ def test_ort_conversion_refusals_leave_nothing_behind(bundles, tmp_path, monkeyp
         of.check_convertible({**manifest, "precision": "fp16", "target": "cuda"})
     with pytest.raises(of.OrtFormatError, match="target platform"):
         of.check_convertible(manifest, "riscv")
-    with pytest.raises(of.OrtFormatError, match="already has ORT-format graphs"):
-        of.ort_format_bundle(bundles["fp32-ort"], tmp_path / "again")
+    with pytest.raises(of.OrtFormatError, match="already holds encoder.ort, decoder.ort"):
+        with_ort_graphs(bundles["fp32-ort"], tmp_path / "again")
     monkeypatch.setenv(of.LEVEL_VARIABLE, "basic")
     with pytest.raises(of.OrtFormatError, match="unset it"):
-        of.ort_format_bundle(bundles["fp32"], tmp_path / "basic")
+        with_ort_graphs(bundles["fp32"], tmp_path / "basic")
     monkeypatch.delenv(of.LEVEL_VARIABLE)
 
     def broken(*args):
@@ -147,7 +148,7 @@ def test_ort_conversion_refusals_leave_nothing_behind(bundles, tmp_path, monkeyp
 
     monkeypatch.setattr(of, "_convert", broken)
     with pytest.raises(of.OrtFormatError, match="conversion failed"):
-        of.ort_format_bundle(bundles["fp32"], tmp_path / "out")
+        with_ort_graphs(bundles["fp32"], tmp_path / "out")
     assert list(tmp_path.iterdir()) == []                # no bundle, no staging directory
 
 
@@ -168,36 +169,17 @@ def test_add_ort_format_inside_a_bundle_writer(bundles, tmp_path):
 
 # ------------------------------------------------------------------------------------------ what the graphs store
 
-def test_graphs_hold_no_unused_initializers_and_shared_weights_are_reported(bundles, tmp_path):
-    import numpy as np
-    import onnx_ir as ir
+def test_graphs_hold_no_unused_initializers(bundles):
+    """Every stored weight is read by some node (a graph input or output counts as a use)."""
+    import onnx
 
-    from exporters.prune import format_weight_report, prune_file, prune_unused, weight_report
-
-    reports = {name: weight_report({g: bundles[name] / f"{g}.onnx" for g in ("encoder", "decoder")}, min_bytes=1024)
-               for name in ("fp32", "int8")}
-    for report in reports.values():
-        assert all(g["unused"] == [] for g in report["graphs"].values()), format_weight_report(report)
-    shared = [d["copies"] for d in reports["fp32"]["same_values"]]         # the export: two graph files, two copies
-    assert ["encoder:model.embed.lut.weight", "decoder:model.embed.lut.weight"] in shared
-    assert reports["fp32"]["duplicated_bytes"] >= 64 * 32 * 4
-    int8 = reports["int8"]                                                 # optimize: one copy both graphs read
-    assert int8["same_values"] == [] and int8["duplicated_bytes"] == 0, format_weight_report(int8)
-    once = {tuple(d["readers"]): d for d in int8["stored_once"]}
-    table = ("encoder:model.embed.lut.weight.int8_t", "decoder:model.embed.lut.weight.int8_t")
-    assert table in once and once[table]["stored_in"] == "weights.data"
-    assert once[table]["bytes"] == 64 * 32                               # int8: one byte a weight
-    path = tmp_path / "decoder.onnx"
-    shutil.copyfile(bundles["fp32"] / "decoder.onnx", path)
-    before = sha256_file(path)
-    assert prune_file(path) == {"initializers": [], "bytes": 0, "nodes": 0} and sha256_file(path) == before
-    model = ir.load(path)
-    extra = ir.Value(name="unused_weight", const_value=ir.tensor(np.ones((16, 16), np.float32)))
-    model.graph.register_initializer(extra)
-    ir.save(model, path)
-    assert prune_file(path) == {"initializers": ["unused_weight"], "bytes": 1024, "nodes": 0}
-    assert "unused_weight" not in ir.load(path).graph.initializers
-    assert prune_unused(ir.load(path))["initializers"] == []
+    for name in ("fp32", "int8"):
+        for g in ("encoder", "decoder"):
+            graph = onnx.load(str(bundles[name] / f"{g}.onnx")).graph
+            used = {i for n in graph.node for i in n.input} | {o.name for o in graph.output}
+            unused = [i.name for i in graph.initializer if i.name not in used]
+            assert unused == [], f"{name} {g}: unused initializers {unused}"
+            assert len(graph.initializer) > 0
 
 
 # ------------------------------------------------------------------------------------------ leaner bundles
@@ -251,9 +233,9 @@ def test_int8_bundle_stores_one_int8_embedding_both_graphs_read(bundles, toy_exp
     assert np.all(np.abs(q * scale[:, None] - table) <= scale[:, None] / 2 + 1e-6)
 
 
-def test_int8_tokens_with_8bit_embeddings_stay_near_pytorch(bundles, seqs, varied_toy_factory):
+def test_int8_tokens_with_8bit_embeddings_stay_near_pytorch(bundles, seqs, toy_model_factory):
     """The optimize gate compared with the fp32 bundle; here against PyTorch, on inputs whose outputs vary."""
-    reference = TorchEngine(varied_toy_factory())
+    reference = TorchEngine(toy_model_factory())
     opts = SearchOptions(max_new_tokens=16)
     want = tokens(generate_ids(reference, seqs, opts))
     assert len({tuple(h[0]) for h in want}) >= len(seqs) // 2, "the toy model's outputs do not vary"
@@ -377,7 +359,7 @@ def _setuptools_major() -> int:
         return 0
 
 
-def test_cpu_install_generates_without_torch(cpu_env, bundles, toy_exported, seqs, varied_toy_factory):
+def test_cpu_install_generates_without_torch(cpu_env, bundles, toy_exported, seqs, toy_model_factory):
     root, python, env = cpu_env
     onnxformer = python.parent / "onnxformer"
     probe = subprocess.run([python, "-c", "import torch"], capture_output=True, text=True, env=env, cwd=root)
@@ -388,7 +370,7 @@ def test_cpu_install_generates_without_torch(cpu_env, bundles, toy_exported, seq
     fp32 = Path(shutil.copytree(bundles["fp32"], root / "device" / "fp32"))
     ids = [["--ids", " ".join(map(str, s))] for s in seqs]
     out = run([onnxformer, "generate", fp32, *sum(ids, []), "--max-new-tokens", "16"], env=env, cwd=root).stdout
-    want = tokens(generate_ids(TorchEngine(varied_toy_factory()), seqs, SearchOptions(max_new_tokens=16)))
+    want = tokens(generate_ids(TorchEngine(toy_model_factory()), seqs, SearchOptions(max_new_tokens=16)))
     tokenizer = load_bundle(fp32, provider="cpu").tokenizer
     assert out.splitlines() == [tokenizer.decode(t[0]) for t in want]          # PyTorch's tokens, as text
     here = CliRunner().invoke(__import__("toolkit.cli", fromlist=["main"]).main, ["generate", str(bundle), *TEXTS])

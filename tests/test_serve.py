@@ -50,8 +50,8 @@ def bundle(bundles):
 
 
 @pytest.fixture(scope="module")
-def config(varied_toy_factory):
-    return varied_toy_factory().config
+def config(toy_model_factory):
+    return toy_model_factory().config
 
 
 @contextmanager
@@ -479,3 +479,24 @@ def test_server_modules_do_not_import_torch():
     code = ("import sys; import toolkit.serve.app, toolkit.serve.loadtest, toolkit.commands.serve; "
             "assert 'torch' not in sys.modules and 'onnx' not in sys.modules, 'torch or onnx imported'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif("CUDAExecutionProvider" not in __import__("onnxruntime").get_available_providers(),
+                    reason="needs onnxruntime-gpu with CUDA")
+def test_server_on_cuda_runs_the_engine_as_generate_does(bundles, config):
+    """On CUDA the server's engine is load_bundle's: IO binding (or the static cache's bound buffers) on the device."""
+    for kv, bundle_dir in bundles.items():
+        reference = load_bundle(bundle_dir, provider="cuda").engine
+        service = Service.load(bundle_dir, ServeSettings(provider="cuda"))
+        assert service.engine.io_binding and service.engine.name.startswith("ort-cuda-")
+        seqs = toy_inputs(config, 6, seed=2)
+        jobs = [Job([s], SearchOptions(max_new_tokens=10)) for s in seqs]
+        for job in jobs:
+            service.scheduler.submit(job)
+        service.start()
+        try:
+            for job in jobs:
+                assert_same(generate_ids(reference, job.sequences, job.opts), job.future.result(60), atol=1e-3)
+        finally:
+            service.stop()

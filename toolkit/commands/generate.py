@@ -53,8 +53,13 @@ def read_inputs(texts: tuple[str, ...], input_file: str | None, ids: tuple[str, 
 @click.option("--provider", type=click.Choice(PROVIDER_CHOICES), default="auto", show_default=True)
 @click.option("--threads", type=int, help="intra-op threads (default: the library's choice)")
 @click.option("--json", "as_json", is_flag=True, help="one JSON object a line for each returned hypothesis")
+@click.option("--ray", "use_ray", is_flag=True, help="bundles: generate with Ray Data over a pool of actors (ray extra)")
+@click.option("--replicas", default=1, show_default=True, help="with --ray: actors, each with its own engine")
+@click.option("--batch-size", default=32, show_default=True, help="with --ray: inputs per batch sent to an actor")
+@click.option("--address", help="with --ray: join this Ray cluster ('auto' or HOST:6379) instead of a local one")
 @friendly
-def command(model, texts, input_file, ids, beam, num_return, length_penalty, max_new_tokens, provider, threads, as_json):
+def command(model, texts, input_file, ids, beam, num_return, length_penalty, max_new_tokens, provider, threads, as_json,
+            use_ray, replicas, batch_size, address):
     """Generate from MODEL (a checkpoint or a bundle) for each TEXT, --input line and --ids.
 
     Prints one line per input: the generated text (or ids, for models without a tokenizer); with
@@ -65,6 +70,9 @@ def command(model, texts, input_file, ids, beam, num_return, length_penalty, max
     from toolkit.engines import open_model
 
     inputs = read_inputs(texts, input_file, ids)
+    if use_ray:
+        return _generate_on_ray(model, inputs, beam, num_return, length_penalty, max_new_tokens, provider, threads,
+                                as_json, replicas, batch_size, address)
     opened = open_model(model, provider=provider, threads=threads)
     engine, tokenizer = opened.engine, opened.tokenizer
     seqs = encode_inputs(inputs, tokenizer)
@@ -73,12 +81,44 @@ def command(model, texts, input_file, ids, beam, num_return, length_penalty, max
     outputs = to_outputs(generate_ids(engine, seqs, opts), engine.eos_id, tokenizer)
     if provider == "auto":                                 # say what "auto" chose (stderr: stdout stays the output)
         click.echo(f"generated with {opened.describe()}", err=True)
+    print_records(records(inputs, outputs), len(inputs), as_json)
+
+
+def print_records(recs: list[dict], n_inputs: int, as_json: bool) -> None:
+    """--json: one record a line; else one line per input, its hypotheses tab-separated."""
     if as_json:
-        for record in records(inputs, outputs):
+        for record in recs:
             click.echo(json.dumps(record, ensure_ascii=False))
         return
-    lines: list[list[str]] = [[] for _ in inputs]
-    for out in outputs:
-        lines[out.index].append(out.text if out.text is not None else " ".join(map(str, out.ids)))
+    lines: list[list[str]] = [[] for _ in range(n_inputs)]
+    for rec in recs:
+        lines[rec["index"]].append(rec["text"] if rec["text"] is not None else " ".join(map(str, rec["ids"])))
     for hyps in lines:
         click.echo("\t".join(hyps))
+
+
+def _generate_on_ray(model, inputs, beam, num_return, length_penalty, max_new_tokens, provider, threads, as_json,
+                     replicas, batch_size, address) -> None:
+    from runtime.bundle import load_bundle
+    from runtime.generate import check_request, encode_inputs
+    from runtime.search import SearchOptions
+    from toolkit.extras import require
+    from toolkit.engines import model_kind
+
+    require("ray")
+    if model_kind(model) != "bundle":
+        raise InputError(f"--ray generates with bundles only; {model} is a checkpoint: export it first "
+                         f"(onnxformer export {model} --out BUNDLE)")
+    if batch_size < 1:
+        raise InputError(f"--batch-size must be at least 1, got {batch_size}")
+    loaded = load_bundle(model, provider=provider, threads=threads)
+    engine = loaded.engine
+    opts = SearchOptions(max_new_tokens=min(64, engine.max_len) if max_new_tokens is None else max_new_tokens,
+                         beam=beam, num_return=num_return, length_penalty=length_penalty)
+    check_request(encode_inputs(inputs, loaded.tokenizer), opts, engine.vocab_size, engine.max_len)   # fail before Ray
+    from toolkit.serve.ray_data import generate_on_ray
+
+    click.echo(f"generating {len(inputs)} inputs with Ray Data: {replicas} actor(s), batches of {batch_size}", err=True)
+    recs = generate_on_ray(model, inputs, opts, actors=replicas, batch_size=batch_size, provider=provider,
+                           threads=threads, address=address)
+    print_records(recs, len(inputs), as_json)

@@ -20,12 +20,18 @@ from toolkit.extras import require
 @click.option("--max-wait-ms", default=5.0, show_default=True, help="how long a request waits for others to batch with")
 @click.option("--max-queue", default=256, show_default=True, help="requests waiting or decoding; more get 503")
 @click.option("--max-beam", default=8, show_default=True, help="largest beam width a request may ask for")
+@click.option("--ray", "use_ray", is_flag=True, help="run the server in Ray Serve replicas (the ray extra)")
+@click.option("--replicas", default=1, show_default=True, help="with --ray: replicas, spread over the cluster's nodes")
+@click.option("--address", help="with --ray: join this Ray cluster ('auto' or HOST:6379) instead of a local one")
 @friendly
-def command(bundle, host, port, provider, threads, max_batch, max_wait_ms, max_queue, max_beam):
+def command(bundle, host, port, provider, threads, max_batch, max_wait_ms, max_queue, max_beam, use_ray, replicas,
+            address):
     """Serve BUNDLE over HTTP: POST /v1/generate, GET /healthz, /v1/model, /metrics, /docs.
 
     Requests that arrive within --max-wait-ms of each other decode as one batch. SIGTERM (or Ctrl-C) stops
-    accepting connections, answers every accepted request, and exits 0.
+    accepting connections, answers every accepted request, and exits 0. With --ray the same app runs in
+    --replicas Ray Serve replicas (each batching its own requests), on a local Ray instance or the cluster at
+    --address.
     """
     require("serve")
     from toolkit.serve.app import ServeSettings, Service, bind, run
@@ -33,6 +39,14 @@ def command(bundle, host, port, provider, threads, max_batch, max_wait_ms, max_q
     settings = ServeSettings(provider=provider, threads=threads, max_batch=max_batch, max_wait_ms=max_wait_ms,
                              max_queue=max_queue, max_beam=max_beam)
     settings.check()
+    if use_ray:
+        require("ray")
+        from toolkit.serve.ray_serve import serve_on_ray
+
+        serve_on_ray(bundle, settings, host, port, replicas, address, log=lambda line: click.echo(line, err=True))
+        return
+    if replicas != 1 or address:
+        raise click.UsageError("--replicas and --address need --ray")
     sock = bind(host, port)                           # before loading: a taken port fails at once
     click.echo(f"loading {bundle} ...", err=True)
     service = Service.load(bundle, settings)

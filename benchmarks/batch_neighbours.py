@@ -1,0 +1,86 @@
+"""How often a request's output depends on the other requests in its batch (the server batches requests).
+
+For each bundle, every held-out dates input is generated alone (batch 1) and then inside batches of --batch random
+neighbours, --contexts times with different neighbours; an input "depends on its neighbours" when any batched
+output differs from its output alone. fp32 is the control (padding and batch shape only: expected 0). int8 uses
+dynamic quantization: each MatMul's activation scale is computed over the whole batch tensor (per tensor), so a
+neighbour with larger activations changes every row's rounding.
+
+    python benchmarks/batch_neighbours.py out/dates-fused out/dates-int8 --threads 2 [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from runtime.bundle import load_bundle  # noqa: E402
+from runtime.generate import generate_ids  # noqa: E402
+from runtime.search import SearchOptions  # noqa: E402
+from toolkit.tasks.dates import TARGET_LEN, held_out_examples  # noqa: E402
+
+
+def measure(bundle: str, batch: int, contexts: int, threads: int | None, seed: int) -> dict:
+    loaded = load_bundle(bundle, provider="cpu", threads=threads)
+    engine, tok = loaded.engine, loaded.tokenizer
+    examples = held_out_examples()
+    seqs = [tok.encode(src) for src, _ in examples]
+    opts = SearchOptions(max_new_tokens=TARGET_LEN + 1)
+    alone_hyps = [generate_ids(engine, [s], opts)[0][0] for s in seqs]
+    alone = [h.tokens for h in alone_hyps]
+    rng = np.random.default_rng(seed)
+    differs = np.zeros(len(seqs), dtype=bool)
+    changed_outputs, correct_batched, score_diff = 0, [], 0.0
+    for _ in range(contexts):
+        order = rng.permutation(len(seqs))
+        got = [None] * len(seqs)
+        for start in range(0, len(order), batch):
+            rows = order[start:start + batch]
+            for i, hyps in zip(rows, generate_ids(engine, [seqs[i] for i in rows], opts)):
+                got[i] = hyps[0].tokens
+                if got[i] == alone[i]:                                  # same tokens: how far did the numbers move
+                    score_diff = max(score_diff, abs(hyps[0].score - alone_hyps[i].score))
+        diff = np.array([g != a for g, a in zip(got, alone)])
+        differs |= diff
+        changed_outputs += int(diff.sum())
+        correct_batched.append(np.mean([tok.decode(g) == t for g, (_, t) in zip(got, examples)]))
+    correct_alone = np.mean([tok.decode(a) == t for a, (_, t) in zip(alone, examples)])
+    return {"bundle": bundle, "precision": loaded.manifest["precision"], "inputs": len(seqs), "batch": batch,
+            "contexts": contexts, "inputs_depending_on_neighbours": int(differs.sum()),
+            "share_depending": round(float(differs.mean()), 4),
+            "outputs_changed": changed_outputs, "share_outputs_changed": round(changed_outputs / (contexts * len(seqs)), 4),
+            "max_score_diff_same_tokens": float(f"{score_diff:.3g}"),
+            "accuracy_alone": round(float(correct_alone), 4),
+            "accuracy_batched_mean": round(float(np.mean(correct_batched)), 4)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("bundles", nargs="+")
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--contexts", type=int, default=4)
+    parser.add_argument("--threads", type=int)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    rows = [measure(b, args.batch, args.contexts, args.threads, args.seed) for b in args.bundles]
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return
+    print(f"{'bundle':<28}{'precision':<10}{'inputs':>7}{'depend':>8}{'share':>8}{'changed':>9}{'score diff':>12}"
+          f"{'acc alone':>11}{'acc batched':>13}")
+    for r in rows:
+        print(f"{Path(r['bundle']).name:<28}{r['precision']:<10}{r['inputs']:>7}{r['inputs_depending_on_neighbours']:>8}"
+              f"{r['share_depending']:>8.2%}{r['share_outputs_changed']:>9.2%}{r['max_score_diff_same_tokens']:>12.2e}"
+              f"{r['accuracy_alone']:>11.2%}"
+              f"{r['accuracy_batched_mean']:>13.2%}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Serving load figures for RESULTS.md: the base int8 bundle (benchmarks/run.sh builds it) behind `onnxformer serve`,
+# 32 concurrent clients, mixed output lengths (8-128 new tokens, EOS suppressed), one run per server setting:
+# one request at a time (--max-batch 1) and request-level batching (--max-batch 32). Each run is bounded (REQUESTS
+# requests, DURATION seconds) and stops by itself; the server gets SIGTERM after it and must exit 0.
+#
+#   flock /tmp/onnxformer-bench.lock bash benchmarks/serve_load.sh [BUNDLE]     (default out/bench/base/base-int8)
+#
+# Writes benchmarks/serve_load.json (one report per setting) and prints a table row per setting.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OX=${ONNXFORMER:-.venv/bin/onnxformer}
+BUNDLE=${1:-out/bench/base/base-int8}
+REQUESTS=${REQUESTS:-256}
+CLIENTS=${CLIENTS:-32}
+THREADS=${THREADS:-2}
+DURATION=${DURATION:-300}
+OUT=${OUT:-benchmarks/serve_load.json}
+SETTINGS=${SETTINGS:-"one-at-a-time:--max-batch 1|request-level:--max-batch 32"}
+[ -f "$BUNDLE/manifest.json" ] || { echo "error: $BUNDLE is not a bundle; build it with benchmarks/run.sh" >&2; exit 2; }
+WORK=$(mktemp -d)
+trap 'rm -rf "$WORK"' EXIT
+echo "load: $(uptime)" >&2
+IFS='|' read -ra RUNS <<< "$SETTINGS"
+for run in "${RUNS[@]}"; do
+  name=${run%%:*}; args=${run#*:}
+  # shellcheck disable=SC2086
+  "$OX" serve "$BUNDLE" --port 0 --threads "$THREADS" --provider cpu $args 2>"$WORK/$name.log" &
+  srv=$!
+  url=""
+  for _ in $(seq 1 600); do
+    url=$(sed -n 's/^ready: //p' "$WORK/$name.log" | head -1)
+    if [ -n "$url" ] || ! kill -0 "$srv" 2>/dev/null; then break; fi
+    sleep 0.2
+  done
+  [ -n "$url" ] || { cat "$WORK/$name.log" >&2; exit 1; }
+  rc=0
+  "$OX" loadtest "$url" --requests "$REQUESTS" --concurrency "$CLIENTS" --min-new-tokens 8 --max-new-tokens 128 \
+    --duration "$DURATION" --json --save "$WORK/$name.json" >/dev/null || rc=$?
+  kill -TERM "$srv"; wait "$srv" || { echo "error: server ($name) did not exit 0 after SIGTERM" >&2; exit 1; }
+  echo "$name: loadtest exit $rc; $(tail -1 "$WORK/$name.log")" >&2
+done
+"${PYTHON:-.venv/bin/python}" - "$OUT" "$WORK" "${RUNS[@]}" <<'PY'
+import json, subprocess, sys
+out, work, runs = sys.argv[1], sys.argv[2], sys.argv[3:]
+load = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+reports = {r.split(":")[0]: json.load(open(f"{work}/{r.split(':')[0]}.json")) for r in runs}
+first = next(iter(reports.values()))
+json.dump({"uptime_before_write": load, "reports": reports}, open(out, "w"), indent=2)
+print(f"{'setting':<16}{'sent':>6}{'ok':>6}{'err':>5}{'lost':>5}{'req/s':>8}{'tok/s':>8}{'p50 ms':>9}{'p90 ms':>9}"
+      f"{'p99 ms':>9}{'batch':>7}{'x first':>8}")
+for name, r in reports.items():
+    lat = r["latency_ms"]
+    print(f"{name:<16}{r['sent']:>6}{r['ok']:>6}{r['errors']:>5}{r['lost']:>5}{r['throughput_rps']:>8.2f}"
+          f"{r['tokens_per_s']:>8.0f}{lat['p50']:>9.0f}{lat['p90']:>9.0f}{lat['p99']:>9.0f}{r['mean_batch_rows']:>7.2f}"
+          f"{r['throughput_rps'] / first['throughput_rps']:>8.2f}")
+print(load)
+PY

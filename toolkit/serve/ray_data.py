@@ -1,0 +1,87 @@
+"""Offline generation with Ray Data: `onnxformer generate BUNDLE --input FILE --ray [--replicas N]`.
+
+    records = generate_on_ray("out/bundle", inputs, SearchOptions(), actors=2)
+
+The inputs become a dataset; `map_batches` sends batches of them to a pool of `BatchGenerator` actors, each with
+its own engine, and the records come back in input order: the records of `onnxformer generate --json`.
+Needs only the runtime and ray (no web stack); ray_serve.py shares `init_ray`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict
+from pathlib import Path
+
+from runtime.errors import OnnxformerError
+
+
+class RayError(OnnxformerError):
+    """Ray could not start or join a cluster as asked."""
+
+
+def init_ray(address: str | None, num_cpus: int | None = None) -> None:
+    """Join the cluster at `address`, or start a local instance bound to 127.0.0.1 (no dashboard, no usage stats)."""
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")        # never phone home
+    import ray
+
+    if ray.is_initialized():
+        return
+    try:
+        if address:
+            ray.init(address=address, logging_level="ERROR", log_to_driver=False)
+        else:
+            ray.init(num_cpus=num_cpus, include_dashboard=False, logging_level="ERROR", log_to_driver=False,
+                     _node_ip_address="127.0.0.1")
+    except (ConnectionError, RuntimeError, ValueError) as exc:
+        where = f"the Ray cluster at {address}" if address else "a local Ray instance"
+        raise RayError(f"cannot start or join {where} ({str(exc).splitlines()[0][:200]}); check the address "
+                       f"(e.g. --address auto on a node of the cluster, or HOST:6379)") from None
+
+
+class BatchGenerator:
+    """A Ray Data actor: one engine; turns a batch of inputs into their generate --json records."""
+
+    def __init__(self, bundle: str, provider: str, threads: int | None, opts: dict):
+        from runtime.bundle import load_bundle
+        from runtime.search import SearchOptions
+
+        self.bundle = load_bundle(bundle, provider=provider, threads=threads)
+        self.opts = SearchOptions(**opts)
+
+    def __call__(self, batch: dict) -> dict:
+        from runtime.generate import encode_inputs, generate_ids, records, to_outputs
+
+        inputs = [json.loads(x) for x in batch["input"]]
+        engine, tokenizer = self.bundle.engine, self.bundle.tokenizer
+        outputs = to_outputs(generate_ids(engine, encode_inputs(inputs, tokenizer), self.opts), engine.eos_id,
+                             tokenizer)
+        recs = records(inputs, outputs)
+        for rec in recs:
+            rec["index"] = int(batch["index"][rec["index"]])            # position in the whole input, not the batch
+        per_input: list[list[dict]] = [[] for _ in inputs]
+        for rec, out in zip(recs, outputs):
+            per_input[out.index].append(rec)
+        return {"index": batch["index"], "records": [json.dumps(per, ensure_ascii=False) for per in per_input]}
+
+
+def generate_on_ray(bundle: str | Path, inputs: list, opts, actors: int = 1, batch_size: int = 32,
+                    provider: str = "auto", threads: int | None = None, address: str | None = None) -> list[dict]:
+    """The generate --json records of every input, in input order, computed by `actors` Ray Data actors.
+    (The caller checks the bundle and the request first: inside the actors a bad one is a Ray error.)"""
+    if actors < 1:
+        raise RayError(f"--replicas must be at least 1, got {actors}")
+    init_ray(address, None if address else max(actors * int(threads or 1), os.cpu_count() or 1))
+    import ray
+
+    ctx = ray.data.DataContext.get_current()
+    ctx.execution_options.preserve_order = True
+    ctx.enable_progress_bars = False
+    items = [{"index": i, "input": json.dumps(x)} for i, x in enumerate(inputs)]
+    ds = ray.data.from_items(items).map_batches(
+        BatchGenerator, batch_size=batch_size, concurrency=actors, num_cpus=float(threads or 1),
+        fn_constructor_kwargs={"bundle": str(Path(bundle).resolve()), "provider": provider, "threads": threads,
+                               "opts": asdict(opts)})
+    rows = sorted(ds.take_all(), key=lambda r: r["index"])             # preserve_order keeps it; sorting proves it
+    return [rec for row in rows for rec in json.loads(row["records"])]

@@ -5,8 +5,6 @@
         add_ort_format(tmp, manifest)                    # writes the .ort files, records them in manifest
         write_manifest(tmp, manifest)
 
-    ort_format_bundle("out/int8", "out/int8-ort")        # or: a converted copy of a finished bundle
-
 The conversion is onnxruntime's own tool (onnxruntime.tools.convert_onnx_models_to_ort), run on the two graphs
 together, so one required_operators.config covers both (pass it to ONNX Runtime's build.py as
 --include_ops_by_config for a reduced-operator build).
@@ -37,10 +35,9 @@ from typing import Callable
 import onnxruntime as ort
 
 from exporters.logs import quiet_loggers
-from exporters.bundle import check_destination, stage_bundle, write_manifest
-from runtime.errors import BundleError, OnnxformerError
+from runtime.errors import OnnxformerError
+from runtime.manifest import GRAPHS, sha256_file
 from toolkit.parity import ParityError
-from runtime.manifest import GRAPHS, read_manifest, sha256_file, verify_hashes
 
 CONFIG_FILE = "required_operators.config"
 STYLE = "fixed"                               # see the module docstring
@@ -82,7 +79,8 @@ def add_ort_format(bundle_dir: str | Path, manifest: dict, target_platform: str 
     clashes = [p.name for p in (*targets.values(), config) if p.exists()]
     if clashes:
         raise OrtFormatError(f"{bundle_dir} already holds {', '.join(clashes)}; convert a bundle without ORT graphs")
-    _convert(sources, bundle_dir, target_platform)
+    shared = manifest.get("shared_weights")
+    _convert(sources, bundle_dir, target_platform, [bundle_dir / shared["file"]] if shared else [])
     progress(f"converted {', '.join(p.name for p in sources.values())} to ORT format "
              f"({', '.join(f'{p.name} {p.stat().st_size / 1e6:.2f} MB' for p in targets.values())})")
     _relative_config_comments(config)
@@ -96,12 +94,13 @@ def add_ort_format(bundle_dir: str | Path, manifest: dict, target_platform: str 
     return record
 
 
-def _convert(sources: dict[str, Path], out_dir: Path, target_platform: str | None) -> None:
-    """Run onnxruntime's converter on exactly these graphs (linked into a scratch folder), output in out_dir."""
+def _convert(sources: dict[str, Path], out_dir: Path, target_platform: str | None, data: list[Path] = ()) -> None:
+    """Run onnxruntime's converter on exactly these graphs (linked into a scratch folder with their external
+    data files), output in out_dir."""
     from onnxruntime.tools.convert_onnx_models_to_ort import OptimizationStyle, convert_onnx_models_to_ort
 
     with tempfile.TemporaryDirectory(prefix=".ort-src-", dir=out_dir) as scratch:
-        for path in sources.values():
+        for path in [*sources.values(), *data]:
             _link_or_copy(path, Path(scratch) / path.name)
         quiet = io.StringIO()
         with contextlib.redirect_stdout(quiet), quiet_loggers("ort_format_model.utils", level=logging.WARNING):
@@ -147,28 +146,5 @@ def check_ort_parity(onnx_paths: dict[str, Path], ort_paths: dict[str, Path], co
     return {k: record[k] for k in keep}
 
 
-def ort_format_bundle(bundle_dir: str | Path, out_dir: str | Path, force: bool = False,
-                      target_platform: str | None = None, progress: Callable[[str], None] | None = None) -> Path:
-    """A copy of a finished bundle with ORT-format graphs added; atomic (nothing is left behind on failure)."""
-    bundle_dir, out_dir = Path(bundle_dir), Path(out_dir)
-    manifest = read_manifest(bundle_dir)
-    verify_hashes(bundle_dir, manifest)
-    check_convertible(manifest, target_platform)
-    if manifest.get("ort_graphs"):
-        raise OrtFormatError(f"bundle {bundle_dir} already has ORT-format graphs; nothing to do")
-    check_destination(out_dir, force)
-    if out_dir.absolute().resolve() == bundle_dir.absolute().resolve():
-        raise OrtFormatError(f"--out {out_dir} is the source bundle; write the converted bundle elsewhere")
-    with stage_bundle(out_dir, force) as tmp:
-        for name in manifest["files"]:                   # every file of the bundle, whoever added it
-            if not (bundle_dir / name).is_file():
-                raise BundleError(f"bundle {bundle_dir} is missing {name}; copy the whole bundle directory")
-            shutil.copyfile(bundle_dir / name, tmp / name)
-        manifest = dict(manifest)
-        add_ort_format(tmp, manifest, target_platform, progress=progress)
-        write_manifest(tmp, manifest)
-    return out_dir
-
-
-__all__ = ["add_ort_format", "ort_format_bundle", "check_ort_parity", "check_convertible", "OrtFormatError",
+__all__ = ["add_ort_format", "check_ort_parity", "check_convertible", "OrtFormatError",
            "CONFIG_FILE"]

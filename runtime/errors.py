@@ -4,6 +4,11 @@ Each message names the problem and the fix; the command line prints it and exits
 the layers above live with them: toolkit.errors (ConfigError, CheckpointError), toolkit.parity (ParityError),
 exporters (OptimizeError, StaticCacheError, ...)."""
 
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
 
 class OnnxformerError(Exception):
     """Base class for user-facing errors (bad input, bad files)."""
@@ -25,3 +30,15 @@ class BundleError(OnnxformerError):
 
 class ProviderError(OnnxformerError):
     """An execution provider that was asked for but is not available."""
+
+
+def read_json(path: str | Path, error: type[OnnxformerError], fix: str, missing: str | None = None):
+    """The content of a JSON file we read (config, tokenizer, manifest); a missing, unreadable or malformed file
+    becomes `error` with one line naming the file, what is wrong and `fix` (`missing`: the fix when absent)."""
+    path = Path(path)
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise error(f"{path} is missing; {missing or fix}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise error(f"{path} is not valid JSON ({exc}); {fix}") from None

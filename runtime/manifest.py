@@ -11,14 +11,14 @@ import hashlib
 import json
 from pathlib import Path
 
-from runtime.errors import BundleError
+from runtime.errors import BundleError, read_json
 from runtime.spec import KV_CACHES, GraphSpec, TensorSpec
 
 FORMAT = "onnxformer-bundle"
 FORMAT_VERSION = 2                 # 2: "files" lists every file with its sha256 and size
 MANIFEST = "manifest.json"
 GRAPHS = ("encoder", "decoder")
-PRECISIONS = ("fp32", "fp16", "int8")
+PRECISIONS = ("fp32", "fp16", "int8", "int4")
 TARGETS = ("any", "cpu", "cuda")
 REQUIRED = ("format", "format_version", "model", "precision", "graphs", "files")
 
@@ -42,10 +42,7 @@ def read_manifest(bundle_dir: str | Path) -> dict:
     path = bundle_dir / MANIFEST
     if not path.is_file():
         raise BundleError(f"{bundle_dir} has no {MANIFEST}, so it is not a bundle; re-export it with 'onnxformer export'")
-    try:
-        manifest = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise BundleError(f"{path} is not valid JSON ({exc}); re-export the bundle") from None
+    manifest = read_json(path, BundleError, "re-export the bundle")
     validate_manifest(manifest, path)
     return manifest
 
@@ -130,6 +127,9 @@ def _named_files(manifest: dict) -> list[tuple[str, str | None]]:
         named.append((ops["file"], ops.get("sha256") if isinstance(ops.get("sha256"), str) else None))
     if isinstance(manifest.get("tokenizer"), str):
         named.append((manifest["tokenizer"], None))
+    shared = manifest.get("shared_weights")                  # the graphs' external data (exporters/shared_weights)
+    if isinstance(shared, dict) and isinstance(shared.get("file"), str):
+        named.append((shared["file"], shared.get("sha256") if isinstance(shared.get("sha256"), str) else None))
     return named
 
 

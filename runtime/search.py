@@ -110,85 +110,100 @@ def suppress(logits: np.ndarray, ids: tuple[int, ...]) -> np.ndarray:
     return logits
 
 
+def attainable(score: float, length: int, max_new_tokens: int, length_penalty: float) -> float:
+    """The best normalized score a hypothesis grown from a live beam (log-probability sum `score` over `length`
+    tokens) can still reach. Exact, as log-probabilities are <= 0 and a sum only falls: for length_penalty >= 0
+    the longest length divides least (score / max_new_tokens ** lp); for lp < 0 the next length is best."""
+    final = max_new_tokens if length_penalty >= 0 else min(length + 1, max_new_tokens)
+    return score / final ** length_penalty
+
+
 def beam_search(state: DecodeState, batch: int, bos: int, eos: int, opts: SearchOptions,
                 stop: np.ndarray | None = None) -> list[list[Hypothesis]]:
     """Keep the `beam` best partial hypotheses per input; return the best finished ones by normalized score.
 
-    `stop` (as in greedy): once every input is stopped, the search ends early (its partial results are for nobody).
-
-    The rules are Hugging Face's (transformers' `_beam_search`, early_stopping=False), so that imported models
-    give the very tokens their original gives:
+    The ranking rules are Hugging Face's (transformers' `_beam_search`), so that imported models give the very
+    tokens their original gives:
     - each step ranks the 2K best continuations of all K beams by summed log-probability; of these, the ones
       ending in EOS that rank within the first K are finished (score / length ** length_penalty, EOS counted in
       the length), and the first K that do not end in EOS go on;
-    - an input keeps its K best finished hypotheses, and is done once it has K and its best live beam, normalized
-      by the current length, does not beat the worst of them;
+    - an input keeps its K best finished hypotheses;
     - at the last allowed step every one of the first K continuations counts as finished (unfinished: no EOS).
+    The stopping rule is exact (Hugging Face's early_stopping="never"): an input closes only once no live beam can
+    still reach (`attainable`) its num_return-th best finished score, so closing never changes what is returned
+    (the heuristic of early_stopping=False, the live score normalized at the current length, closed too early).
+    A closed input's rows leave the state: they cost no more decoder work.
+
+    `stop` (as in greedy): an input set there leaves at the next step with what it has.
     """
-    k = opts.beam
-    rows = batch * k
-    seqs = np.zeros((rows, 0), dtype=np.int64)                       # tokens of each live beam
-    beam_scores = np.tile(np.r_[0.0, np.full(k - 1, -np.inf)], batch)  # only beam 0 starts live
+    k, lp = opts.beam, opts.length_penalty
+    live = np.arange(batch)                                          # open inputs; live[i] owns rows i*K..i*K+K-1
+    seqs = np.zeros((batch * k, 0), dtype=np.int64)                  # tokens of each row's beam
+    scores = np.tile(np.r_[0.0, np.full(k - 1, -np.inf)], batch)    # log-prob sums; only beam 0 starts live
     finished: list[list[Hypothesis]] = [[] for _ in range(batch)]   # the K best finished, best first
-    closed = np.zeros(batch, dtype=bool)
-    last, keep = np.full(rows, bos, dtype=np.int64), None
+    last, keep = np.full(batch * k, bos, dtype=np.int64), None
 
     def norm(score: float, length: int) -> float:
-        return float(score / (length ** opts.length_penalty))
+        return float(score / (length ** lp))
 
     for step in range(opts.max_new_tokens):
-        if stop is not None and stop.all():
-            break
-        logits = state.step(last, keep)                              # [B*K, V]
+        if stop is not None and stop[live].any():                    # nobody waits for these any more
+            for i in np.flatnonzero(stop[live]):
+                if not finished[live[i]]:                            # what its live beams had
+                    finished[live[i]] = sorted((Hypothesis(seqs[r].tolist(), norm(scores[r], max(seqs.shape[1], 1)), False)
+                                                for r in range(i * k, (i + 1) * k) if np.isfinite(scores[r])),
+                                               key=lambda h: -h.score)
+            go = np.flatnonzero(~stop[live])
+            rows = (go[:, None] * k + np.arange(k)).ravel()          # the rows of the inputs that go on
+            keep = rows if keep is None else keep[rows]
+            live, last, scores, seqs = live[go], last[rows], scores[rows], seqs[rows]
+            if len(live) == 0:
+                break
+        logits = state.step(last, keep)                              # [open inputs * K, V]
         if opts.ignore_eos:
             logits[:, eos] = -np.inf
         logp = suppress(log_softmax(logits), opts.suppress)          # suppressed after normalizing, as HF does
         vocab = logp.shape[-1]
-        cand = (beam_scores[:, None] + logp).reshape(batch, k * vocab)
-        top = top_k_stable(cand, 2 * k)                              # best 2K continuations per input
+        cand = (scores[:, None] + logp).reshape(len(live), k * vocab)
+        top = top_k_stable(cand, 2 * k)                              # best 2K continuations per open input
         final = step == opts.max_new_tokens - 1
-        next_rows, next_tok, next_scores = [], [], []
-        for b in range(batch):
-            picked = 0
-            if not closed[b]:
-                for rank, c in enumerate(top[b]):
-                    src_row, tok, score = b * k + c // vocab, int(c % vocab), float(cand[b, c])
-                    if tok == eos or final:
-                        if rank < k and np.isfinite(score):
-                            toks = seqs[src_row].tolist() + [tok]
-                            finished[b].append(Hypothesis(toks, norm(score, len(toks)), tok == eos))
-                        continue
-                    if picked < k:
-                        next_rows.append(src_row), next_tok.append(tok), next_scores.append(score)
-                        picked += 1
-                finished[b] = sorted(finished[b], key=lambda h: -h.score)[:k]   # stable: earlier ones win ties
-            while picked < k:                                       # closed input, or every continuation ended
-                next_rows.append(b * k), next_tok.append(eos), next_scores.append(-np.inf)
-                picked += 1
-        if final:
+        rows, toks, vals, still = [], [], [], []
+        for i, b in enumerate(live):
+            picked = []
+            for rank, c in enumerate(top[i]):
+                src, tok, score = i * k + c // vocab, int(c % vocab), float(cand[i, c])
+                if tok == eos or final:
+                    if rank < k and np.isfinite(score):
+                        done = seqs[src].tolist() + [tok]
+                        finished[b].append(Hypothesis(done, norm(score, len(done)), tok == eos))
+                    continue
+                if len(picked) < k:
+                    picked.append((src, tok, score))
+            finished[b] = sorted(finished[b], key=lambda h: -h.score)[:k]   # stable: earlier ones win ties
+            picked += [(i * k, eos, -np.inf)] * (k - len(picked))    # every continuation ended: dead rows
+            if final or _done(finished[b], max(p[2] for p in picked), step + 1, opts):
+                continue                                             # the input closes: its rows leave
+            still.append(b)
+            for src, tok, score in picked:
+                rows.append(src), toks.append(tok), vals.append(score)
+        if not still:
             break
-        keep = np.asarray(next_rows, dtype=np.int64)
-        last = np.asarray(next_tok, dtype=np.int64)
-        beam_scores = np.asarray(next_scores, dtype=np.float64)
+        live, keep = np.asarray(still, dtype=np.int64), np.asarray(rows, dtype=np.int64)
+        last, scores = np.asarray(toks, dtype=np.int64), np.asarray(vals, dtype=np.float64)
         seqs = np.concatenate([seqs[keep], last[:, None]], axis=1)
-        for b in range(batch):                                      # an input is done when no live beam can win
-            if closed[b]:
-                continue
-            best_live = beam_scores[b * k:(b + 1) * k].max()
-            if not np.isfinite(best_live):
-                closed[b] = True
-            elif len(finished[b]) == k and norm(best_live, step + 1) <= finished[b][-1].score:
-                closed[b] = True
-        if closed.all():
-            break
-        if (keep == np.arange(rows)).all():
+        if len(keep) == len(logits) and (keep == np.arange(len(keep))).all():
             keep = None
-    for b in range(batch):                  # stopped early (`stop`): what the live beams had
-        if not finished[b]:
-            live = [Hypothesis(seqs[r].tolist(), norm(beam_scores[r], max(seqs.shape[1], 1)), False)
-                    for r in range(b * k, (b + 1) * k) if np.isfinite(beam_scores[r])]
-            finished[b] = sorted(live, key=lambda h: -h.score)
     return [finished[b][: opts.num_return] for b in range(batch)]
+
+
+def _done(finished: list[Hypothesis], best_live: float, length: int, opts: SearchOptions) -> bool:
+    """Whether an input is done after a step that left its live beams at `length` tokens: none is left alive, or
+    none can still beat its num_return-th best finished hypothesis (running on would return the same)."""
+    if not np.isfinite(best_live):
+        return True
+    if len(finished) < opts.num_return:
+        return False
+    return attainable(best_live, length, opts.max_new_tokens, opts.length_penalty) <= finished[opts.num_return - 1].score
 
 
 def search(state: DecodeState, batch: int, bos: int, eos: int, opts: SearchOptions,

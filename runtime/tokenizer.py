@@ -7,7 +7,7 @@ import re
 import shutil
 from pathlib import Path
 
-from runtime.errors import TokenizerError
+from runtime.errors import TokenizerError, read_json
 
 SPECIALS = ("<pad>", "<s>", "</s>")  # ids 0, 1, 2: pad, bos, eos (ModelConfig's defaults)
 
@@ -62,7 +62,7 @@ class CharTokenizer:
     @classmethod
     def load(cls, path: str | Path, data=None) -> "CharTokenizer":
         path = Path(path)
-        data = _read_json(path, "regenerate it") if data is None else data
+        data = read_json(path, TokenizerError, "regenerate it") if data is None else data
         if not isinstance(data, dict) or data.get("type") != "char" or not isinstance(data.get("chars"), str):
             raise TokenizerError(f"{path} is not a character tokenizer (expected type 'char' and a 'chars' string)")
         if list(data.get("specials", SPECIALS)) != list(SPECIALS):
@@ -188,18 +188,8 @@ def _clean_up_spaces(text: str) -> str:
     return text
 
 
-def _read_json(path: Path, fix: str):
-    """A JSON file's content; a TokenizerError naming the file and the fix when it is missing or broken."""
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise TokenizerError(f"{path} is missing; {fix}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise TokenizerError(f"{path} is not valid JSON ({exc}); {fix}") from None
-
-
 def _read_vocab(path: Path) -> dict[str, int]:
-    data = _read_json(path, "copy the model's vocabulary file again")
+    data = read_json(path, TokenizerError, "copy the model's vocabulary file again")
     if not isinstance(data, dict) or not data or not all(isinstance(v, int) and v >= 0 for v in data.values()):
         raise TokenizerError(f"{path} is not a vocabulary (a JSON object of piece -> id)")
     return data
@@ -208,7 +198,7 @@ def _read_vocab(path: Path) -> dict[str, int]:
 def load_tokenizer(path: str | Path):
     """The tokenizer described by a tokenizer.json: a CharTokenizer or a SentencePieceTokenizer."""
     path = Path(path)
-    data = _read_json(path, "regenerate it")
+    data = read_json(path, TokenizerError, "regenerate it")
     kind = data.get("type") if isinstance(data, dict) else None
     if kind == SentencePieceTokenizer.TYPE:
         needed = ("source_spm", "target_spm", "vocab", "eos", "unk", "pad")

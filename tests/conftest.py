@@ -35,6 +35,23 @@ def copy_with_manifest(bundle: Path, dest: Path, **fields) -> Path:
     return dest
 
 
+def with_ort_graphs(bundle: Path, dest: Path) -> Path:
+    """A copy of a finished bundle with ORT-format graphs added, staged as `optimize --ort-format` stages them."""
+    import json
+    import shutil
+
+    from exporters.bundle import stage_bundle, write_manifest
+    from exporters.ort_format import add_ort_format
+
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    with stage_bundle(dest) as tmp:
+        for name in manifest["files"]:                      # every file the bundle holds
+            shutil.copyfile(bundle / name, tmp / name)
+        add_ort_format(tmp, manifest)
+        write_manifest(tmp, manifest)
+    return dest
+
+
 @pytest.fixture(scope="session")
 def toy_model_factory():
     """A function (steps=300, seed=0, **config_overrides) -> trained tiny Transformer in eval mode, cached."""
@@ -86,14 +103,8 @@ TOY_CHARS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ012345678"   # 
 
 
 @pytest.fixture(scope="session")
-def varied_toy_factory(toy_model_factory):
-    """A function (**config_overrides) -> the tiny toy model of toy_model_factory (same cache, same weights)."""
-    return lambda **overrides: toy_model_factory(**overrides)
-
-
-@pytest.fixture(scope="session")
-def toy_exported(varied_toy_factory, tmp_path_factory):
-    """(checkpoint dir, bundle dir) of varied_toy_factory(), with a 61-character tokenizer so text inputs work too.
+def toy_exported(toy_model_factory, tmp_path_factory):
+    """(checkpoint dir, bundle dir) of toy_model_factory(), with a 61-character tokenizer so text inputs work too.
 
     Exported once per test session (with the export's parity gate). Treat both directories as read-only:
     copy them (shutil.copytree) before tampering.
@@ -102,7 +113,7 @@ def toy_exported(varied_toy_factory, tmp_path_factory):
     from runtime.tokenizer import CharTokenizer
     from toolkit.checkpoint import save_checkpoint
 
-    model = varied_toy_factory()
+    model = toy_model_factory()
     root = tmp_path_factory.mktemp("toy_exported")
     tokenizer = CharTokenizer(TOY_CHARS)
     assert tokenizer.vocab_size == model.config.vocab_size

@@ -17,14 +17,14 @@ from runtime.errors import BundleError
 from runtime.manifest import read_manifest, sha256_file, verify_hashes
 from toolkit.cli import main
 
+from conftest import with_ort_graphs
+
 FUTURE = "spiece.model"          # stands for any file a later feature writes (SentencePiece model, shared weights)
 
 
 @pytest.fixture(scope="module")
 def bundles(toy_exported, tmp_path_factory) -> dict[str, Path]:
     """The toy fp32 bundle, its ORT-format copy, and a copy holding one more file written by a bundle writer."""
-    from exporters.ort_format import ort_format_bundle
-
     _, bundle = toy_exported
     root = tmp_path_factory.mktemp("bundle_files")
     future = root / "future"
@@ -34,7 +34,7 @@ def bundles(toy_exported, tmp_path_factory) -> dict[str, Path]:
             shutil.copyfile(bundle / name, tmp / name)
         (tmp / FUTURE).write_bytes(bytes(range(256)) * 4)
         write_manifest(tmp, manifest)
-    return {"fp32": bundle, "ort": ort_format_bundle(bundle, root / "ort"), "future": future}
+    return {"fp32": bundle, "ort": with_ort_graphs(bundle, root / "ort"), "future": future}
 
 
 KINDS = [("fp32", "encoder.onnx"), ("fp32", "decoder.onnx"), ("fp32", "tokenizer.json"), ("ort", "encoder.ort"),

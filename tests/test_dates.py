@@ -66,13 +66,31 @@ def reference_parse(text: str, fmt: str) -> dt.date:
     raise AssertionError(f"{text!r} does not read as {fmt}")
 
 
-def test_fixed_list_covers_every_format_and_is_correct():
+def readings(text: str) -> dict[str, dt.date]:
+    """The dates of the task's range that `text` reads as, by format (the formats whose convention it follows;
+    the reference reading is lenient, e.g. "28.02.91" would be 2802-09-01 as iso_basic, outside the range)."""
+    found = {}
+    for fmt in dates.FORMATS:
+        try:
+            d = reference_parse(text, fmt)
+        except (AssertionError, AttributeError):           # not this format (or a weekday that does not match)
+            continue
+        if dates.FIRST_DAY <= d <= dates.LAST_DAY:
+            found[fmt] = d
+    return found
+
+
+def test_fixed_list_maps_each_text_to_its_iso_date_and_covers_every_format():
     assert len(FIXED) == 50
     tok = dates.make_tokenizer()
+    covered = set()
     for text, target in FIXED:
-        tok.encode(text)
-        assert len(text) <= dates.MAX_SOURCE_LEN
-        dt.date.fromisoformat(target)
+        assert len(tok.encode(text)) <= dates.MAX_SOURCE_LEN
+        found = readings(text)
+        assert found, f"{text!r} follows no documented format"
+        assert set(found.values()) == {dt.date.fromisoformat(target)}, (text, target, found)
+        covered |= set(found)
+    assert covered == set(dates.FORMATS), f"no hand-written example for {set(dates.FORMATS) - covered}"
 
 
 @pytest.mark.parametrize("fmt", sorted(dates.FORMATS))

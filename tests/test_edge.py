@@ -2,7 +2,7 @@
 
 - ORT-format graphs (exporters/ort_format.py) are recorded in the manifest, loaded by the runtime on the CPU, and
   give the tokens of the .onnx graphs and of PyTorch (fp32), and of the int8 .onnx graphs (int8).
-- The exported and int8 graphs hold no unused initializers; weights stored twice are reported (exporters/prune.py).
+- The exported and int8 graphs hold no unused initializers.
 - examples/edge/greedy_numpy.py (numpy + onnxruntime only) prints what `onnxformer generate` prints.
 - A fresh virtual environment with only `onnxformer[cpu]` (no torch, onnx, onnxscript) generates from a bundle,
   and the commands that need PyTorch name the extra to install.
@@ -30,6 +30,8 @@ from runtime.search import SearchOptions
 from toolkit.tasks.toy import toy_inputs
 from toolkit.torch_engine import TorchEngine
 
+from conftest import with_ort_graphs
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "edge" / "greedy_numpy.py"
 DATES = ROOT / "examples" / "dates" / "checkpoint"
@@ -55,18 +57,17 @@ def tokens(hyps) -> list[list[list[int]]]:
 def bundles(toy_exported, tmp_path_factory):
     """fp32 and int8 bundles of the shared toy model, each without and with ORT-format graphs."""
     from exporters.optimize import optimize_bundle
-    from exporters.ort_format import ort_format_bundle
 
     root = tmp_path_factory.mktemp("edge")
     fp32 = toy_exported[1]
     int8, _ = optimize_bundle(fp32, root / "int8", target="cpu", precision="int8", samples=8)
     int8_ort, _ = optimize_bundle(fp32, root / "int8-ort", target="cpu", precision="int8", samples=8, ort_format=True)
-    return {"fp32": fp32, "int8": int8, "fp32-ort": ort_format_bundle(fp32, root / "fp32-ort"), "int8-ort": int8_ort}
+    return {"fp32": fp32, "int8": int8, "fp32-ort": with_ort_graphs(fp32, root / "fp32-ort"), "int8-ort": int8_ort}
 
 
 @pytest.fixture(scope="module")
-def seqs(varied_toy_factory):
-    return toy_inputs(varied_toy_factory().config, 12, seed=5)
+def seqs(toy_model_factory):
+    return toy_inputs(toy_model_factory().config, 12, seed=5)
 
 
 # ------------------------------------------------------------------------------------------ ORT format
@@ -95,8 +96,8 @@ def test_ort_graphs_are_recorded_and_loaded(bundles):
     assert int8["precision"] == "int8" and "com.microsoft;1;" in config and "DynamicQuantize" in config
 
 
-def test_fp32_ort_tokens_equal_onnx_and_pytorch(bundles, seqs, varied_toy_factory):
-    reference = TorchEngine(varied_toy_factory())
+def test_fp32_ort_tokens_equal_onnx_and_pytorch(bundles, seqs, toy_model_factory):
+    reference = TorchEngine(toy_model_factory())
     engines = {name: load_bundle(bundles[name], provider="cpu").engine for name in ("fp32", "fp32-ort")}
     for beam in (1, 3):
         opts = SearchOptions(max_new_tokens=16, beam=beam)
@@ -135,11 +136,11 @@ def test_ort_conversion_refusals_leave_nothing_behind(bundles, tmp_path, monkeyp
         of.check_convertible({**manifest, "precision": "fp16", "target": "cuda"})
     with pytest.raises(of.OrtFormatError, match="target platform"):
         of.check_convertible(manifest, "riscv")
-    with pytest.raises(of.OrtFormatError, match="already has ORT-format graphs"):
-        of.ort_format_bundle(bundles["fp32-ort"], tmp_path / "again")
+    with pytest.raises(of.OrtFormatError, match="already holds encoder.ort, decoder.ort"):
+        with_ort_graphs(bundles["fp32-ort"], tmp_path / "again")
     monkeypatch.setenv(of.LEVEL_VARIABLE, "basic")
     with pytest.raises(of.OrtFormatError, match="unset it"):
-        of.ort_format_bundle(bundles["fp32"], tmp_path / "basic")
+        with_ort_graphs(bundles["fp32"], tmp_path / "basic")
     monkeypatch.delenv(of.LEVEL_VARIABLE)
 
     def broken(*args):
@@ -147,7 +148,7 @@ def test_ort_conversion_refusals_leave_nothing_behind(bundles, tmp_path, monkeyp
 
     monkeypatch.setattr(of, "_convert", broken)
     with pytest.raises(of.OrtFormatError, match="conversion failed"):
-        of.ort_format_bundle(bundles["fp32"], tmp_path / "out")
+        with_ort_graphs(bundles["fp32"], tmp_path / "out")
     assert list(tmp_path.iterdir()) == []                # no bundle, no staging directory
 
 
@@ -158,7 +159,7 @@ def test_add_ort_format_inside_a_bundle_writer(bundles, tmp_path):
 
     manifest = json.loads((bundles["int8"] / "manifest.json").read_text())
     with stage_bundle(tmp_path / "b") as tmp:
-        for name in ("encoder.onnx", "decoder.onnx", "tokenizer.json"):
+        for name in ("encoder.onnx", "decoder.onnx", "weights.data", "tokenizer.json"):
             shutil.copyfile(bundles["int8"] / name, tmp / name)
         record = add_ort_format(tmp, manifest)
         write_manifest(tmp, manifest)
@@ -168,29 +169,141 @@ def test_add_ort_format_inside_a_bundle_writer(bundles, tmp_path):
 
 # ------------------------------------------------------------------------------------------ what the graphs store
 
-def test_graphs_hold_no_unused_initializers_and_shared_weights_are_reported(bundles, tmp_path):
-    import numpy as np
-    import onnx_ir as ir
-
-    from exporters.prune import format_weight_report, prune_file, prune_unused, weight_report
+def test_graphs_hold_no_unused_initializers(bundles):
+    """Every stored weight is read by some node (a graph input or output counts as a use)."""
+    import onnx
 
     for name in ("fp32", "int8"):
-        report = weight_report({g: bundles[name] / f"{g}.onnx" for g in ("encoder", "decoder")}, min_bytes=1024)
-        assert all(g["unused"] == [] for g in report["graphs"].values()), format_weight_report(report)
-        shared = [d["copies"] for d in report["same_values"]]
-        assert ["encoder:model.embed.lut.weight", "decoder:model.embed.lut.weight"] in shared   # two files: forced
-        assert report["duplicated_bytes"] >= 64 * 32 * 4
-    path = tmp_path / "decoder.onnx"
-    shutil.copyfile(bundles["fp32"] / "decoder.onnx", path)
-    before = sha256_file(path)
-    assert prune_file(path) == {"initializers": [], "bytes": 0, "nodes": 0} and sha256_file(path) == before
-    model = ir.load(path)
-    extra = ir.Value(name="unused_weight", const_value=ir.tensor(np.ones((16, 16), np.float32)))
-    model.graph.register_initializer(extra)
-    ir.save(model, path)
-    assert prune_file(path) == {"initializers": ["unused_weight"], "bytes": 1024, "nodes": 0}
-    assert "unused_weight" not in ir.load(path).graph.initializers
-    assert prune_unused(ir.load(path))["initializers"] == []
+        for g in ("encoder", "decoder"):
+            graph = onnx.load(str(bundles[name] / f"{g}.onnx")).graph
+            used = {i for n in graph.node for i in n.input} | {o.name for o in graph.output}
+            unused = [i.name for i in graph.initializer if i.name not in used]
+            assert unused == [], f"{name} {g}: unused initializers {unused}"
+            assert len(graph.initializer) > 0
+
+
+# ------------------------------------------------------------------------------------------ leaner bundles
+
+def test_quantize_rows_bounds_the_error_per_row():
+    import numpy as np
+
+    from exporters.fusions.int8_embedding import quantize_rows
+
+    table = np.random.default_rng(0).normal(size=(50, 16)).astype(np.float32) * np.geomspace(1e-3, 10, 50)[:, None]
+    table[7] = 0.0                                                    # an all-zero row (padding) stays exact
+    q, scale = quantize_rows(table)
+    assert q.dtype == np.int8 and scale.shape == (50,) and np.abs(q).max() <= 127
+    assert np.all(np.abs(q * scale[:, None] - table) <= scale[:, None] / 2 + 1e-7)   # half a step, row by row
+    assert np.all(q[7] == 0) and np.all(np.abs(q).max(axis=1)[np.arange(50) != 7] == 127)
+
+
+def test_int8_bundle_stores_one_int8_embedding_both_graphs_read(bundles, toy_exported):
+    import numpy as np
+    import onnx
+
+    path = bundles["int8"]
+    manifest = json.loads((path / "manifest.json").read_text())
+    config = manifest["model"]
+    record = manifest["shared_weights"]
+    assert record["file"] == "weights.data" and record["sha256"] == sha256_file(path / "weights.data")
+    tables = [t for t in record["tensors"] if t["dtype"] == "int8"]
+    assert [t["shape"] for t in tables] == [[config["d_model"], config["vocab_size"]]]     # one table, [D, V]
+    assert tables[0]["graphs"] == ["encoder", "decoder"]
+    for g in ("encoder", "decoder"):
+        model = onnx.load(str(path / f"{g}.onnx"), load_external_data=False)
+        by_name = {t.name: t for t in model.graph.initializer}
+        table = by_name[tables[0]["name"]]
+        assert table.data_location == onnx.TensorProto.EXTERNAL
+        assert {e.key: e.value for e in table.external_data}["location"] == "weights.data"
+        assert "model.embed.lut.weight" not in by_name and "model.embed.lut.weight.T" not in by_name, g
+    ops = {g: manifest["graphs"][g]["op_counts"] for g in ("encoder", "decoder")}
+    assert ops["decoder"]["com.microsoft.DynamicQuantizeMatMul"] == 1                       # the tied projection
+    assert "com.microsoft.DynamicQuantizeMatMul" not in ops["encoder"]
+    source = {g: (toy_exported[1] / f"{g}.onnx").stat().st_size for g in ("encoder", "decoder")}
+    stored = sum((path / f).stat().st_size for f in ("encoder.onnx", "decoder.onnx", "weights.data"))
+    embedding = config["vocab_size"] * config["d_model"]
+    assert stored < (sum(source.values()) - 2 * 4 * embedding) / 3.0 + embedding + 4096 * 8   # int8, once
+    # the int8 lookup reproduces the float table to half a quantization step, row by row
+    decoder = onnx.load(str(path / "decoder.onnx"))                       # the projection's scales: one per row
+    values = {t.name: onnx.numpy_helper.to_array(t) for t in decoder.graph.initializer}
+    q = values[tables[0]["name"]].T
+    scale = next(v for k, v in values.items() if k.endswith(".int8_scale"))
+    exported = onnx.load(str(toy_exported[1] / "encoder.onnx"))
+    table = next(onnx.numpy_helper.to_array(t) for t in exported.graph.initializer if t.name == "model.embed.lut.weight")
+    assert np.all(np.abs(q * scale[:, None] - table) <= scale[:, None] / 2 + 1e-6)
+
+
+def test_int8_tokens_with_8bit_embeddings_stay_near_pytorch(bundles, seqs, toy_model_factory):
+    """The optimize gate compared with the fp32 bundle; here against PyTorch, on inputs whose outputs vary."""
+    reference = TorchEngine(toy_model_factory())
+    opts = SearchOptions(max_new_tokens=16)
+    want = tokens(generate_ids(reference, seqs, opts))
+    assert len({tuple(h[0]) for h in want}) >= len(seqs) // 2, "the toy model's outputs do not vary"
+    got = tokens(generate_ids(load_bundle(bundles["int8"], provider="cpu").engine, seqs, opts))
+    pairs = [(a, b) for w, g in zip(want, got) for a, b in zip(w[0], g[0])]
+    total = sum(max(len(w[0]), len(g[0])) for w, g in zip(want, got))
+    assert sum(a == b for a, b in pairs) / total >= 0.9
+
+
+def test_weights_file_is_checked_like_a_graph(bundles, tmp_path):
+    from runtime.errors import BundleError
+
+    broken = tmp_path / "broken"
+    shutil.copytree(bundles["int8"], broken)
+    data = bytearray((broken / "weights.data").read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (broken / "weights.data").write_bytes(bytes(data))
+    with pytest.raises(BundleError, match="weights.data does not match its sha256"):
+        load_bundle(broken, provider="cpu")
+    (broken / "weights.data").unlink()
+    with pytest.raises(BundleError, match="missing weights.data"):
+        load_bundle(broken, provider="cpu")
+    result = CliRunner().invoke(__import__("toolkit.cli", fromlist=["main"]).main,
+                                ["generate", str(broken), "hello"])
+    assert result.exit_code == 2 and "weights.data" in result.output and "Traceback" not in result.output
+
+
+def test_optimize_replaces_a_bundle_with_weights_and_reoptimizes_from_one(bundles, toy_exported, tmp_path, seqs):
+    """--force recognises weights.data as the bundle's own; a bundle with external weights can be a source."""
+    from exporters.optimize import optimize_bundle
+
+    out = tmp_path / "fused"
+    optimize_bundle(toy_exported[1], out, precision="fp32", samples=4)
+    assert (out / "weights.data").is_file()
+    optimize_bundle(toy_exported[1], out, precision="fp32", samples=4, force=True)       # replaced, not refused
+    again, report = optimize_bundle(out, tmp_path / "int8", precision="int8", fuse=False, samples=8)
+    shutil.rmtree(out)                                                # nothing may still point into the source
+    manifest = json.loads((again / "manifest.json").read_text())
+    assert manifest["shared_weights"]["file"] == "weights.data" and report.totals["int8_embedding"] == 2
+    hyps = generate_ids(load_bundle(again, provider="cpu").engine, seqs, SearchOptions(max_new_tokens=16))
+    assert len({tuple(h[0].tokens) for h in hyps}) >= len(seqs) // 2
+
+
+def test_int4_bundle_is_weight_only_4bit_and_gated_on_its_row(bundles, toy_exported, tmp_path, seqs):
+    from exporters.optimize import optimize_bundle
+    from toolkit.parity.tolerances import tolerance
+
+    out, report = optimize_bundle(toy_exported[1], tmp_path / "int4", precision="int4", samples=16)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["precision"] == "int4" and manifest["passes"][-1] == "quantize_int4"
+    for g in ("encoder", "decoder"):
+        ops = manifest["graphs"][g]["op_counts"]
+        assert ops.get("com.microsoft.MatMulNBits", 0) > 0 and "MatMul" not in ops and "MatMulInteger" not in ops
+    assert manifest["graphs"]["decoder"]["op_counts"]["com.microsoft.DynamicQuantizeMatMul"] == 1  # tied, 8-bit
+    row = tolerance("int4", "cpu")
+    gen = manifest["parity"]["generation"]
+    assert gen["token_match"] == row.token_match and manifest["parity"]["tolerance"] is None     # logits: reported
+    assert manifest["parity"]["verified"] == (gen["tokens_equal"] >= row.token_match)
+    int8_bytes = sum(p.stat().st_size for p in bundles["int8"].iterdir() if p.suffix in (".onnx", ".data"))
+    int4_bytes = sum(p.stat().st_size for p in out.iterdir() if p.suffix in (".onnx", ".data"))
+    assert int4_bytes < int8_bytes
+    hyps = generate_ids(load_bundle(out, provider="cpu").engine, seqs, SearchOptions(max_new_tokens=8))
+    assert len({tuple(h[0].tokens) for h in hyps}) >= len(seqs) // 2
+    result = CliRunner().invoke(__import__("toolkit.cli", fromlist=["main"]).main,
+                                ["optimize", str(toy_exported[1]), "--out", str(tmp_path / "cli4"), "--precision",
+                                 "int4", "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["precision"] == "int4"
 
 
 # ------------------------------------------------------------------------------------------ the numpy-only example
@@ -203,7 +316,7 @@ def test_greedy_numpy_imports_only_numpy_and_onnxruntime():
     assert imported - set(sys.stdlib_module_names) == {"numpy", "onnxruntime"}
 
 
-@pytest.mark.parametrize("name", ["fp32", "fp32-ort", "int8-ort"])
+@pytest.mark.parametrize("name", ["fp32", "fp32-ort", "int8", "int8-ort"])
 def test_greedy_numpy_prints_what_generate_prints(bundles, name):
     args = [*TEXTS, "--ids", "5 6 7", "--ids", "40 41 42 43 44 45 46", "--max-new-tokens", "20"]
     script = run([sys.executable, SCRIPT, bundles[name], *args]).stdout
@@ -246,7 +359,7 @@ def _setuptools_major() -> int:
         return 0
 
 
-def test_cpu_install_generates_without_torch(cpu_env, bundles, toy_exported, seqs, varied_toy_factory):
+def test_cpu_install_generates_without_torch(cpu_env, bundles, toy_exported, seqs, toy_model_factory):
     root, python, env = cpu_env
     onnxformer = python.parent / "onnxformer"
     probe = subprocess.run([python, "-c", "import torch"], capture_output=True, text=True, env=env, cwd=root)
@@ -257,7 +370,7 @@ def test_cpu_install_generates_without_torch(cpu_env, bundles, toy_exported, seq
     fp32 = Path(shutil.copytree(bundles["fp32"], root / "device" / "fp32"))
     ids = [["--ids", " ".join(map(str, s))] for s in seqs]
     out = run([onnxformer, "generate", fp32, *sum(ids, []), "--max-new-tokens", "16"], env=env, cwd=root).stdout
-    want = tokens(generate_ids(TorchEngine(varied_toy_factory()), seqs, SearchOptions(max_new_tokens=16)))
+    want = tokens(generate_ids(TorchEngine(toy_model_factory()), seqs, SearchOptions(max_new_tokens=16)))
     tokenizer = load_bundle(fp32, provider="cpu").tokenizer
     assert out.splitlines() == [tokenizer.decode(t[0]) for t in want]          # PyTorch's tokens, as text
     here = CliRunner().invoke(__import__("toolkit.cli", fromlist=["main"]).main, ["generate", str(bundle), *TEXTS])

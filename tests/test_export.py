@@ -77,12 +77,16 @@ def copy_tiny_graphs(tiny_bundle, monkeypatch):
 
 # ------------------------------------------------------------------------------------------ tolerances
 
-def test_tolerance_table_is_the_design_table():
-    assert TOLERANCES[("fp32", "cpu")].atol == 1e-4 and TOLERANCES[("fp32", "cpu")].token_match == 1.0
-    assert TOLERANCES[("fp32", "cuda")].atol == 1e-3 and TOLERANCES[("fp32", "cuda")].token_match == 1.0
-    assert TOLERANCES[("fp16", "cuda")].atol == 5e-2 and TOLERANCES[("fp16", "cuda")].token_match == 0.99
-    int8 = TOLERANCES[("int8", "cpu")]
-    assert int8.atol is None and int8.token_match == 0.98 and int8.accuracy_drop == 1.0
+def test_tolerance_limits_logits_absolutely_and_states_by_their_magnitude():
+    """Logits get the table's number as is; hidden states and caches get it times their magnitude above 1."""
+    for (precision, provider), tol in TOLERANCES.items():
+        if tol.atol is None:                                # int8: numbers are reported, never judged
+            assert tol.limit("logits", 5.0) is None and tol.limit("present.0.decoder.key", 9.0) is None
+            assert not tol.judged
+            continue
+        assert tol.judged and tol.limit("logits", 50.0) == tol.atol
+        assert tol.limit("present.0.decoder.key", 10.0) == pytest.approx(10 * tol.atol)
+        assert tol.limit("encoder_hidden_states", 0.25) == tol.atol          # magnitudes below 1 do not shrink it
     with pytest.raises(ProviderError, match="no tolerance"):
         tolerance("fp16", "cpu")
 

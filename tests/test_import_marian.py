@@ -114,7 +114,7 @@ def test_generate_text_equals_marian(marian, fused):
         batch = tok(texts, return_tensors="pt", padding=True)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            gen = model.generate(**batch, num_beams=beam, max_new_tokens=24, early_stopping=False,
+            gen = model.generate(**batch, num_beams=beam, max_new_tokens=24, early_stopping="never",
                                  forced_eos_token_id=None)
         want = tok.batch_decode(gen, skip_special_tokens=True)
         assert [line for line in result.stdout.splitlines() if not line.startswith("generated with")] == want

@@ -84,10 +84,24 @@ def test_generated_tokens_do_not_depend_on_batching(toy_model, beam):
     assert len({tuple(h[0].tokens) for h in batched}) > 1, "a trained model's outputs should vary with the input"
 
 
-def test_dropout_is_off_in_eval_mode(toy_model):
-    src = torch.tensor([[5, 6, 7]])
+def test_dropout_acts_in_train_mode_and_is_off_in_eval_mode():
+    """With dropout 0.3, train() gives a different output each call; eval() gives one output, the same as the
+    same weights with dropout 0."""
+    from toolkit.config import preset
+    from toolkit.model import Transformer
+
+    torch.manual_seed(0)
+    model = Transformer(preset("tiny", dropout=0.3))
+    plain = Transformer(preset("tiny", dropout=0.0))
+    plain.load_state_dict(model.state_dict())
+    plain.eval()
+    src, tgt = torch.tensor([[5, 6, 7, 8]]), torch.tensor([[1, 8, 9]])
     mask = torch.ones_like(src)
-    tgt = torch.tensor([[1, 8]])
-    assert not toy_model.training
     with torch.no_grad():
-        assert torch.equal(toy_model(src, mask, tgt), toy_model(src, mask, tgt))
+        model.train()
+        first, second = model(src, mask, tgt), model(src, mask, tgt)
+        assert not torch.allclose(first, second), "dropout 0.3 in train mode changed nothing"
+        model.eval()
+        assert torch.equal(model(src, mask, tgt), model(src, mask, tgt))
+        assert torch.allclose(model(src, mask, tgt), plain(src, mask, tgt), atol=1e-6)
+        assert not torch.allclose(first, plain(src, mask, tgt), atol=1e-3)

@@ -123,8 +123,8 @@ def test_compare_tokens_counts_positions_and_lengths():
     assert compare_tokens([[]], [[]]) == (1.0, 1.0, None)
 
 
-def test_generation_parity_detects_a_different_model(varied_toy_factory):
-    model = varied_toy_factory()
+def test_generation_parity_detects_a_different_model(toy_model_factory):
+    model = toy_model_factory()
     other = copy.deepcopy(model)
     with torch.no_grad():
         other.embed.lut.weight.add_(torch.randn(other.embed.lut.weight.shape, generator=torch.Generator().manual_seed(0)))
@@ -138,9 +138,20 @@ def test_generation_parity_detects_a_different_model(varied_toy_factory):
     assert "generation parity FAILED" in differ.summary() and differ.checks[0].first_mismatch["input"] in seqs
 
 
-def test_thresholds_come_from_the_tolerance_table():
-    assert [tolerance(p, q).token_match for p, q in (("fp32", "cpu"), ("fp16", "cuda"), ("int8", "cpu"))] == \
-        [1.0, 0.99, 0.98]
+def test_the_token_verdict_turns_at_the_tables_threshold():
+    """A report whose tokens equal 98.5% passes the int8 row (98%) and fails the fp16 row (99%) and fp32 (100%)."""
+    from toolkit.parity.generation import GenerationCheck, GenerationReport
+
+    def report(precision, provider, tokens_equal):
+        tol = tolerance(precision, provider)
+        check = GenerationCheck("greedy", 1, 200, 16, 0.9, tokens_equal, tol.token_match, 150)
+        return GenerationReport(provider, precision, tol, "given inputs", [check])
+
+    assert report("int8", "cpu", 0.985).ok and report("int8", "cpu", 0.98).ok
+    assert not report("int8", "cpu", 0.979).ok
+    assert not report("fp16", "cuda", 0.985).ok and report("fp16", "cuda", 0.99).ok
+    assert not report("fp32", "cpu", 0.999).ok and report("fp32", "cpu", 1.0).ok
+    assert "FAILED" in report("fp16", "cuda", 0.985).summary() and ">= 99%" in report("fp16", "cuda", 0.985).summary()
 
 
 def test_inputs_are_dates_examples_for_a_dates_model_else_random():

@@ -33,18 +33,18 @@ PATHS = {"plain": False, "iobinding": True}
 
 
 @pytest.fixture(scope="module")
-def variant(varied_toy_factory, tmp_path_factory):
+def variant(toy_model_factory, tmp_path_factory):
     """Pre-norm, GELU, untied, head_dim 9 (d_model 36, 4 heads): trained and exported once."""
     from exporters.export import export_model
 
-    model = varied_toy_factory(norm="pre", activation="gelu", tie_embeddings=False, d_model=36, n_heads=4)
+    model = toy_model_factory(norm="pre", activation="gelu", tie_embeddings=False, d_model=36, n_heads=4)
     return model, export_model(model, tmp_path_factory.mktemp("variant") / "bundle", check_parity=False)
 
 
 @pytest.fixture(scope="module")
-def toy_model(varied_toy_factory):
+def toy_model(toy_model_factory):
     """The model inside the shared toy bundle (post-norm, ReLU, tied, head_dim 8)."""
-    return varied_toy_factory()
+    return toy_model_factory()
 
 
 @pytest.fixture(scope="module")

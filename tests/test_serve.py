@@ -50,8 +50,8 @@ def bundle(bundles):
 
 
 @pytest.fixture(scope="module")
-def config(varied_toy_factory):
-    return varied_toy_factory().config
+def config(toy_model_factory):
+    return toy_model_factory().config
 
 
 @contextmanager

@@ -230,3 +230,16 @@ def test_manifest_with_unknown_kv_cache_is_refused(bundles, tmp_path):
     copy_with_manifest(static, copy, kv_cache="dynamic")                      # says dynamic, graph is static
     with pytest.raises(BundleError, match="interface differs"):
         load_bundle(copy, "cpu")
+
+
+def test_static_rules_say_why_they_do_not_fire(bundles):
+    """The rules alone (without StaticCachePass's new input) match but refuse, and the tracer says why."""
+    from exporters.passes import explain_misses
+    from exporters.static_cache import static_cache_rules
+
+    _, _, dynamic, _ = bundles
+    graph = ir.load(dynamic / "decoder.onnx")
+    reasons = explain_misses(graph, static_cache_rules())
+    assert set(reasons) == {"static_kv_cache", "past_len_from_input"}
+    assert f"no {PAST_SEQUENCE_LENGTH} input" in reasons["static_kv_cache"], reasons
+    assert reasons["past_len_from_input"].startswith("condition_failed"), reasons

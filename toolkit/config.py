@@ -7,6 +7,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from runtime.errors import read_json
 from toolkit.errors import ConfigError
 
 
@@ -117,14 +118,8 @@ class ModelConfig:
 
     @classmethod
     def load(cls, path: str | Path) -> "ModelConfig":
-        path = Path(path)
-        try:
-            data = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"{path} is missing; a checkpoint directory needs a config.json") from None
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"{path} is not valid JSON ({exc.msg} at line {exc.lineno}); fix or regenerate it") from None
-        return cls.from_dict(data)
+        return cls.from_dict(read_json(path, ConfigError, "fix or regenerate it",
+                                       missing="a checkpoint directory needs a config.json"))
 
 
 PRESETS: dict[str, ModelConfig] = {

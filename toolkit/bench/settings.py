@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from runtime.errors import InputError
+from runtime.errors import InputError, read_json
 from runtime.session import PROVIDER_CHOICES
 
 FIRST_TOKEN = 3                 # ids 0-2 are pad, bos, eos: random sources use [3, vocab)
@@ -82,10 +81,7 @@ def describe_model(path: str | Path) -> ModelInfo:
         weight_bytes, source = decoder_weight_bytes(path, manifest)
         return ModelInfo(str(path), kind, manifest["model"], manifest["precision"], sum(fusions.values()) > 0,
                          fusions, size, weight_bytes, source, manifest.get("kv_cache", "dynamic"))
-    try:
-        config = json.loads((path / "config.json").read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise InputError(f"{path / 'config.json'} is not valid JSON ({exc}); re-save the checkpoint") from None
+    config = read_json(path / "config.json", InputError, "re-save the checkpoint")
     return ModelInfo(str(path), kind, config, "fp32", False, {}, size, None, "")
 
 

@@ -7,8 +7,8 @@ checks, on the same batched and padded inputs:
 - logits: the reference model imported in memory vs MarianMTModel, teacher-forced, max abs error <= 1e-5
   (the IMPORTED row: PyTorch vs PyTorch);
 - tokens: the engine's greedy and beam-K best hypotheses vs MarianMTModel.generate with the same settings
-  (num_beams, length_penalty, max_new_tokens, Marian's own bad_words_ids = [[pad]]; sampling, forced EOS,
-  repetition rules and the rest off), identical for fp32 (the bundle's token row otherwise). The reference
+  (num_beams, length_penalty, max_new_tokens, early_stopping="never": the exact stopping rule of runtime.search;
+  Marian's own bad_words_ids = [[pad]]; sampling, forced EOS, repetition rules and the rest off), identical for fp32 (the bundle's token row otherwise). The reference
   outputs must vary: with fewer distinct outputs than half the inputs the verdict is "inconclusive", never "ok".
 transformers is imported here only, when a parity against the original is asked for.
 """
@@ -149,7 +149,7 @@ def hf_generate(model, seqs: list[list[int]], beam: int, max_new_tokens: int, le
 
     c = model.config
     gc = GenerationConfig(num_beams=beam, length_penalty=length_penalty, max_new_tokens=max_new_tokens,
-                          do_sample=False, early_stopping=False, num_return_sequences=1,
+                          do_sample=False, early_stopping="never", num_return_sequences=1,
                           bad_words_ids=[[c.pad_token_id]], decoder_start_token_id=c.decoder_start_token_id,
                           eos_token_id=c.eos_token_id, pad_token_id=c.pad_token_id, forced_eos_token_id=None,
                           forced_bos_token_id=None, no_repeat_ngram_size=0, repetition_penalty=1.0, min_length=0,

@@ -143,14 +143,28 @@ def build_tiny_marian(out_dir: str | Path, steps: int = 150, seed: int = 0, sepa
 
 
 def random_marian(out_dir: str | Path, vocab_size: int = 58101, seed: int = 0, **shape) -> Path:
-    """A Marian directory (config + random weights, no tokenizer) of a given shape: opus-mt-en-de's by default."""
+    """A Marian directory of a given shape (opus-mt-en-de's by default) with random weights: MarianMTModel's own
+    initialization, and a tokenizer (SentencePiece models trained on the generated corpus, a vocab.json padded
+    with made-up pieces to vocab_size) so that it imports like a downloaded model. For benchmarks."""
     import torch
-    from transformers import MarianMTModel
+    from transformers import MarianMTModel, MarianTokenizer
 
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    lines = corpus(seed=seed)
+    (out / "source.spm").write_bytes(train_spm(lines, 120))
+    (out / "target.spm").write_bytes(train_spm(lines, 120))
+    vocab = marian_vocab([out / "source.spm"], LANGUAGE_TOKENS)
+    del vocab["<pad>"]
+    while len(vocab) < vocab_size - 1:
+        vocab[f"\u2581w{len(vocab)}"] = len(vocab)
+    vocab["<pad>"] = len(vocab)
+    (out / "vocab.json").write_text(json.dumps(vocab))
     shape = {**dict(d_model=512, encoder_layers=6, decoder_layers=6, encoder_attention_heads=8,
                     decoder_attention_heads=8, encoder_ffn_dim=2048, decoder_ffn_dim=2048,
                     max_position_embeddings=512), **shape}
     torch.manual_seed(seed)
-    model = MarianMTModel(marian_config(vocab_size, **shape)).eval()
-    model.save_pretrained(out_dir)
-    return Path(out_dir)
+    model = MarianMTModel(marian_config(len(vocab), **shape)).eval()
+    model.save_pretrained(out)
+    MarianTokenizer(str(out / "source.spm"), str(out / "target.spm"), str(out / "vocab.json")).save_pretrained(out)
+    return out

@@ -123,3 +123,65 @@ def test_optimize_int8_below_the_token_row_exits_1_and_writes_nothing(toy_export
     assert parity["allowed_unverified"] and parity["generation"]["basis"] == "tokens"
     assert parity["generation"]["tokens_equal"] < 0.98 <= parity["generation"]["token_match"]
     assert json.loads(allowed.stdout)["parity"]["verdict"] == "failed"
+
+
+def int8_scales(bundle: Path) -> dict[str, tuple]:
+    """{weight: shape of its int8 scale} of the MatMul weights quantize_dynamic made (NAME_quantized, NAME_scale)."""
+    import onnx
+    from onnx import numpy_helper
+
+    scales = {}
+    for g in ("encoder", "decoder"):
+        inits = {i.name: i for i in onnx.load(str(bundle / f"{g}.onnx"), load_external_data=False).graph.initializer}
+        for name in inits:
+            if name.endswith("_quantized") and name[:-len("_quantized")] + "_scale" in inits:
+                scales[name[:-len("_quantized")]] = numpy_helper.to_array(inits[name[:-len("_quantized")] + "_scale"]).shape
+    return scales
+
+
+def test_packed_weights_get_per_channel_scales_even_per_tensor(toy_exported, tmp_path):
+    """Q/K/V of a layer and the cross K/V of every decoder layer are one matrix after packing: one scale each
+    output channel there (the rest stays per tensor), so the cross K/V of all layers no longer share one scale."""
+    _, bundle = toy_exported
+    out = tmp_path / "int8"
+    assert run("optimize", bundle, "--out", out, "--precision", "int8", "--per-tensor",
+               "--allow-unverified").exit_code == 0
+    scales = int8_scales(out)
+    packed = {k: v for k, v in scales.items() if ".packed.weight" in k}
+    others = {k: v for k, v in scales.items() if ".packed.weight" not in k}
+    assert len(packed) >= 3 and all(len(shape) == 1 and shape[0] > 1 for shape in packed.values()), packed
+    assert others and all(shape == () for shape in others.values()), others
+
+
+@pytest.mark.slow
+def test_a_key_channel_outlier_costs_per_tensor_int8_its_tokens_but_not_packed_per_channel(toy_exported, tmp_path):
+    """The trained toy model with one key channel per self-attention scaled 100x and its query channel 1/100 (the
+    same function: q . k is unchanged and attention runs in float). One scale for the packed Q/K/V (before) loses
+    most greedy tokens; per-channel scales on the packed weights (now) keep as many as on the plain model."""
+    ckpt, bundle = toy_exported
+    loaded = load_checkpoint(ckpt)
+    model = loaded.model
+    with torch.no_grad():
+        for layer in [*model.encoder.layers, *model.decoder.layers]:
+            for proj, factor in ((layer.self_attn.k_proj, 100.0), (layer.self_attn.q_proj, 0.01)):
+                proj.weight[0].mul_(factor)
+                proj.bias[0].mul_(factor)
+    save_checkpoint(tmp_path / "ckpt", model, loaded.tokenizer)
+    assert run("export", tmp_path / "ckpt", "--out", tmp_path / "fp32").exit_code == 0
+    import exporters.precision as P
+    from exporters.optimize import optimize_bundle
+
+    tokens = {}
+    for name, source, packed in (("plain", bundle, True), ("outlier", tmp_path / "fp32", True),
+                                 ("outlier, one scale", tmp_path / "fp32", False)):
+        real = P.to_int8
+        P.to_int8 = lambda m, pc=True, rr=False, pp=True, packed=packed: real(m, pc, rr, packed)
+        try:
+            _, report = optimize_bundle(source, tmp_path / name, precision="int8", per_channel=False,
+                                        allow_unverified=True)
+        finally:
+            P.to_int8 = real
+        tokens[name] = report.parity["generation"]["tokens_equal"]
+    print(f"int8 greedy tokens equal: {tokens}")
+    assert tokens["outlier, one scale"] < tokens["plain"] - 0.3
+    assert tokens["outlier"] >= tokens["plain"] - 0.02

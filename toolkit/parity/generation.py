@@ -204,7 +204,7 @@ def teacher_forced(reference, candidate, seqs: list[list[int]], tokens: list[lis
     """Both engines fed the reference's output tokens (after the start token): their logits at every position
     of every output, judged by tol.atol (None: report only, verdict "inconclusive"). The reference logits must
     vary across inputs (std above MIN_REFERENCE_STD) or the verdict is "inconclusive" too."""
-    worst, positions, same, ref_rows = 0.0, 0, 0, []
+    worst, total, positions, same, ref_rows = 0.0, 0.0, 0, 0, []
     for start in range(0, len(seqs), BATCH):
         chunk, outs = seqs[start:start + BATCH], tokens[start:start + BATCH]
         length = max(1, max(len(t) for t in outs))
@@ -216,7 +216,8 @@ def teacher_forced(reference, candidate, seqs: list[list[int]], tokens: list[lis
             rows = np.asarray([pos < len(t) for t in outs])          # positions this output has
             if rows.any():
                 diff = np.abs(got[rows].astype(np.float64) - ref[rows].astype(np.float64))
-                worst = max(worst, float(np.nan_to_num(diff, nan=np.inf).max()))
+                per_position = np.nan_to_num(diff, nan=np.inf).max(axis=-1)
+                worst, total = max(worst, float(per_position.max())), total + float(per_position.sum())
                 positions += int(rows.sum())
                 same += int((got[rows].argmax(-1) == ref[rows].argmax(-1)).sum())
                 ref_rows.append(ref[rows])
@@ -227,5 +228,6 @@ def teacher_forced(reference, candidate, seqs: list[list[int]], tokens: list[lis
         verdict = "inconclusive"
     else:
         verdict = "ok" if worst <= limit else "failed"
-    return {"verdict": verdict, "max_abs": worst, "limit": limit, "positions": positions,
+    return {"verdict": verdict, "max_abs": worst, "mean_max_abs": total / max(positions, 1), "limit": limit,
+            "positions": positions,
             "argmax_equal": same / max(positions, 1), "reference_std": std}

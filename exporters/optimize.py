@@ -31,6 +31,7 @@ from exporters.optimize_options import (ATTENTION_OPS, STATIC_ATTENTION_OP, TARG
 from exporters.ort_format import add_ort_format, check_convertible
 from exporters.passes import explain_misses, run_passes
 from exporters.precision import precision_pass
+from exporters.shared_weights import inline_external, share_weights, shared_bytes
 from exporters.static_cache import StaticCachePass, StaticCacheError
 from runtime.manifest import GRAPHS, PRECISIONS, read_manifest, verify_hashes
 from toolkit.parity import ParityError
@@ -235,6 +236,11 @@ def write(job: _Job, tmp: Path, per_channel: bool | None) -> None:
     when asked, its ORT-format graphs."""
     report, manifest = job.report, job.manifest
     paths = {g: tmp / manifest["graphs"][g]["file"] for g in GRAPHS}
+    shared = share_weights(paths)        # weights.data: one copy of what both graphs hold (same bytes: parity holds)
+    if shared is not None:
+        report.notes.append(f"weights in {shared['file']} ({shared['bytes'] / 1e6:.2f} MB), "
+                            f"{shared_bytes(shared) / 1e6:.2f} MB of them stored once for both graphs "
+                            f"({', '.join(t['name'] for t in shared['tensors'])})")
     entries = {g: graph_entry(paths[g]) for g in GRAPHS}
     for g in GRAPHS:
         report.after[g] = _counts(entries[g], paths[g])
@@ -253,6 +259,8 @@ def write(job: _Job, tmp: Path, per_channel: bool | None) -> None:
                          fusions=fusions, passes=(manifest.get("passes") or []) + report.passes,
                          parity=report.parity, tokenizer=_tokenizer(job.bundle_dir, manifest, tmp), source=source,
                          kv_cache=job.kv_cache)
+    if shared is not None:
+        new["shared_weights"] = shared
     if job.ort_format:
         add_ort_format(tmp, new, progress=job.progress)   # adds encoder.ort, decoder.ort, required_operators.config
     write_manifest(tmp, new)
@@ -282,6 +290,7 @@ def _fuse_graph(path: Path, fuse: bool, attention: str, precision: str, opset: i
                 static_cache: bool = False) -> tuple[ir.Model, dict[str, int], list[str]]:
     """Load one graph and run the fusion passes until nothing changes (then the static cache and int8 passes)."""
     model = ir.load(path)
+    inline_external(model)                      # a source with weights.data: its graphs are written anew
     counts, applied = Counter(), []
     if fuse:
         run = run_passes(fusion_passes(attention, opset or 20), model)
@@ -295,7 +304,7 @@ def _fuse_graph(path: Path, fuse: bool, attention: str, precision: str, opset: i
             raise OptimizeError(str(exc)) from None
         counts.update(static.counts)
         applied += [static.name] if static.changed else []
-    if precision == "int8":
+    if precision in ("int8", "int4"):
         run = run_passes(quantization_prepasses(), model, steps=2)
         model = run.model
         counts.update(run.counts)
@@ -304,7 +313,8 @@ def _fuse_graph(path: Path, fuse: bool, attention: str, precision: str, opset: i
 
 
 PIPELINE = ("opset_23", "fuse_attention", "fuse_layer_norm", "fuse_erf_gelu", "fuse_skip_layer_norm", "fuse_bias_gelu",
-            "fuse_silu", "pack_matmuls", "cleanup", "static_kv_cache", "fold_transposed_weights", "float16", "quantize_int8")
+            "fuse_silu", "pack_matmuls", "cleanup", "static_kv_cache", "fold_transposed_weights", "int8_embedding",
+            "float16", "quantize_int8", "quantize_int4")
 
 
 def _pass_rank(name: str) -> tuple[int, str]:

@@ -29,9 +29,9 @@ def check_options(target: str, precision: str, attention: str, fuse: bool) -> No
                             f"MultiHeadAttention) or onnx (the standard Attention op, opset 23)")
     if precision == "fp16" and target != "cuda":
         raise OptimizeError("fp16 is for the CUDA provider: pass --target cuda (for CPU use --precision fp32 or int8)")
-    if precision == "int8" and target != "cpu":
-        raise OptimizeError("int8 dynamic quantization runs on the CPU provider: pass --target cpu "
-                            "(for CUDA use --precision fp16)")
+    if precision in ("int8", "int4") and target != "cpu":
+        raise OptimizeError(f"{precision} quantization is made for the CPU provider: pass --target cpu "
+                            f"(for CUDA use --precision fp16)")
     if not fuse and precision == "fp32":
         raise OptimizeError("nothing to do: --no-fuse with --precision fp32 leaves the graphs unchanged; "
                             "drop --no-fuse or choose --precision int8/fp16")

@@ -79,7 +79,8 @@ def add_ort_format(bundle_dir: str | Path, manifest: dict, target_platform: str 
     clashes = [p.name for p in (*targets.values(), config) if p.exists()]
     if clashes:
         raise OrtFormatError(f"{bundle_dir} already holds {', '.join(clashes)}; convert a bundle without ORT graphs")
-    _convert(sources, bundle_dir, target_platform)
+    shared = manifest.get("shared_weights")
+    _convert(sources, bundle_dir, target_platform, [bundle_dir / shared["file"]] if shared else [])
     progress(f"converted {', '.join(p.name for p in sources.values())} to ORT format "
              f"({', '.join(f'{p.name} {p.stat().st_size / 1e6:.2f} MB' for p in targets.values())})")
     _relative_config_comments(config)
@@ -93,12 +94,13 @@ def add_ort_format(bundle_dir: str | Path, manifest: dict, target_platform: str 
     return record
 
 
-def _convert(sources: dict[str, Path], out_dir: Path, target_platform: str | None) -> None:
-    """Run onnxruntime's converter on exactly these graphs (linked into a scratch folder), output in out_dir."""
+def _convert(sources: dict[str, Path], out_dir: Path, target_platform: str | None, data: list[Path] = ()) -> None:
+    """Run onnxruntime's converter on exactly these graphs (linked into a scratch folder with their external
+    data files), output in out_dir."""
     from onnxruntime.tools.convert_onnx_models_to_ort import OptimizationStyle, convert_onnx_models_to_ort
 
     with tempfile.TemporaryDirectory(prefix=".ort-src-", dir=out_dir) as scratch:
-        for path in sources.values():
+        for path in [*sources.values(), *data]:
             _link_or_copy(path, Path(scratch) / path.name)
         quiet = io.StringIO()
         with contextlib.redirect_stdout(quiet), quiet_loggers("ort_format_model.utils", level=logging.WARNING):

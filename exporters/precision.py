@@ -1,4 +1,4 @@
-"""Precision passes, run once after fusion: fp16 for CUDA and int8 dynamic quantization for CPU.
+"""Precision passes, run once after fusion: fp16 for CUDA, int8 dynamic quantization and int4 weight-only for CPU.
 
 fp16 (onnxruntime.transformers.float16): weights and activations in float16 inside the graph; graph inputs and
 outputs stay float32 (keep_io_types adds Casts at the boundary), so the runtime and the manifest's interface do
@@ -48,12 +48,31 @@ def to_int8(model: ir.Model, per_channel: bool = True) -> ir.Model:
         return ir.from_proto(onnx.load(str(dst)))
 
 
+INT4_BLOCK = 32          # weights per scale along K (the quantizer's default)
+
+
+def to_int4(model: ir.Model, block_size: int = INT4_BLOCK) -> ir.Model:
+    """A copy with MatMul weights in 4-bit blocks (com.microsoft.MatMulNBits), made by onnxruntime's own quantizer.
+
+    Weight-only: symmetric blocks of `block_size` weights along K with one float scale each; accuracy_level 4 lets
+    MLAS quantize activations to int8 inside the kernel (its fast path on x86 and ARM). The int8 embedding pass ran
+    before, so the token lookups and the tied projection stay 8-bit (DynamicQuantizeMatMul is not a MatMul)."""
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    quantizer = MatMulNBitsQuantizer(ir.to_proto(model), bits=4, block_size=block_size, is_symmetric=True,
+                                     accuracy_level=4, op_types_to_quantize=("MatMul",))
+    quantizer.process()
+    return ir.from_proto(quantizer.model.model)
+
+
 def precision_pass(precision: str, per_channel: bool = True) -> ConvertPass | None:
     """The pass for a precision (None for fp32)."""
     if precision == "fp16":
         return ConvertPass("float16", to_fp16)
     if precision == "int8":
         return ConvertPass("quantize_int8", lambda model: to_int8(model, per_channel))
+    if precision == "int4":
+        return ConvertPass("quantize_int4", to_int4)
     if precision == "fp32":
         return None
     raise ValueError(f"unknown precision {precision!r}")

@@ -18,7 +18,7 @@ FORMAT = "onnxformer-bundle"
 FORMAT_VERSION = 2                 # 2: "files" lists every file with its sha256 and size
 MANIFEST = "manifest.json"
 GRAPHS = ("encoder", "decoder")
-PRECISIONS = ("fp32", "fp16", "int8")
+PRECISIONS = ("fp32", "fp16", "int8", "int4")
 TARGETS = ("any", "cpu", "cuda")
 REQUIRED = ("format", "format_version", "model", "precision", "graphs", "files")
 
@@ -127,6 +127,9 @@ def _named_files(manifest: dict) -> list[tuple[str, str | None]]:
         named.append((ops["file"], ops.get("sha256") if isinstance(ops.get("sha256"), str) else None))
     if isinstance(manifest.get("tokenizer"), str):
         named.append((manifest["tokenizer"], None))
+    shared = manifest.get("shared_weights")                  # the graphs' external data (exporters/shared_weights)
+    if isinstance(shared, dict) and isinstance(shared.get("file"), str):
+        named.append((shared["file"], shared.get("sha256") if isinstance(shared.get("sha256"), str) else None))
     return named
 
 

@@ -19,6 +19,7 @@ import numpy as np
 
 # symbolic dimension names
 BATCH, SRC_LEN, NEW_LEN, PAST_LEN, TOTAL_LEN = "batch", "src_len", "new_len", "past_len", "total_len"
+INPUT_IDS = "input_ids"                          # both graphs: token ids (the embedding lookup reads it)
 PAST_SEQUENCE_LENGTH = "past_sequence_length"   # static-cache decoders: how many buffer rows are filled
 CACHE_LEN = "cache_len"                          # static-cache decoders: buffer length (<= max_len, chosen per request)
 KV_CACHES = ("dynamic", "static")
@@ -130,7 +131,7 @@ def encoder_spec(n_decoder_layers: int, n_heads: int, d_model: int, float_type: 
         outputs += [TensorSpec(cache_name(PRESENT, i, CROSS, kv), float_type, kv_shape) for kv in KV]
     return GraphSpec(
         "encoder",
-        inputs=(TensorSpec("input_ids", "int64", (BATCH, SRC_LEN)),
+        inputs=(TensorSpec(INPUT_IDS, "int64", (BATCH, SRC_LEN)),
                 TensorSpec("attention_mask", "int64", (BATCH, SRC_LEN))),
         outputs=tuple(outputs),
     )
@@ -148,7 +149,7 @@ def decoder_spec(n_decoder_layers: int, n_heads: int, d_model: int, vocab_size: 
     head_dim = d_model // n_heads
     new_len = 1 if static_cache else NEW_LEN
     past_len, total_len = (CACHE_LEN, CACHE_LEN) if static_cache else (PAST_LEN, TOTAL_LEN)
-    inputs = [TensorSpec("input_ids", "int64", (BATCH, new_len)),
+    inputs = [TensorSpec(INPUT_IDS, "int64", (BATCH, new_len)),
               TensorSpec("encoder_attention_mask", "int64", (BATCH, SRC_LEN))]
     if static_cache:
         inputs.append(TensorSpec(PAST_SEQUENCE_LENGTH, "int32", (1,)))

@@ -159,7 +159,7 @@ def test_add_ort_format_inside_a_bundle_writer(bundles, tmp_path):
 
     manifest = json.loads((bundles["int8"] / "manifest.json").read_text())
     with stage_bundle(tmp_path / "b") as tmp:
-        for name in ("encoder.onnx", "decoder.onnx", "tokenizer.json"):
+        for name in ("encoder.onnx", "decoder.onnx", "weights.data", "tokenizer.json"):
             shutil.copyfile(bundles["int8"] / name, tmp / name)
         record = add_ort_format(tmp, manifest)
         write_manifest(tmp, manifest)
@@ -182,6 +182,130 @@ def test_graphs_hold_no_unused_initializers(bundles):
             assert len(graph.initializer) > 0
 
 
+# ------------------------------------------------------------------------------------------ leaner bundles
+
+def test_quantize_rows_bounds_the_error_per_row():
+    import numpy as np
+
+    from exporters.fusions.int8_embedding import quantize_rows
+
+    table = np.random.default_rng(0).normal(size=(50, 16)).astype(np.float32) * np.geomspace(1e-3, 10, 50)[:, None]
+    table[7] = 0.0                                                    # an all-zero row (padding) stays exact
+    q, scale = quantize_rows(table)
+    assert q.dtype == np.int8 and scale.shape == (50,) and np.abs(q).max() <= 127
+    assert np.all(np.abs(q * scale[:, None] - table) <= scale[:, None] / 2 + 1e-7)   # half a step, row by row
+    assert np.all(q[7] == 0) and np.all(np.abs(q).max(axis=1)[np.arange(50) != 7] == 127)
+
+
+def test_int8_bundle_stores_one_int8_embedding_both_graphs_read(bundles, toy_exported):
+    import numpy as np
+    import onnx
+
+    path = bundles["int8"]
+    manifest = json.loads((path / "manifest.json").read_text())
+    config = manifest["model"]
+    record = manifest["shared_weights"]
+    assert record["file"] == "weights.data" and record["sha256"] == sha256_file(path / "weights.data")
+    tables = [t for t in record["tensors"] if t["dtype"] == "int8"]
+    assert [t["shape"] for t in tables] == [[config["d_model"], config["vocab_size"]]]     # one table, [D, V]
+    assert tables[0]["graphs"] == ["encoder", "decoder"]
+    for g in ("encoder", "decoder"):
+        model = onnx.load(str(path / f"{g}.onnx"), load_external_data=False)
+        by_name = {t.name: t for t in model.graph.initializer}
+        table = by_name[tables[0]["name"]]
+        assert table.data_location == onnx.TensorProto.EXTERNAL
+        assert {e.key: e.value for e in table.external_data}["location"] == "weights.data"
+        assert "model.embed.lut.weight" not in by_name and "model.embed.lut.weight.T" not in by_name, g
+    ops = {g: manifest["graphs"][g]["op_counts"] for g in ("encoder", "decoder")}
+    assert ops["decoder"]["com.microsoft.DynamicQuantizeMatMul"] == 1                       # the tied projection
+    assert "com.microsoft.DynamicQuantizeMatMul" not in ops["encoder"]
+    source = {g: (toy_exported[1] / f"{g}.onnx").stat().st_size for g in ("encoder", "decoder")}
+    stored = sum((path / f).stat().st_size for f in ("encoder.onnx", "decoder.onnx", "weights.data"))
+    embedding = config["vocab_size"] * config["d_model"]
+    assert stored < (sum(source.values()) - 2 * 4 * embedding) / 3.0 + embedding + 4096 * 8   # int8, once
+    # the int8 lookup reproduces the float table to half a quantization step, row by row
+    decoder = onnx.load(str(path / "decoder.onnx"))                       # the projection's scales: one per row
+    values = {t.name: onnx.numpy_helper.to_array(t) for t in decoder.graph.initializer}
+    q = values[tables[0]["name"]].T
+    scale = next(v for k, v in values.items() if k.endswith(".int8_scale"))
+    exported = onnx.load(str(toy_exported[1] / "encoder.onnx"))
+    table = next(onnx.numpy_helper.to_array(t) for t in exported.graph.initializer if t.name == "model.embed.lut.weight")
+    assert np.all(np.abs(q * scale[:, None] - table) <= scale[:, None] / 2 + 1e-6)
+
+
+def test_int8_tokens_with_8bit_embeddings_stay_near_pytorch(bundles, seqs, toy_model_factory):
+    """The optimize gate compared with the fp32 bundle; here against PyTorch, on inputs whose outputs vary."""
+    reference = TorchEngine(toy_model_factory())
+    opts = SearchOptions(max_new_tokens=16)
+    want = tokens(generate_ids(reference, seqs, opts))
+    assert len({tuple(h[0]) for h in want}) >= len(seqs) // 2, "the toy model's outputs do not vary"
+    got = tokens(generate_ids(load_bundle(bundles["int8"], provider="cpu").engine, seqs, opts))
+    pairs = [(a, b) for w, g in zip(want, got) for a, b in zip(w[0], g[0])]
+    total = sum(max(len(w[0]), len(g[0])) for w, g in zip(want, got))
+    assert sum(a == b for a, b in pairs) / total >= 0.9
+
+
+def test_weights_file_is_checked_like_a_graph(bundles, tmp_path):
+    from runtime.errors import BundleError
+
+    broken = tmp_path / "broken"
+    shutil.copytree(bundles["int8"], broken)
+    data = bytearray((broken / "weights.data").read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (broken / "weights.data").write_bytes(bytes(data))
+    with pytest.raises(BundleError, match="weights.data does not match its sha256"):
+        load_bundle(broken, provider="cpu")
+    (broken / "weights.data").unlink()
+    with pytest.raises(BundleError, match="missing weights.data"):
+        load_bundle(broken, provider="cpu")
+    result = CliRunner().invoke(__import__("toolkit.cli", fromlist=["main"]).main,
+                                ["generate", str(broken), "hello"])
+    assert result.exit_code == 2 and "weights.data" in result.output and "Traceback" not in result.output
+
+
+def test_optimize_replaces_a_bundle_with_weights_and_reoptimizes_from_one(bundles, toy_exported, tmp_path, seqs):
+    """--force recognises weights.data as the bundle's own; a bundle with external weights can be a source."""
+    from exporters.optimize import optimize_bundle
+
+    out = tmp_path / "fused"
+    optimize_bundle(toy_exported[1], out, precision="fp32", samples=4)
+    assert (out / "weights.data").is_file()
+    optimize_bundle(toy_exported[1], out, precision="fp32", samples=4, force=True)       # replaced, not refused
+    again, report = optimize_bundle(out, tmp_path / "int8", precision="int8", fuse=False, samples=8)
+    shutil.rmtree(out)                                                # nothing may still point into the source
+    manifest = json.loads((again / "manifest.json").read_text())
+    assert manifest["shared_weights"]["file"] == "weights.data" and report.totals["int8_embedding"] == 2
+    hyps = generate_ids(load_bundle(again, provider="cpu").engine, seqs, SearchOptions(max_new_tokens=16))
+    assert len({tuple(h[0].tokens) for h in hyps}) >= len(seqs) // 2
+
+
+def test_int4_bundle_is_weight_only_4bit_and_gated_on_its_row(bundles, toy_exported, tmp_path, seqs):
+    from exporters.optimize import optimize_bundle
+    from toolkit.parity.tolerances import tolerance
+
+    out, report = optimize_bundle(toy_exported[1], tmp_path / "int4", precision="int4", samples=16)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["precision"] == "int4" and manifest["passes"][-1] == "quantize_int4"
+    for g in ("encoder", "decoder"):
+        ops = manifest["graphs"][g]["op_counts"]
+        assert ops.get("com.microsoft.MatMulNBits", 0) > 0 and "MatMul" not in ops and "MatMulInteger" not in ops
+    assert manifest["graphs"]["decoder"]["op_counts"]["com.microsoft.DynamicQuantizeMatMul"] == 1  # tied, 8-bit
+    row = tolerance("int4", "cpu")
+    gen = manifest["parity"]["generation"]
+    assert gen["token_match"] == row.token_match and manifest["parity"]["tolerance"] is None     # logits: reported
+    assert manifest["parity"]["verified"] == (gen["tokens_equal"] >= row.token_match)
+    int8_bytes = sum(p.stat().st_size for p in bundles["int8"].iterdir() if p.suffix in (".onnx", ".data"))
+    int4_bytes = sum(p.stat().st_size for p in out.iterdir() if p.suffix in (".onnx", ".data"))
+    assert int4_bytes < int8_bytes
+    hyps = generate_ids(load_bundle(out, provider="cpu").engine, seqs, SearchOptions(max_new_tokens=8))
+    assert len({tuple(h[0].tokens) for h in hyps}) >= len(seqs) // 2
+    result = CliRunner().invoke(__import__("toolkit.cli", fromlist=["main"]).main,
+                                ["optimize", str(toy_exported[1]), "--out", str(tmp_path / "cli4"), "--precision",
+                                 "int4", "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["precision"] == "int4"
+
+
 # ------------------------------------------------------------------------------------------ the numpy-only example
 
 def test_greedy_numpy_imports_only_numpy_and_onnxruntime():
@@ -192,7 +316,7 @@ def test_greedy_numpy_imports_only_numpy_and_onnxruntime():
     assert imported - set(sys.stdlib_module_names) == {"numpy", "onnxruntime"}
 
 
-@pytest.mark.parametrize("name", ["fp32", "fp32-ort", "int8-ort"])
+@pytest.mark.parametrize("name", ["fp32", "fp32-ort", "int8", "int8-ort"])
 def test_greedy_numpy_prints_what_generate_prints(bundles, name):
     args = [*TEXTS, "--ids", "5 6 7", "--ids", "40 41 42 43 44 45 46", "--max-new-tokens", "20"]
     script = run([sys.executable, SCRIPT, bundles[name], *args]).stdout

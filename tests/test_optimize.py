@@ -155,13 +155,20 @@ def test_onnx_attention_target(toy, tmp_path):
 def test_int8_on_fused_bundle_is_allowed_and_reports_token_agreement(toy, tmp_path):
     model, _, fused, _ = toy
     out, report = optimize_bundle(fused, tmp_path / "int8", precision="int8")
-    assert sum(report.totals.values()) == 0 and report.passes == ["quantize_int8"]
+    embedding = {"int8_embedding": 2, "int8_tied_projection": 1}       # the lookups of both graphs, the tied logits
+    assert {k: v for k, v in report.totals.items() if v} == embedding
+    assert report.passes == ["cleanup", "int8_embedding", "quantize_int8"]
     manifest = read_manifest(out)
     assert manifest["precision"] == "int8" and manifest["passes"][-1] == "quantize_int8"
-    assert manifest["fusions"] == read_manifest(fused)["fusions"]          # the fusions carried over
+    assert manifest["fusions"] == {**read_manifest(fused)["fusions"], **embedding}   # the fusions carried over
     dec = manifest["graphs"]["decoder"]["op_counts"]
-    # every weight MatMul quantized: per decoder layer packed q/k/v, self out, cross q/out, two FFN; the logits
-    assert "MatMul" not in dec and dec["MatMulInteger"] == 6 * model.config.n_decoder_layers + 1
+    # every weight MatMul quantized: per decoder layer packed q/k/v, self out, cross q/out, two FFN; the logits read
+    # the int8 embedding (one matrix, shared with the encoder's lookup)
+    assert "MatMul" not in dec and dec["MatMulInteger"] == 6 * model.config.n_decoder_layers
+    assert dec["com.microsoft.DynamicQuantizeMatMul"] == 1
+    shared = {t["name"]: t for t in manifest["shared_weights"]["tensors"]}
+    table = next(t for name, t in shared.items() if name.endswith(".int8_t"))
+    assert table["dtype"] == "int8" and table["shape"] == [model.config.d_model, model.config.vocab_size]
     assert dec["com.microsoft.MultiHeadAttention"] == model.config.n_decoder_layers             # cross
     assert dec["com.microsoft.DecoderMaskedMultiHeadAttention"] == model.config.n_decoder_layers  # self, static
     assert manifest["kv_cache"] == "static"
@@ -204,7 +211,8 @@ def test_fp16_for_cuda_without_a_gpu_is_written_unverified(toy, tmp_path):
     (["--precision", "fp8"], "unknown precision 'fp8'"),
     (["--attention", "trt"], "unknown attention target 'trt'"),
     (["--target", "tpu"], "unknown target 'tpu'"),
-    (["--precision", "int8", "--target", "cuda"], "int8 dynamic quantization runs on the CPU"),
+    (["--precision", "int8", "--target", "cuda"], "int8 quantization is made for the CPU provider"),
+    (["--precision", "int4", "--target", "cuda"], "int4 quantization is made for the CPU provider"),
     (["--no-fuse"], "nothing to do"),
 ])
 def test_bad_options_exit_2_and_write_nothing(toy, tmp_path, args, message):

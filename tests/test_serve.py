@@ -364,6 +364,29 @@ def test_cancelled_rows_leave_the_running_batch(bundle, config):
     assert len(results[1][0][0].tokens) == 5
 
 
+def test_the_batch_window_opens_when_the_engine_frees_up(bundle):
+    """A request that waited through a whole batch still waits max_wait for others once the engine is free."""
+    engine = load_bundle(bundle, provider="cpu").engine
+    gated = Gated(engine)
+    scheduler = Scheduler(gated, max_batch=8, max_wait_ms=400)
+    opts = SearchOptions(max_new_tokens=3)
+    first = Job([[5, 6]], opts)
+    scheduler.submit(first)
+    scheduler.start()
+    while not gated.started_rows:                   # batch 1 (first) is decoding, held by the gate
+        time.sleep(0.01)
+    waiting = Job([[7, 8]], opts)
+    scheduler.submit(waiting)
+    time.sleep(0.6)                                 # longer than max_wait: its own window has passed
+    gated.gate.set()
+    first.future.result(30)
+    late = Job([[9, 10]], opts)                     # arrives just after the engine became free
+    scheduler.submit(late)
+    waiting.future.result(30), late.future.result(30)
+    scheduler.stop()
+    assert gated.started_rows == [1, 2]             # waiting and late decoded together
+
+
 def test_scheduler_queue_is_bounded():
     scheduler = Scheduler(engine=None, max_batch=2, max_queue=3)
     for _ in range(3):

@@ -18,6 +18,7 @@ from exporters.fusions.attention import AttentionFusion, attention_rules
 from exporters.fusions.gelu import bias_gelu_rules, erf_gelu_rules
 from exporters.fusions.layernorm import layernorm_rules
 from exporters.fusions.pack_matmul import PackMatMulsPass
+from exporters.fusions.int8_embedding import Int8EmbeddingPass
 from exporters.fusions.silu import silu_rules
 from exporters.fusions.skip_layernorm import skip_layernorm_rules
 from exporters.fusions.transposed_weight import transposed_weight_rules
@@ -48,8 +49,9 @@ def fusion_passes(attention: str = "ort", opset: int = 20) -> list[Reporting]:
 
 
 def quantization_prepasses() -> list[Reporting]:
-    """Before int8 quantization: give every constant MatMul weight an initializer of its own."""
-    return [RewritePass("fold_transposed_weights", transposed_weight_rules()), CleanupPass()]
+    """Before int8/int4 quantization: give every constant MatMul weight an initializer of its own, then 8-bit
+    embedding tables (the tied projection reads the same int8 matrix)."""
+    return [RewritePass("fold_transposed_weights", transposed_weight_rules()), Int8EmbeddingPass(), CleanupPass()]
 
 
 __all__ = ["AttentionFusion", "PackMatMulsPass", "attention_rules", "layernorm_rules", "skip_layernorm_rules",

@@ -11,7 +11,8 @@ from toolkit.extras import require
 @click.option("--out", required=True, type=click.Path(), help="bundle directory to write")
 @click.option("--target", default="cpu", show_default=True, help="cpu | cuda: the provider the bundle is for")
 @click.option("--precision", default="fp32", show_default=True,
-              help="fp32 | fp16 (cuda) | int8 (cpu, dynamic quantization of MatMul weights)")
+              help="fp32 | fp16 (cuda) | int8 (cpu, dynamic quantization of MatMul weights, 8-bit embeddings) | "
+                   "int4 (cpu, 4-bit weight-only MatMulNBits, 8-bit embeddings)")
 @click.option("--fuse/--no-fuse", default=True, show_default=True, help="rewrite attention, LayerNorm and GELU blocks")
 @click.option("--attention", default="ort", show_default=True,
               help="ort: com.microsoft.MultiHeadAttention | onnx: the standard Attention op (opset 23)")

@@ -6,6 +6,7 @@
 | fp32      | cuda     | 1e-3                                          | 100%                | -             |
 | fp16      | cuda     | 5e-2                                          | >= 99%              | -             |
 | int8      | cpu      | report only                                   | >= 98%              | within 1 point|
+| int4      | cpu      | report only                                   | >= 98%              | within 1 point|
 | imported model (fp32) vs its original framework (PyTorch vs PyTorch, CPU): 1e-5, 100% greedy and beam |
 
 The max abs error applies to logits as written. Hidden states and K/V caches are judged by the same
@@ -46,6 +47,11 @@ TOLERANCES: dict[tuple[str, str], Tolerance] = {
     ("fp32", "cuda"): Tolerance(atol=1e-3, token_match=1.0, accuracy_drop=None),
     ("fp16", "cuda"): Tolerance(atol=5e-2, token_match=0.99, accuracy_drop=None),
     ("int8", "cpu"): Tolerance(atol=None, token_match=0.98, accuracy_drop=1.0),
+    # int4 (weight-only MatMulNBits, 8-bit embeddings): measured on the dates model over the 1,000 held-out dates,
+    # 100% of greedy tokens equal to fp32 and accuracy 100% (no drop), the same as int8; on a base-shape model
+    # (random weights, flat logits) logits max abs error 0.97 against int8's 0.14 (logits std 0.39), so the
+    # numbers are reported, not judged, and the row is int8's (benchmarks/RESULTS.md, "int4").
+    ("int4", "cpu"): Tolerance(atol=None, token_match=0.98, accuracy_drop=1.0),
 }
 
 # an imported model against the framework it came from (MarianMTModel, the tutorial's nn.Transformer): both PyTorch

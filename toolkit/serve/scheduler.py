@@ -6,8 +6,10 @@
     hypotheses = future.result()                        # list[list[Hypothesis]], one list per input
     scheduler.stop()                                    # finishes every accepted job, then the thread ends
 
-The thread takes the oldest waiting job, waits until max_wait has passed since that job arrived (or the batch
-is full), and decodes it together with every waiting job that can share its search: greedy jobs of any
+The thread takes the oldest waiting job, waits until max_wait has passed since that job arrived or since the
+engine became free, whichever is later (or until the batch is full: so the clients whose answers just went out
+can come back into the next batch instead of the one after), and decodes it together with every waiting job
+that can share its search: greedy jobs of any
 max_new_tokens (each input keeps its own limit, runtime.search.greedy), beam jobs with the same width, length
 and length penalty. A batch holds at most max_batch inputs. One batch runs at a time: on a CPU the engine
 already uses every core, and the batch is where requests share the work.
@@ -77,6 +79,7 @@ class Scheduler:
         self._running: list[Job] = []
         self._cond = threading.Condition()
         self._stopping = False
+        self._free_since = 0.0                      # when the last batch ended
         self._thread = threading.Thread(target=self._loop, name="onnxformer-scheduler", daemon=True)
         self.batches = 0
 
@@ -137,7 +140,7 @@ class Scheduler:
                     return None
                 first = self._pending[0]
                 key = first.key()
-                deadline = first.arrived + self.max_wait
+                deadline = max(first.arrived, self._free_since) + self.max_wait
                 while not self._stopping and first in self._pending:
                     ready = sum(len(j.sequences) for j in self._pending if j.key() == key)
                     remaining = deadline - time.monotonic()
@@ -164,6 +167,7 @@ class Scheduler:
             finally:
                 with self._cond:
                     self._running = []
+                    self._free_since = time.monotonic()
 
     def _decode(self, batch: list[Job]) -> None:
         sequences = [s for job in batch for s in job.sequences]

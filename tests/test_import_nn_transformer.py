@@ -209,3 +209,28 @@ def test_wrong_layouts_exit_2_naming_expected_and_found(tmp_path, change, messag
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 2 and message in result.output and result.output.count("\n") == 1, result.output
     assert not (tmp_path / "out").exists()
+
+
+def test_sentencepiece_models_per_side(tmp_path):
+    """--config source_spm/target_spm: SentencePiece's own ids, sources as BOS ... EOS (the tutorial's transform)."""
+    pytest.importorskip("sentencepiece")
+    import sentencepiece as spm
+
+    from toolkit.tasks.tiny_marian import corpus
+
+    lines = corpus(n=500, seed=3)
+    for side in ("src", "tgt"):                            # the tutorial's special ids: unk 0, pad 1, bos 2, eos 3
+        spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_prefix=str(tmp_path / side),
+                                       vocab_size=SRC_V if side == "src" else TGT_V, unk_id=UNK_IDX, pad_id=PAD_IDX,
+                                       bos_id=BOS_IDX, eos_id=EOS_IDX, minloglevel=2, num_threads=1)
+    model = tutorial_model().eval()
+    pt, hp = save(model, tmp_path, {**HP, "source_spm": "src.model", "target_spm": "tgt.model"})
+    ckpt = load_checkpoint(import_model(pt, tmp_path / "ckpt", config_file=hp))
+    src = spm.SentencePieceProcessor(model_file=str(tmp_path / "src.model"))
+    tgt = spm.SentencePieceProcessor(model_file=str(tmp_path / "tgt.model"))
+    for text in lines[:20]:
+        assert ckpt.tokenizer.encode(text) == [BOS_IDX, *src.encode(text), EOS_IDX]
+        ids = tgt.encode(text)
+        assert ckpt.tokenizer.decode([BOS_IDX, *ids, EOS_IDX, PAD_IDX]) == tgt.decode(ids)
+    result = CliRunner().invoke(main, ["generate", str(tmp_path / "ckpt"), lines[0], "--max-new-tokens", "5"])
+    assert result.exit_code == 0, result.output

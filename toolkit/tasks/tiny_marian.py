@@ -134,6 +134,10 @@ def build_tiny_marian(out_dir: str | Path, steps: int = 150, seed: int = 0, sepa
     with torch.no_grad():                                  # a logits bias that matters, as trained models have
         model.final_logits_bias.copy_(torch.randn(model.final_logits_bias.shape, generator=torch.Generator()
                                                   .manual_seed(seed)) * 0.1)
+        # as in the converted opus-mt models: <pad>, the decoder's start, has a zero embedding (Marian itself
+        # starts from a zero vector; with tied weights training moved the row through the output projection)
+        model.get_decoder().embed_tokens.weight[pad] = 0.0
+        model.get_encoder().embed_tokens.weight[tok.pad_token_id] = 0.0
     model.eval()
     model.generation_config = GenerationConfig(bad_words_ids=[[pad]], decoder_start_token_id=pad, eos_token_id=0,
                                                pad_token_id=pad, max_length=64, num_beams=4)

@@ -1,0 +1,113 @@
+"""One engine of the peer race (benchmarks/race_peers.py), run inside that engine's own environment.
+
+    python benchmarks/peer_worker.py ENGINE MODEL INPUTS.json OUT.json
+
+ENGINE is onnxformer (MODEL: a bundle), ctranslate2 (MODEL: a converted directory; --compute-type),
+optimum (MODEL: an optimum-cli export directory) or transformers (MODEL: the Marian directory; the reference).
+INPUTS.json: {"marian": DIR, "inputs": [[ids]], "batch_sizes": [1, 8], "beam": 1, "max_new_tokens": N,
+"min_new_tokens": M, "threads": T, "repeat": R, "warmup": W}. Writes {"tokens": [[ids] per input, EOS dropped],
+"times": {batch: [seconds per round]}}: every round generates for the first `batch` inputs.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+
+def batches(inputs, size):
+    return [inputs[i:i + size] for i in range(0, len(inputs), size)]
+
+
+def engine_fn(engine: str, model: str, spec: dict):
+    marian = Path(spec["marian"])
+    vocab = json.loads((marian / "vocab.json").read_text())
+    eos, pad = vocab["</s>"], vocab["<pad>"]
+    beam, new, low, threads = spec["beam"], spec["max_new_tokens"], spec["min_new_tokens"], spec["threads"]
+    if engine == "onnxformer":
+        from runtime.bundle import load_bundle
+        from runtime.generate import generate_ids
+        from runtime.search import SearchOptions
+
+        eng = load_bundle(model, provider="cpu", threads=threads).engine
+        opts = SearchOptions(max_new_tokens=new, beam=beam, ignore_eos=low >= new)
+
+        def run(seqs):
+            return [[t for t in h[0].tokens if t != eos] for h in generate_ids(eng, seqs, opts)]
+        return run
+    if engine == "ctranslate2":
+        import ctranslate2
+
+        pieces = {i: p for p, i in vocab.items()}
+        translator = ctranslate2.Translator(model, device="cpu", intra_threads=threads, inter_threads=1,
+                                            compute_type=spec.get("compute_type", "default"))
+        ct2_vocab = set(json.loads((Path(model) / "shared_vocabulary.json").read_text()))
+        suppress = [["<pad>"]] if "<pad>" in ct2_vocab else None     # its Marian converter drops <pad>
+
+        def run(seqs):
+            out = translator.translate_batch([[pieces[i] for i in s] for s in seqs], beam_size=beam,
+                                             max_decoding_length=new, min_decoding_length=low, length_penalty=1.0,
+                                             suppress_sequences=suppress)
+            return [[vocab.get(p, -1) for p in r.hypotheses[0]] for r in out]
+        return run
+    import torch
+
+    torch.set_num_threads(threads)
+    if engine == "optimum":
+        import onnxruntime as ort
+        from optimum.onnxruntime import ORTModelForSeq2SeqLM
+
+        so = ort.SessionOptions()
+        so.intra_op_num_threads = threads
+        hf = ORTModelForSeq2SeqLM.from_pretrained(model, session_options=so, provider="CPUExecutionProvider")
+    else:
+        from transformers import MarianMTModel
+
+        hf = MarianMTModel.from_pretrained(model).eval()
+
+    from transformers import GenerationConfig
+
+    # the settings in full, as toolkit.parity.original.hf_generate: the model's own generation_config.json
+    # (num_beams, max_length, ...) must not leak in
+    gc = GenerationConfig(num_beams=beam, max_new_tokens=new, min_new_tokens=low or None, do_sample=False, early_stopping="never",
+                          length_penalty=1.0, bad_words_ids=[[pad]], forced_eos_token_id=None, forced_bos_token_id=None,
+                          decoder_start_token_id=pad, eos_token_id=eos, pad_token_id=pad, num_return_sequences=1,
+                          no_repeat_ngram_size=0, repetition_penalty=1.0, use_cache=True)
+
+    def run(seqs):
+        width = max(len(s) for s in seqs)
+        ids = torch.tensor([s + [pad] * (width - len(s)) for s in seqs])
+        mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])
+        with torch.no_grad():
+            gen = hf.generate(input_ids=ids, attention_mask=mask, generation_config=gc)
+        out = []
+        for row in gen[:, 1:].tolist():
+            row = row[: row.index(eos)] if eos in row else row
+            out.append(row)
+        return out
+    return run
+
+
+def main() -> None:
+    engine, model, inputs_file, out_file = sys.argv[1:5]
+    spec = json.loads(Path(inputs_file).read_text())
+    run = engine_fn(engine, model, spec)
+    inputs = spec["inputs"]
+    tokens = [t for chunk in batches(inputs, 64) for t in run(chunk)]
+    times = {}
+    for b in spec["batch_sizes"]:
+        for _ in range(spec["warmup"]):
+            run(inputs[:b])
+        rounds = []
+        for _ in range(spec["repeat"]):
+            start = time.perf_counter()
+            run(inputs[:b])
+            rounds.append(time.perf_counter() - start)
+        times[str(b)] = rounds
+    Path(out_file).write_text(json.dumps({"engine": engine, "model": model, "tokens": tokens, "times": times}))
+
+
+if __name__ == "__main__":
+    main()

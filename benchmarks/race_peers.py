@@ -1,0 +1,162 @@
+"""Race onnxformer against CTranslate2 and Optimum (ONNX Runtime) on identical weights: one Marian directory
+feeds our importer, CTranslate2's converter and Optimum's exporter; every engine then generates for the same
+inputs in its own environment, under the bench lock, and the tokens are compared with MarianMTModel's.
+
+    .venv/bin/python benchmarks/race_peers.py [--model tiny|opus|DIR] [--batch-sizes 1,8] [--new-tokens 64]
+
+Environments are built under out/peers/ (Optimum pins an older transformers than ours): ct2 (ctranslate2,
+transformers 5, torch) and optimum (optimum-onnx 0.1, transformers 4.57, torch). Models: "tiny" is the trained
+test model (outputs vary, so token agreement means something); "opus" the opus-mt-en-de shape with random
+weights (speed; every engine generates exactly --new-tokens tokens, EOS ignored).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+WORK = ROOT / "out" / "peers"
+PY = sys.executable
+ENVS = {"ct2": ["torch==2.13.0", "ctranslate2==4.8.5", "transformers>=5.24,<6", "sentencepiece"],
+        "optimum": ["torch==2.13.0", "optimum-onnx[onnxruntime]==0.1.0", "sentencepiece"]}
+LOCK = "/tmp/onnxformer-bench.lock"
+
+
+def log(msg: str) -> None:
+    print(f"==> {msg}", file=sys.stderr, flush=True)
+
+
+def sh(*args, env=None, **kw) -> None:
+    subprocess.run([str(a) for a in args], check=True, env=env, **kw)
+
+
+def env_python(name: str) -> Path:
+    py = WORK / name / "bin" / "python"
+    if not py.exists():
+        log(f"building the {name} environment: {' '.join(ENVS[name])}")
+        sh("python3.11", "-m", "venv", WORK / name)
+        sh(py, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", *ENVS[name])
+    return py
+
+
+def build(model: str, new_tokens: int) -> tuple[Path, Path]:
+    """The Marian directory, and the folder holding every engine's model converted from it."""
+    if model in ("tiny", "opus"):
+        marian = WORK / "models" / model / "marian"
+        if not (marian / "config.json").exists():
+            fn = "build_tiny_marian" if model == "tiny" else "random_marian"
+            sh(PY, "-c", f"from toolkit.tasks.tiny_marian import {fn}; {fn}({str(marian)!r})", cwd=ROOT)
+    else:
+        marian = Path(model)
+    out = marian.parent
+    ox = Path(PY).with_name("onnxformer")
+    if not (out / "onnxformer-int8" / "manifest.json").exists():
+        log("onnxformer: import, export, optimize (fp32 fused, int8)")
+        sh(ox, "import", marian, "--out", out / "checkpoint", "--force")
+        sh(ox, "export", out / "checkpoint", "--out", out / "onnxformer-export", "--force")
+        sh(ox, "optimize", out / "onnxformer-export", "--out", out / "onnxformer-fp32", "--force")
+        sh(ox, "optimize", out / "onnxformer-export", "--out", out / "onnxformer-int8", "--precision", "int8", "--force")
+    ct2 = env_python("ct2")
+    for name, extra in (("ct2-fp32", []), ("ct2-int8", ["--quantization", "int8"])):
+        if not (out / name / "model.bin").exists():
+            log(f"CTranslate2: convert ({name})")
+            sh(ct2.with_name("ct2-transformers-converter"), "--model", marian, "--output_dir", out / name, "--force",
+               *extra)
+    opt = env_python("optimum")
+    if not (out / "optimum" / "encoder_model.onnx").exists():
+        log("Optimum: optimum-cli export onnx (text2text-generation-with-past)")
+        sh(opt.with_name("optimum-cli"), "export", "onnx", "--model", marian, "--task",
+           "text2text-generation-with-past", out / "optimum")
+    return marian, out
+
+
+def inputs(marian: Path, n: int, src_len: int | None) -> list[list[int]]:
+    """Source ids: the test corpus through MarianTokenizer's rules (tiny), or random pieces + EOS (opus)."""
+    import numpy as np
+
+    vocab = json.loads((marian / "vocab.json").read_text())
+    if src_len is None:
+        from runtime.tokenizer import load_tokenizer
+        from toolkit.tasks.tiny_marian import corpus
+        tok = load_tokenizer(marian.parent / "checkpoint" / "tokenizer.json")
+        return [tok.encode(t) for t in corpus(n=n, seed=1)]
+    rng = np.random.default_rng(0)
+    return [rng.integers(2, vocab["<pad>"], size=src_len - 1).tolist() + [vocab["</s>"]] for _ in range(n)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="tiny")
+    ap.add_argument("--batch-sizes", default="1,8")
+    ap.add_argument("--beam", type=int, default=1)
+    ap.add_argument("--new-tokens", type=int, default=None, help="default: 32 (tiny), 64 (opus)")
+    ap.add_argument("--src-len", type=int, default=None, help="random sources of this length (default for opus: 32)")
+    ap.add_argument("--samples", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--json", type=Path, help="write the rows here too")
+    args = ap.parse_args()
+    speed = args.model != "tiny"
+    new = args.new_tokens or (64 if speed else 32)
+    src_len = args.src_len or (32 if speed else None)
+    marian, out = build(args.model, new)
+    spec = {"marian": str(marian), "inputs": inputs(marian, args.samples, src_len),
+            "batch_sizes": [int(b) for b in args.batch_sizes.split(",")], "beam": args.beam, "max_new_tokens": new,
+            "min_new_tokens": new if speed else 0, "threads": args.threads, "repeat": args.repeat, "warmup": 1}
+    spec_file = out / "race-inputs.json"
+    spec_file.write_text(json.dumps(spec))
+    ct2, opt = env_python("ct2"), env_python("optimum")
+    worker = ROOT / "benchmarks" / "peer_worker.py"
+    engines = [("transformers (PyTorch eager)", ct2, "transformers", marian, {}),
+               ("onnxformer fp32", PY, "onnxformer", out / "onnxformer-fp32", {}),
+               ("onnxformer int8", PY, "onnxformer", out / "onnxformer-int8", {}),
+               ("ctranslate2 fp32", ct2, "ctranslate2", out / "ct2-fp32", {}),
+               ("ctranslate2 int8", ct2, "ctranslate2", out / "ct2-int8", {"compute_type": "int8"}),
+               ("optimum (onnxruntime) fp32", opt, "optimum", out / "optimum", {})]
+    results = {}
+    load = os.getloadavg()
+    for label, py, engine, model, extra in engines:
+        log(f"{label}: {model}")
+        f = out / f"race-{engine}-{Path(model).name}.json"
+        ef = out / f"race-spec-{Path(model).name}.json"
+        ef.write_text(json.dumps({**spec, **extra}))
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(args.threads)}
+        sh("flock", LOCK, py, worker, engine, model, ef, f, env=env, cwd=ROOT)
+        results[label] = json.loads(f.read_text())
+    ref = results["transformers (PyTorch eager)"]["tokens"]
+    rows = []
+    for label, r in results.items():
+        same = sum(a == b for a, b in zip(ref, r["tokens"]))
+        row = {"engine": label, "sequences_equal_to_transformers": same / len(ref),
+               "distinct_reference_outputs": len({tuple(t) for t in ref})}
+        for b, times in r["times"].items():
+            p50 = statistics.median(times)
+            row[f"batch {b} ms"] = p50 * 1000
+            row[f"batch {b} tokens/s"] = int(b) * new / p50 if speed else None
+        rows.append(row)
+    print(f"model {marian} ({'speed: exactly' if speed else 'tokens: at most'} {new} new tokens, beam {args.beam}, "
+          f"{args.threads} threads, {args.repeat} rounds; load average before: {load[0]:.2f})")
+    sizes = spec["batch_sizes"]
+    head = f"{'engine':<28} " + " ".join(f"{'b' + str(b) + ' ms':>10}" for b in sizes) + \
+        (" " + " ".join(f"{'b' + str(b) + ' tok/s':>11}" for b in sizes) if speed else "") + f" {'= HF':>7}"
+    print(head)
+    for row in rows:
+        line = f"{row['engine']:<28} " + " ".join(f"{row[f'batch {b} ms']:>10.1f}" for b in sizes)
+        if speed:
+            line += " " + " ".join(f"{row[f'batch {b} tokens/s']:>11.0f}" for b in sizes)
+        print(line + f" {row['sequences_equal_to_transformers']:>7.1%}")
+    print(f"reference outputs: {rows[0]['distinct_reference_outputs']} distinct of {len(ref)}; "
+          f"load average after: {os.getloadavg()[0]:.2f}")
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()

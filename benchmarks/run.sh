@@ -33,20 +33,22 @@ fi
 start=$SECONDS
 log() { printf '==> [%4ds] %s\n' $((SECONDS - start)) "$*" >&2; }
 
-# bundles NAME CHECKPOINT: NAME-fp32-unfused (export); NAME-fp32-fused and NAME-int8 (optimize, static KV
-# cache); NAME-fp32-fused-dynamic and NAME-int8-dynamic (optimize --kv-cache dynamic)
+# bundles NAME CHECKPOINT [int8 options]: NAME-fp32-unfused (export); NAME-fp32-fused and NAME-int8 (optimize,
+# static KV cache); NAME-fp32-fused-dynamic and NAME-int8-dynamic (optimize --kv-cache dynamic). The random-weight
+# base model emits one output for every input, so its int8 gate is inconclusive: it is written --allow-unverified
+# (speed only); the trained dates model's int8 bundles must pass the gate.
 VARIANTS=(fp32-unfused fp32-fused-dynamic fp32-fused int8-dynamic int8)
 bundles() {
-    local name=$1 ckpt=$2 dir=$WORK/$1 v
+    local name=$1 ckpt=$2 dir=$WORK/$1 v int8=("${@:3}")
     log "$name: export and optimize $ckpt into $dir"
     for v in "${VARIANTS[@]}"; do rm -rf "${dir:?}/$name-$v"; done
     mkdir -p "$dir"
     "$OX" export "$ckpt" --out "$dir/$name-fp32-unfused"
     "$OX" optimize "$dir/$name-fp32-unfused" --out "$dir/$name-fp32-fused" --target cpu --precision fp32
-    "$OX" optimize "$dir/$name-fp32-unfused" --out "$dir/$name-int8" --target cpu --precision int8
+    "$OX" optimize "$dir/$name-fp32-unfused" --out "$dir/$name-int8" --target cpu --precision int8 "${int8[@]}"
     "$OX" optimize "$dir/$name-fp32-unfused" --out "$dir/$name-fp32-fused-dynamic" --target cpu --precision fp32 \
         --kv-cache dynamic
-    "$OX" optimize "$dir/$name-fp32-unfused" --out "$dir/$name-int8-dynamic" --target cpu --precision int8 \
+    "$OX" optimize "$dir/$name-fp32-unfused" --out "$dir/$name-int8-dynamic" --target cpu --precision int8 "${int8[@]}" \
         --kv-cache dynamic
 }
 
@@ -64,7 +66,7 @@ bench() {
 mkdir -p "$WORK" "$RESULTS"
 log "base: random-weight checkpoint (preset base, vocab 8000)"
 "$OX" init --preset base --vocab 8000 --out "$WORK/base/base-checkpoint" --force
-bundles base "$WORK/base/base-checkpoint"
+bundles base "$WORK/base/base-checkpoint" --allow-unverified
 bench base "$WORK/base/base-checkpoint" --step-profile
 
 if [[ -n "$DATES" ]]; then

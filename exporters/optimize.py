@@ -35,8 +35,8 @@ from exporters.shared_weights import inline_external, share_weights, shared_byte
 from exporters.static_cache import StaticCachePass, StaticCacheError
 from runtime.manifest import GRAPHS, PRECISIONS, read_manifest, verify_hashes
 from toolkit.parity import ParityError
+from toolkit.parity.gate import bundle_gate
 from toolkit.parity.graphs import bundle_parity, record_table
-from toolkit.parity.tolerances import tolerance
 
 @dataclass
 class OptimizeReport:
@@ -111,8 +111,15 @@ class OptimizeReport:
                          + ("" if tokens is None else f", teacher-forced greedy tokens equal {tokens:.2%}"))
         gen = p.get("generation")
         if gen:
-            lines.append(f"  greedy tokens equal to the source bundle: {gen['tokens_equal']:.2%} over "
-                         f"{gen['samples']} inputs (needed {gen['token_match']:.0%}; {gen['source']})")
+            lines.append(f"  greedy tokens equal to the source bundle: {gen['tokens_equal']:.2%} over {gen['samples']} "
+                         f"inputs with {gen['distinct_outputs']} distinct reference outputs (needed "
+                         f"{gen['token_match']:.0%} and {gen['needed_distinct']:g} distinct; {gen['source']}): "
+                         f"{gen['verdict']}" + ("" if gen["basis"] == "tokens" else " (teacher-forced logits)"))
+        if p.get("accuracy"):
+            a = p["accuracy"]
+            lines.append(f"  {a['what']}: {a['candidate']:.2%} vs {a['source']:.2%} for the source bundle: {a['verdict']}")
+        if p.get("allowed_unverified"):
+            lines.append(f"  written UNVERIFIED (--allow-unverified): the gate's verdict was {p.get('verdict')}")
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 
@@ -138,6 +145,7 @@ class _Job:
     ort_format: bool
     report: OptimizeReport
     progress: Callable[[str], None]
+    allow_unverified: bool = False
 
     def source(self, graph: str) -> Path:
         return self.bundle_dir / self.manifest["graphs"][graph]["file"]
@@ -146,7 +154,8 @@ class _Job:
 def optimize_bundle(bundle_dir: str | Path, out_dir: str | Path, target: str = "cpu", precision: str = "fp32",
                     fuse: bool = True, attention: str = "ort", force: bool = False, per_channel: bool | None = None,
                     samples: int = 32, progress: Callable[[str], None] | None = None,
-                    ort_format: bool = False, kv_cache: str = "auto") -> tuple[Path, OptimizeReport]:
+                    ort_format: bool = False, kv_cache: str = "auto",
+                    allow_unverified: bool = False) -> tuple[Path, OptimizeReport]:
     """Fuse and/or convert a bundle into out_dir; returns (out_dir, report). Bad input: OptimizeError/BundleError.
 
     Three steps, inside a staging folder renamed into place only when all succeed: transform (fusions, static
@@ -159,6 +168,10 @@ def optimize_bundle(bundle_dir: str | Path, out_dir: str | Path, target: str = "
 
     per_channel (int8): None chooses per tensor, which is faster, unless its greedy tokens miss the tolerance
     table's int8 row and per-channel scales do better; True/False force one.
+
+    The gate (toolkit.parity.gate, the tolerance table's row for the precision): a verdict other than "ok"
+    (failed, or inconclusive because the outputs do not vary) raises ParityError and writes nothing, unless
+    allow_unverified, which writes the bundle with the verdict and "verified": false in its manifest.
     """
     start = time.perf_counter()
     bundle_dir, out_dir = Path(bundle_dir), Path(out_dir)
@@ -171,7 +184,7 @@ def optimize_bundle(bundle_dir: str | Path, out_dir: str | Path, target: str = "
     kv_cache = resolve_kv_cache(kv_cache, target, fuse, attention, manifest, precision)
     report = OptimizeReport(str(bundle_dir), str(out_dir), target, precision, attention if fuse else None, kv_cache)
     job = _Job(bundle_dir, out_dir, manifest, target, precision, fuse, attention, kv_cache, per_channel, samples,
-               ort_format, report, progress or (lambda msg: None))
+               ort_format, report, progress or (lambda msg: None), allow_unverified)
     job.progress(f"optimizing {bundle_dir} -> {out_dir}")
     if manifest.get("ort_graphs"):
         report.notes.append("the source's ORT-format (.ort) graphs are not carried over; convert the new graphs again")
@@ -225,9 +238,12 @@ def convert(job: _Job, models: dict[str, ir.Model], tmp: Path) -> bool | None:
             (folder / files[g]).replace(tmp / files[g])
         for _, other, _ in tried:
             shutil.rmtree(other, ignore_errors=True)
-    if report.parity.get("judged") and not report.parity["verified"]:
-        raise ParityError(f"optimized graphs differ from the source bundle: {report.parity['summary']}; "
-                          f"nothing was written to {job.out_dir}", report.parity)
+    if not report.parity["verified"] and report.parity.get("verdict") != "not run":
+        if not job.allow_unverified:
+            raise ParityError(f"the {precision} graphs did not pass the gate: {report.parity['summary']}; nothing "
+                              f"was written to {job.out_dir} (pass --allow-unverified to write it marked "
+                              f"unverified)", report.parity)
+        report.parity["allowed_unverified"] = True
     return choice
 
 
@@ -343,13 +359,11 @@ def _tokenizer(bundle_dir: Path, manifest: dict, tmp: Path) -> str | None:
 
 
 def _parity(job: _Job, paths: dict[str, Path]) -> dict:
-    """The parity record: graph outputs and greedy tokens of the new graphs against the source bundle's."""
-    manifest, bundle_dir, target, precision = job.manifest, job.bundle_dir, job.target, job.precision
-    src_paths, samples, progress = {g: job.source(g) for g in GRAPHS}, job.samples, job.progress
-    config = manifest["model"]
-    provider = "cuda" if target == "cuda" else "cpu"
+    """The gate's parity record of the new graphs against the source bundle's (toolkit.parity.gate)."""
+    src_paths, precision, config = {g: job.source(g) for g in GRAPHS}, job.precision, job.manifest["model"]
+    provider = "cuda" if job.target == "cuda" else "cpu"
     if provider == "cuda" and "CUDAExecutionProvider" not in ort.get_available_providers():
-        record = {"verified": False, "judged": False, "provider": "cuda", "precision": precision,
+        record = {"verified": False, "judged": False, "verdict": "not run", "provider": "cuda", "precision": precision,
                   "reason": f"CUDA not available: this onnxruntime has no CUDAExecutionProvider, so the {precision} "
                             f"graphs were not run on their target; check them on a GPU machine with "
                             f"`onnxformer parity CHECKPOINT BUNDLE --provider cuda`"}
@@ -358,44 +372,13 @@ def _parity(job: _Job, paths: dict[str, Path]) -> dict:
             record["cpu_check"] = {k: cpu[k] for k in ("summary", "max_abs", "teacher_forced_tokens_equal")}
         except Exception as exc:                   # e.g. an op without a CPU kernel for this type
             record["cpu_check"] = {"summary": f"does not run on the CPU ({str(exc).splitlines()[0][:200]})"}
-        progress(f"parity not verified: {record['reason']}")
+        job.progress(f"parity not verified: {record['reason']}")
         return record
     t0 = time.perf_counter()
-    tol = tolerance(precision, provider)
-    record = bundle_parity(src_paths, paths, config, provider, tol, precision).to_dict()
-    record["generation"] = _generation(config, bundle_dir, manifest, src_paths, paths, provider, precision, tol,
-                                       samples)
-    tokens_ok = record["generation"]["tokens_equal"] >= tol.token_match
-    if record["judged"]:
-        record["verified"] = record["verified"] and tokens_ok
-        if not tokens_ok:
-            record["summary"] += f"; greedy tokens equal only {record['generation']['tokens_equal']:.2%}"
-    else:                                          # int8: numbers reported, tokens judged (not a gate)
-        record["verified"] = tokens_ok
-    progress(f"parity against the source bundle on {provider} in {time.perf_counter() - t0:.1f} s: "
-             f"{record['summary']}")
+    record = bundle_gate(src_paths, paths, job.manifest, job.bundle_dir, provider, precision, job.samples)
+    job.progress(f"parity against the source bundle on {provider} in {time.perf_counter() - t0:.1f} s: "
+                 f"{record['summary']}")
     return record
-
-
-def _generation(config, bundle_dir, manifest, src_paths, paths, provider, precision, tol, samples) -> dict:
-    """Greedy decoding with both bundles through the runtime engine; token agreement position by position."""
-    from runtime.ort_engine import OrtEngine
-    from runtime.session import SessionConfig, make_session
-    from runtime.tokenizer import load_tokenizer
-    from toolkit.config import ModelConfig
-    from toolkit.parity.generation import generation_parity, parity_inputs
-
-    tokenizer = load_tokenizer(bundle_dir / manifest["tokenizer"]) if manifest.get("tokenizer") else None
-    seqs, source = parity_inputs(ModelConfig.from_dict(config), tokenizer, samples=samples)
-    options = SessionConfig()
-    engines = [OrtEngine(make_session(p["encoder"], provider, options.for_graph("encoder")),
-                         make_session(p["decoder"], provider, options), config, provider)
-               for p in (src_paths, paths)]
-    report = generation_parity(engines[0], engines[1], seqs, tol, provider, precision, beams=(1,),
-                               max_new_tokens=min(32, config["max_len"]), source=source)
-    check = report.checks[0]
-    return {"tokens_equal": check.tokens_equal, "sequences_equal": check.sequences_equal, "samples": check.samples,
-            "token_match": tol.token_match, "source": source, "distinct_outputs": check.distinct_outputs}
 
 
 __all__ = ["optimize_bundle", "OptimizeReport", "OptimizeError", "check_options", "resolve_kv_cache", "PRECISIONS",

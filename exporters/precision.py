@@ -10,8 +10,15 @@ follow the graph's float type and are converted with it.
 int8 (onnxruntime.quantization.quantize_dynamic): MatMul weights only (op_types_to_quantize=["MatMul"]:
 quantizing the ONNX Attention op would turn it into QAttention, which no longer loads), int8 weights with one
 scale per tensor or per output channel (optimize chooses: per tensor runs ~20% faster at batch 1, per channel
-halves the logits error), activations quantized at run time. MatMuls between two activations (unfused
-attention scores) are left in float (MatMulConstBOnly).
+halves the logits error), activations quantized at run time. Packed weights (Q/K/V of a layer, the cross K/V of
+all decoder layers, exporters/fusions/pack_matmul) always get per-channel scales: one scale for matrices of
+different ranges is the error per-channel scales exist for. MatMuls between two activations (unfused attention
+scores) are left in float (MatMulConstBOnly).
+
+reduce_range stays off, by measurement (benchmarks/int8_numerics.py, RESULTS.md "int8 numerics"): 7-bit weights
+double the teacher-forced logits error on the dates model on a VNNI CPU (mean 0.043 -> 0.076), where 8-bit
+products cannot saturate; the AVX2-only (no VNNI) case, where u8 x s8 pairs can saturate int16, was measured
+under qemu -cpu Haswell (same script, --evaluate).
 """
 
 from __future__ import annotations
@@ -35,16 +42,35 @@ def to_fp16(model: ir.Model) -> ir.Model:
     return ir.from_proto(converted)
 
 
-def to_int8(model: ir.Model, per_channel: bool = True) -> ir.Model:
-    """A copy with MatMul weights quantized to int8 (dynamic quantization of activations)."""
+PACKED = ".packed.weight"           # the joined weights of exporters/fusions/pack_matmul (Q/K/V, cross K/V of all layers)
+
+
+def to_int8(model: ir.Model, per_channel: bool = True, reduce_range: bool = False,
+            packed_per_channel: bool = True) -> ir.Model:
+    """A copy with MatMul weights quantized to int8 (dynamic quantization of activations).
+
+    per_channel False still gives packed weights one scale per output channel (packed_per_channel): Q, K and V
+    of a layer, and the cross-attention K/V of every decoder layer, joined into one matrix have different
+    ranges, and one scale for all of them rounds the narrow ones away. The other weights keep one scale per
+    tensor (faster). reduce_range: 7-bit weights (see the module docstring for why it is off)."""
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
+    for i, node in enumerate(model.graph):                       # the quantizer selects nodes by name
+        if node.op_type == "MatMul" and not node.name:
+            node.name = f"MatMul_{i}"
+    packed = [n.name for n in model.graph if n.op_type == "MatMul" and n.inputs[1] is not None
+              and (n.inputs[1].name or "").endswith(PACKED)] if packed_per_channel else []
     with tempfile.TemporaryDirectory() as tmp:
         src, dst = Path(tmp) / "float.onnx", Path(tmp) / "int8.onnx"
         ir.save(model, src)
-        quantize_dynamic(src, dst, op_types_to_quantize=["MatMul"], per_channel=per_channel,
-                         reduce_range=False, weight_type=QuantType.QInt8,
-                         extra_options={"MatMulConstBOnly": True})
+        common = dict(op_types_to_quantize=["MatMul"], reduce_range=reduce_range, weight_type=QuantType.QInt8,
+                      extra_options={"MatMulConstBOnly": True})
+        if per_channel or not packed:
+            quantize_dynamic(src, dst, per_channel=per_channel, **common)
+        else:
+            mid = Path(tmp) / "packed.onnx"
+            quantize_dynamic(src, mid, per_channel=True, nodes_to_quantize=packed, **common)
+            quantize_dynamic(mid, dst, per_channel=False, nodes_to_exclude=packed, **common)
         return ir.from_proto(onnx.load(str(dst)))
 
 

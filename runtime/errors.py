@@ -42,3 +42,5 @@ def read_json(path: str | Path, error: type[OnnxformerError], fix: str, missing:
         raise error(f"{path} is missing; {missing or fix}") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise error(f"{path} is not valid JSON ({exc}); {fix}") from None
+    except OSError as exc:                          # a directory, no permission, an I/O error
+        raise error(f"{path} cannot be read ({exc.strerror or exc}); {fix}") from None

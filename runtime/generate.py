@@ -59,6 +59,9 @@ def pad_batch(sequences: Sequence[Sequence[int]], pad_id: int) -> tuple[np.ndarr
     return ids, mask
 
 
+MAX_LENGTH_PENALTY = 10.0            # |length_penalty| above this overflows len ** lp and means nothing anyway
+
+
 def check_request(sequences: Sequence[Sequence[int]], opts: SearchOptions, vocab_size: int, max_len: int) -> None:
     """Refuse what the model cannot serve, naming the input and the fix; nothing is silently truncated."""
     if len(sequences) == 0:
@@ -81,6 +84,10 @@ def check_request(sequences: Sequence[Sequence[int]], opts: SearchOptions, vocab
     if not 1 <= opts.num_return <= opts.beam:
         raise InputError(f"number of returned hypotheses ({opts.num_return}) must be between 1 and the beam width "
                          f"({opts.beam})")
+    lp = opts.length_penalty
+    if not isinstance(lp, (int, float)) or not -MAX_LENGTH_PENALTY <= lp <= MAX_LENGTH_PENALTY:   # NaN fails too
+        raise InputError(f"length penalty must be a number between {-MAX_LENGTH_PENALTY:g} and "
+                         f"{MAX_LENGTH_PENALTY:g} (1.0 divides a beam's log-probability by its length), got {lp!r}")
 
 
 def generate_ids(engine: Engine, sequences: Sequence[Sequence[int]], opts: SearchOptions,

@@ -190,10 +190,24 @@ def bundle_files(bundle_dir: str | Path) -> set[str] | None:
 
 
 def manifest_specs(manifest: dict) -> dict[str, GraphSpec]:
-    """The graphs' interfaces as recorded in the manifest."""
-    return {name: GraphSpec(name, tuple(TensorSpec.from_dict(t) for t in entry["inputs"]),
-                            tuple(TensorSpec.from_dict(t) for t in entry["outputs"]))
-            for name, entry in manifest["graphs"].items()}
+    """The graphs' interfaces as recorded in the manifest (a malformed entry is a BundleError)."""
+    specs = {}
+    for name, entry in manifest["graphs"].items():
+        try:
+            specs[name] = GraphSpec(name, tuple(_tensor(t) for t in entry["inputs"]),
+                                    tuple(_tensor(t) for t in entry["outputs"]))
+        except (KeyError, TypeError, ValueError):
+            raise BundleError(f"{MANIFEST}: graph {name!r} has a malformed input or output entry (each needs a "
+                              f"name, a dtype and a shape list); re-export the bundle") from None
+    return specs
+
+
+def _tensor(t) -> TensorSpec:
+    spec = TensorSpec.from_dict(t)
+    if not isinstance(spec.name, str) or not isinstance(spec.dtype, str) or not isinstance(t["shape"], list) or \
+            not all(isinstance(d, (str, int)) and not isinstance(d, bool) or d is None for d in spec.shape):
+        raise ValueError(t)
+    return spec
 
 
 # ---------------------------------------------------------------------------------------------- inspect

@@ -60,8 +60,10 @@ def bundles(toy_exported, tmp_path_factory):
 
     root = tmp_path_factory.mktemp("edge")
     fp32 = toy_exported[1]
-    int8, _ = optimize_bundle(fp32, root / "int8", target="cpu", precision="int8", samples=8)
-    int8_ort, _ = optimize_bundle(fp32, root / "int8-ort", target="cpu", precision="int8", samples=8, ort_format=True)
+    int8, _ = optimize_bundle(fp32, root / "int8", target="cpu", precision="int8", samples=8,  # toy: below the
+                              allow_unverified=True)                                          # int8 token row
+    int8_ort, _ = optimize_bundle(fp32, root / "int8-ort", target="cpu", precision="int8", samples=8, ort_format=True,
+                                  allow_unverified=True)
     return {"fp32": fp32, "int8": int8, "fp32-ort": with_ort_graphs(fp32, root / "fp32-ort"), "int8-ort": int8_ort}
 
 
@@ -271,7 +273,8 @@ def test_optimize_replaces_a_bundle_with_weights_and_reoptimizes_from_one(bundle
     optimize_bundle(toy_exported[1], out, precision="fp32", samples=4)
     assert (out / "weights.data").is_file()
     optimize_bundle(toy_exported[1], out, precision="fp32", samples=4, force=True)       # replaced, not refused
-    again, report = optimize_bundle(out, tmp_path / "int8", precision="int8", fuse=False, samples=8)
+    again, report = optimize_bundle(out, tmp_path / "int8", precision="int8", fuse=False, samples=8,
+                                      allow_unverified=True)          # toy: below the int8 token row
     shutil.rmtree(out)                                                # nothing may still point into the source
     manifest = json.loads((again / "manifest.json").read_text())
     assert manifest["shared_weights"]["file"] == "weights.data" and report.totals["int8_embedding"] == 2
@@ -283,7 +286,8 @@ def test_int4_bundle_is_weight_only_4bit_and_gated_on_its_row(bundles, toy_expor
     from exporters.optimize import optimize_bundle
     from toolkit.parity.tolerances import tolerance
 
-    out, report = optimize_bundle(toy_exported[1], tmp_path / "int4", precision="int4", samples=16)
+    out, report = optimize_bundle(toy_exported[1], tmp_path / "int4", precision="int4", samples=16,
+                                  allow_unverified=True)             # the toy model may miss the row: the same gate
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["precision"] == "int4" and manifest["passes"][-1] == "quantize_int4"
     for g in ("encoder", "decoder"):
@@ -301,7 +305,7 @@ def test_int4_bundle_is_weight_only_4bit_and_gated_on_its_row(bundles, toy_expor
     assert len({tuple(h[0].tokens) for h in hyps}) >= len(seqs) // 2
     result = CliRunner().invoke(__import__("toolkit.cli", fromlist=["main"]).main,
                                 ["optimize", str(toy_exported[1]), "--out", str(tmp_path / "cli4"), "--precision",
-                                 "int4", "--json"])
+                                 "int4", "--json", "--allow-unverified"])
     assert result.exit_code == 0, result.output
     assert json.loads(result.output)["precision"] == "int4"
 

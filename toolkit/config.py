@@ -81,8 +81,13 @@ class ModelConfig:
         if self.final_norm and self.norm == "pre":
             raise ConfigError("final_norm is for post-norm stacks (pre-norm stacks always end with a LayerNorm); "
                               "set norm 'post' or final_norm false")
-        if not 0.0 <= float(self.dropout) < 1.0:
+        for name in ("dropout", "layer_norm_eps"):
+            if not isinstance(getattr(self, name), (int, float)) or isinstance(getattr(self, name), bool):
+                raise ConfigError(f"config field {name!r} must be a number, got {getattr(self, name)!r}")
+        if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"dropout must be in [0, 1), got {self.dropout!r}")
+        if not 0.0 < self.layer_norm_eps < 1.0:
+            raise ConfigError(f"layer_norm_eps must be in (0, 1), got {self.layer_norm_eps!r}")
         for name in ("pad_id", "bos_id", "eos_id"):
             if not 0 <= ints[name] < self.vocab_size:
                 raise ConfigError(f"{name} ({ints[name]}) must lie inside the vocabulary [0, {self.vocab_size})")

@@ -25,9 +25,13 @@ from toolkit.extras import require
 @click.option("--ort-format", is_flag=True,
               help="also write ORT-format (.ort) graphs and required_operators.config (CPU minimal/mobile builds)")
 @click.option("--force", is_flag=True, help="replace an existing bundle at --out")
+@click.option("--allow-unverified", is_flag=True,
+              help="write the bundle even when its parity gate fails or is inconclusive (outputs that do not vary, "
+                   "e.g. random weights), marked unverified in its manifest [default: refuse, exit 1]")
 @click.option("--json", "as_json", is_flag=True, help="print the report as JSON")
 @friendly
-def command(bundle, out, target, precision, fuse, attention, kv_cache, per_channel, ort_format, force, as_json):
+def command(bundle, out, target, precision, fuse, attention, kv_cache, per_channel, ort_format, force,
+            allow_unverified, as_json):
     """Optimize a bundle for ONNX Runtime: attention/LayerNorm/GELU fusion, fp16 or int8, checked for parity."""
     require("export")
     from exporters.optimize import optimize_bundle
@@ -40,11 +44,14 @@ def command(bundle, out, target, precision, fuse, attention, kv_cache, per_chann
     try:
         _, report = optimize_bundle(bundle, out, target=target, precision=precision, fuse=fuse, attention=attention,
                                     force=force, per_channel=per_channel, progress=progress,
-                                    ort_format=ort_format, kv_cache=kv_cache)
+                                    ort_format=ort_format, kv_cache=kv_cache, allow_unverified=allow_unverified)
     except ParityError as exc:
         if isinstance(exc.report, dict) and not as_json:
             from toolkit.parity.graphs import record_table
-            click.echo(record_table(exc.report))
+            if exc.report.get("outputs"):
+                click.echo(record_table(exc.report))
+            if exc.report.get("generation"):
+                click.echo(exc.report["generation"]["summary"])
         raise
     if as_json:
         import json

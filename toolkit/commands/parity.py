@@ -43,7 +43,7 @@ def command(checkpoint, bundle, provider, samples, beam, max_new_tokens, input_f
     from runtime.bundle import load_bundle
     from toolkit.parity import ParityError
     from toolkit.checkpoint import load_checkpoint
-    from toolkit.parity.generation import generation_parity, parity_inputs
+    from toolkit.parity.generation import combine, generation_parity, parity_inputs
     from toolkit.parity.graphs import graph_parity
     from toolkit.parity.tolerances import tolerance
     from toolkit.torch_engine import TorchEngine
@@ -64,8 +64,9 @@ def command(checkpoint, bundle, provider, samples, beam, max_new_tokens, input_f
     tokens = generation_parity(TorchEngine(ckpt.model), loaded.engine, seqs, tol, loaded.provider, precision,
                                beams, max_new_tokens, source)
     ok = graphs.ok and tokens.ok
+    verdict = combine([graphs.verdict, tokens.verdict])
     if as_json:
-        click.echo(json.dumps({"ok": ok, "checkpoint": str(checkpoint), "bundle": str(bundle),
+        click.echo(json.dumps({"ok": ok, "verdict": verdict, "checkpoint": str(checkpoint), "bundle": str(bundle),
                                "provider": loaded.provider, "precision": precision,
                                "graphs": graphs.to_dict(), "generation": tokens.to_dict()}, indent=2))
     else:
@@ -74,6 +75,7 @@ def command(checkpoint, bundle, provider, samples, beam, max_new_tokens, input_f
         click.echo("")
         click.echo(tokens.table())
         click.echo(tokens.summary())
+        click.echo(f"verdict: {verdict} (graphs {graphs.verdict}, generated tokens {tokens.verdict})")
     if not ok:
         failed = [r.summary() for r in (graphs, tokens) if not r.ok]
         raise ParityError("; ".join(failed), {"graphs": graphs, "generation": tokens})

@@ -4,6 +4,13 @@ Both engines feed the same numpy search (runtime.search), so tokens can differ o
 differ enough to change a choice. For each search (greedy, beam) it reports the fraction of inputs
 whose best hypothesis is identical and the fraction of identical tokens (position-wise, over the longer
 of the two outputs), judged against the tolerance table's token_match for the precision and provider.
+
+Verdicts: "ok", "failed" or "inconclusive". Equal tokens prove something only when the reference outputs vary:
+with fewer distinct reference outputs than max(4, a quarter of the inputs) (a random-weight model repeats one
+token for every input) agreement is no verdict. Parity then compares teacher-forced logits along the reference's
+tokens instead (`teacher_forced`): both engines are fed the reference's outputs and their logits at every
+position are judged by the tolerance table's atol; where the table has none (int8: report only) the verdict
+stays "inconclusive", and a gate refuses it like a failure. Disagreeing tokens fail whatever the variety.
 """
 
 from __future__ import annotations
@@ -13,12 +20,26 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from runtime.errors import InputError
-from runtime.generate import generate_ids
+from runtime.generate import generate_ids, pad_batch
 from runtime.search import SearchOptions
-from toolkit.parity.tolerances import Tolerance
+from toolkit.parity.tolerances import MIN_REFERENCE_STD, Tolerance
 from toolkit.tasks import task_parity_inputs
 
 BATCH = 64                          # inputs per generate call (both engines see the same padded batches)
+VERDICTS = ("ok", "failed", "inconclusive")
+
+
+def needed_distinct(samples: int) -> float:
+    """Distinct reference outputs a token verdict needs: max(4, a quarter of the inputs)."""
+    return max(4.0, samples / 4)
+
+
+def combine(verdicts) -> str:
+    """One verdict of several checks: failed if any failed, else inconclusive if any is (or there are none), else ok."""
+    verdicts = set(verdicts)
+    if "failed" in verdicts:
+        return "failed"
+    return "inconclusive" if "inconclusive" in verdicts or not verdicts else "ok"
 
 
 @dataclass
@@ -32,15 +53,34 @@ class GenerationCheck:
     sequences_equal: float          # fraction of inputs whose best hypothesis is identical
     tokens_equal: float             # identical tokens / tokens compared (position-wise, longer output counts)
     token_match: float              # the threshold tokens_equal must reach
-    distinct_outputs: int           # distinct reference outputs (1 would make the comparison weak)
+    distinct_outputs: int           # distinct reference outputs (too few: the tokens prove nothing)
     first_mismatch: dict | None = None  # {"index", "position", "input", "pytorch", "onnxruntime"}
+    teacher_forced: dict | None = None  # the logits check run when the outputs vary too little (see `teacher_forced`)
+
+    @property
+    def varied(self) -> bool:
+        return self.distinct_outputs >= needed_distinct(self.samples)
+
+    @property
+    def verdict(self) -> str:
+        if self.tokens_equal < self.token_match:
+            return "failed"
+        if self.varied:
+            return "ok"
+        return self.teacher_forced["verdict"] if self.teacher_forced else "inconclusive"
+
+    @property
+    def basis(self) -> str:
+        """What the verdict rests on."""
+        return "tokens" if self.varied or self.tokens_equal < self.token_match else "teacher-forced logits"
 
     @property
     def ok(self) -> bool:
-        return self.tokens_equal >= self.token_match
+        return self.verdict == "ok"
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "ok": self.ok}
+        return {**asdict(self), "ok": self.ok, "verdict": self.verdict, "basis": self.basis,
+                "needed_distinct": needed_distinct(self.samples)}
 
 
 @dataclass
@@ -54,35 +94,52 @@ class GenerationReport:
     checks: list[GenerationCheck] = field(default_factory=list)
 
     @property
+    def verdict(self) -> str:
+        return combine(c.verdict for c in self.checks)
+
+    @property
     def ok(self) -> bool:
-        return bool(self.checks) and all(c.ok for c in self.checks)
+        return self.verdict == "ok"
 
     def summary(self) -> str:
-        bad = [c for c in self.checks if not c.ok]
-        verdict = "ok" if not bad else "FAILED"
+        verdict = self.verdict.upper() if self.verdict != "ok" else "ok"
         parts = [f"{c.search} {c.tokens_equal:.2%} tokens, {c.sequences_equal:.2%} sequences" for c in self.checks]
         line = (f"generation parity {verdict} on {self.provider} {self.precision} (tokens equal >= "
                 f"{self.tolerance.token_match:.0%}): " + "; ".join(parts))
+        bad = [c for c in self.checks if c.verdict == "failed"]
         if bad and bad[0].first_mismatch:
             m = bad[0].first_mismatch
             line += (f"; first mismatch ({bad[0].search}): input {m['index']} at position {m['position']}: "
                      f"onnxruntime {m['onnxruntime'][:12]} vs pytorch {m['pytorch'][:12]}")
+        for c in self.checks:
+            if c.basis != "tokens":
+                line += (f"; {c.search}: only {c.distinct_outputs} distinct reference outputs of {c.samples} inputs "
+                         f"(a token verdict needs {needed_distinct(c.samples):g}), so " + _fallback(c.teacher_forced))
         return line
 
     def table(self) -> str:
         lines = [f"{'search':<8} {'inputs':>6} {'max new':>7} {'sequences equal':>16} {'tokens equal':>13} "
-                 f"{'needed':>7} {'distinct':>8}  ok", "-" * 78]
+                 f"{'needed':>7} {'distinct':>8}  verdict", "-" * 84]
         for c in self.checks:
             lines.append(f"{c.search:<8} {c.samples:>6} {c.max_new_tokens:>7} {c.sequences_equal:>16.2%} "
                          f"{c.tokens_equal:>13.2%} {c.token_match:>7.0%} {c.distinct_outputs:>8}  "
-                         f"{'yes' if c.ok else 'NO'}")
+                         f"{c.verdict}{'' if c.basis == 'tokens' else ' (teacher-forced logits)'}")
         lines.append(f"inputs: {self.source}")
         return "\n".join(lines)
 
     def to_dict(self) -> dict:
-        return {"ok": self.ok, "provider": self.provider, "precision": self.precision,
+        return {"ok": self.ok, "verdict": self.verdict, "provider": self.provider, "precision": self.precision,
                 "token_match": self.tolerance.token_match, "source": self.source, "summary": self.summary(),
                 "checks": [c.to_dict() for c in self.checks]}
+
+
+def _fallback(record: dict | None) -> str:
+    if record is None:
+        return "the tokens are no verdict (inconclusive)"
+    limit = "report only" if record["limit"] is None else f"allowed {record['limit']:g}"
+    return (f"teacher-forced logits along the reference tokens were compared instead: {record['verdict']} "
+            f"(max abs error {record['max_abs']:.3g}, {limit}; {record['positions']} positions, argmax equal "
+            f"{record['argmax_equal']:.2%})")
 
 
 def parity_inputs(config, tokenizer=None, samples: int = 100, seed: int = 0) -> tuple[list[list[int]], str]:
@@ -135,7 +192,42 @@ def generation_parity(reference, candidate, seqs: list[list[int]], tolerance: To
         seq_eq, tok_eq, first = compare_tokens(ref, got)
         if first is not None:
             first["input"] = list(seqs[first["index"]])
-        report.checks.append(GenerationCheck(
-            "greedy" if beam == 1 else f"beam {beam}", beam, len(seqs), max_new_tokens, seq_eq, tok_eq,
-            tolerance.token_match, len({tuple(t) for t in ref}), first))
+        check = GenerationCheck("greedy" if beam == 1 else f"beam {beam}", beam, len(seqs), max_new_tokens, seq_eq,
+                                tok_eq, tolerance.token_match, len({tuple(t) for t in ref}), first)
+        if check.basis != "tokens":
+            check.teacher_forced = teacher_forced(reference, candidate, seqs, ref, tolerance)
+        report.checks.append(check)
     return report
+
+
+def teacher_forced(reference, candidate, seqs: list[list[int]], tokens: list[list[int]], tol: Tolerance) -> dict:
+    """Both engines fed the reference's output tokens (after the start token): their logits at every position
+    of every output, judged by tol.atol (None: report only, verdict "inconclusive"). The reference logits must
+    vary across inputs (std above MIN_REFERENCE_STD) or the verdict is "inconclusive" too."""
+    worst, total, positions, same, ref_rows = 0.0, 0.0, 0, 0, []
+    for start in range(0, len(seqs), BATCH):
+        chunk, outs = seqs[start:start + BATCH], tokens[start:start + BATCH]
+        length = max(1, max(len(t) for t in outs))
+        ids, mask = pad_batch(chunk, reference.pad_id)
+        states = [e.start(ids, mask, 1, length) for e in (reference, candidate)]
+        feed = np.full(len(chunk), reference.bos_id, dtype=np.int64)
+        for pos in range(length):
+            ref, got = (s.step(feed, None) for s in states)
+            rows = np.asarray([pos < len(t) for t in outs])          # positions this output has
+            if rows.any():
+                diff = np.abs(got[rows].astype(np.float64) - ref[rows].astype(np.float64))
+                per_position = np.nan_to_num(diff, nan=np.inf).max(axis=-1)
+                worst, total = max(worst, float(per_position.max())), total + float(per_position.sum())
+                positions += int(rows.sum())
+                same += int((got[rows].argmax(-1) == ref[rows].argmax(-1)).sum())
+                ref_rows.append(ref[rows])
+            feed = np.asarray([t[pos] if pos < len(t) else reference.eos_id for t in outs], dtype=np.int64)
+    std = float(np.concatenate(ref_rows).std(axis=0).mean()) if ref_rows else 0.0
+    limit = tol.limit("logits", 0.0)
+    if limit is None or not std > MIN_REFERENCE_STD:
+        verdict = "inconclusive"
+    else:
+        verdict = "ok" if worst <= limit else "failed"
+    return {"verdict": verdict, "max_abs": worst, "mean_max_abs": total / max(positions, 1), "limit": limit,
+            "positions": positions,
+            "argmax_equal": same / max(positions, 1), "reference_std": std}

@@ -127,10 +127,19 @@ class ParityReport:
     def ok(self) -> bool:
         return bool(self.checks) and not self.failures and not self.vacuous
 
+    @property
+    def verdict(self) -> str:
+        """ok | failed | inconclusive (reference outputs that do not vary) | not judged (report only)."""
+        if self.vacuous or not self.checks:
+            return "inconclusive"
+        if not self.judged:
+            return "not judged"
+        return "failed" if self.failures else "ok"
+
     def summary(self) -> str:
         """One line: verdict, and the worst output (or why it failed)."""
         if self.vacuous:
-            return (f"parity NOT verified: reference outputs {', '.join(self.vacuous)} do not vary "
+            return (f"parity INCONCLUSIVE (not verified): reference outputs {', '.join(self.vacuous)} do not vary "
                     f"(std <= {MIN_REFERENCE_STD:g}), so a comparison would pass vacuously; check the model weights")
         worst = max(self.checks, key=lambda c: c.max_abs)
         against = "" if self.reference == "pytorch" else f" against the {self.reference}"
@@ -163,7 +172,8 @@ class ParityReport:
                 per_graph[graph] = {"max_abs": worst.max_abs, "max_rel": max(c.max_rel for c in checks),
                                     "worst_output": worst.output, "ok": all(c.ok for c in checks)}
         tol = self.tolerance
-        record = {"verified": self.ok, "judged": self.judged, "provider": self.provider, "precision": self.precision,
+        record = {"verified": self.ok, "verdict": self.verdict, "judged": self.judged, "provider": self.provider,
+                  "precision": self.precision,
                   "reference": self.reference, "graph_optimization": GRAPH_OPTIMIZATION,
                   "tolerance": None if tol is None else tol.atol, "token_match": None if tol is None else tol.token_match,
                   "batch": self.batch, "src_lens": list(self.src_lens), "steps": self.steps,

@@ -202,6 +202,11 @@ def dates_accuracy(engine, tokenizer: CharTokenizer, examples: Sequence[tuple[st
     return sum(p == t for p, (_, t) in zip(predicted, examples)) / max(len(examples), 1)
 
 
+def accuracy(engine, tokenizer: CharTokenizer, samples: int) -> float:
+    """The task metric (toolkit.tasks.task_accuracy): greedy exact match on the first `samples` held-out dates."""
+    return dates_accuracy(engine, tokenizer, held_out_examples()[:samples])
+
+
 # --- the training recipe ----------------------------------------------------------------------------
 
 RECIPE = {

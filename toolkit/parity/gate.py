@@ -1,0 +1,95 @@
+"""The gate a converted bundle passes before it is written (optimize, for every precision): one function, driven
+by the tolerance table's row for the precision and provider, so a new precision (int4) is gated by adding a row.
+
+    record = bundle_gate(source_paths, candidate_paths, manifest, source_dir, "cpu", "int8", samples=32)
+    record["verdict"]      # "ok" | "failed" | "inconclusive"; record["verified"] = verdict == "ok"
+    record["verdicts"]     # per check: {"graphs": ..., "tokens": ..., "accuracy": ...}
+
+What the row asks is judged, against the source bundle's graphs on the same provider:
+- atol (not None): every graph output over a first and 8 cached decoder steps (toolkit.parity.graphs);
+- token_match: greedy tokens over `samples` inputs (the task's held-out inputs, else random ids); the reference
+  outputs must vary (toolkit.parity.generation), else teacher-forced logits decide, judged by atol, and without
+  an atol (int8) the tokens are no verdict: "inconclusive", which a gate refuses like "failed";
+- accuracy_drop (not None): the task metric of the model's task (toolkit.tasks.task_accuracy), the candidate at
+  most that many points below the source, where the task has one.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from runtime.ort_engine import OrtEngine
+from runtime.session import SessionConfig, make_session
+from runtime.tokenizer import load_tokenizer
+from toolkit.config import ModelConfig
+from toolkit.parity.generation import combine, generation_parity, parity_inputs
+from toolkit.parity.graphs import bundle_parity
+from toolkit.parity.tolerances import tolerance
+from toolkit.tasks import task_accuracy
+
+ACCURACY_SAMPLES = 1000             # held-out examples for the task metric: 1 point = 10 examples
+
+
+def engine(paths: dict[str, Path], config: dict, provider: str) -> OrtEngine:
+    """A runtime engine over a pair of graph files (sessions made as the runtime makes them)."""
+    options = SessionConfig()
+    return OrtEngine(make_session(paths["encoder"], provider, options.for_graph("encoder")),
+                     make_session(paths["decoder"], provider, options.for_graph("decoder")), config, provider)
+
+
+def bundle_gate(src_paths: dict[str, Path], paths: dict[str, Path], manifest: dict, bundle_dir: Path,
+                provider: str, precision: str, samples: int = 32) -> dict:
+    """The parity record of candidate graphs against the source bundle's, with the gate's verdict."""
+    config = manifest["model"]
+    tol = tolerance(precision, provider)
+    record = bundle_parity(src_paths, paths, config, provider, tol, precision).to_dict()
+    verdicts = {"graphs": record["verdict"]} if record["judged"] or record["verdict"] == "inconclusive" else {}
+    tokenizer = load_tokenizer(bundle_dir / manifest["tokenizer"]) if manifest.get("tokenizer") else None
+    seqs, source = parity_inputs(ModelConfig.from_dict(config), tokenizer, samples=samples)
+    reference, candidate = engine(src_paths, config, provider), engine(paths, config, provider)
+    gen = generation_parity(reference, candidate, seqs, tol, provider, precision, beams=(1,),
+                            max_new_tokens=min(32, config["max_len"]), source=source)
+    check = gen.checks[0]
+    record["generation"] = {"tokens_equal": check.tokens_equal, "sequences_equal": check.sequences_equal,
+                            "samples": check.samples, "token_match": tol.token_match, "source": source,
+                            "distinct_outputs": check.distinct_outputs, "needed_distinct": check.to_dict()["needed_distinct"],
+                            "verdict": check.verdict, "basis": check.basis, "teacher_forced": check.teacher_forced,
+                            "summary": gen.summary()}
+    verdicts["tokens"] = check.verdict
+    if tol.accuracy_drop is not None:
+        found = task_accuracy(tokenizer, (reference, candidate), ACCURACY_SAMPLES)
+        if found is not None:
+            (before, after), what = found
+            drop = (before - after) * 100
+            verdicts["accuracy"] = "ok" if drop <= tol.accuracy_drop else "failed"
+            record["accuracy"] = {"source": before, "candidate": after, "drop_points": drop,
+                                  "allowed_drop_points": tol.accuracy_drop, "what": what,
+                                  "verdict": verdicts["accuracy"]}
+    record["verdicts"] = verdicts
+    record["verdict"] = combine(verdicts.values())
+    record["verified"] = record["verdict"] == "ok"
+    record["summary"] = gate_summary(record)
+    return record
+
+
+def gate_summary(record: dict) -> str:
+    """One line: the verdict, each check's, and the numbers behind them."""
+    gen, parts = record["generation"], []
+    for name, verdict in record["verdicts"].items():
+        if name == "graphs":
+            parts.append(f"graphs {verdict} (max abs error {record['max_abs']:.3g}, tolerance {record['tolerance']})")
+        elif name == "tokens":
+            why = (f"{gen['distinct_outputs']} distinct reference outputs of {gen['samples']}, a token verdict needs "
+                   f"{gen['needed_distinct']:g}" + ("" if gen["teacher_forced"] is None else
+                                                      f"; teacher-forced logits {gen['teacher_forced']['verdict']}")
+                   if gen["basis"] != "tokens" else f"needed {gen['token_match']:.0%}")
+            parts.append(f"greedy tokens {verdict}: {gen['tokens_equal']:.2%} equal ({why})")
+        else:
+            a = record["accuracy"]
+            parts.append(f"{a['what']} {verdict}: {a['candidate']:.2%} vs {a['source']:.2%} "
+                         f"({a['drop_points']:+.2f} points lost, at most {a['allowed_drop_points']:g} allowed)")
+    return (f"verdict {record['verdict'].upper() if record['verdict'] != 'ok' else 'ok'} against the source bundle on "
+            f"{record['provider']} {record['precision']}: " + "; ".join(parts))
+
+
+__all__ = ["bundle_gate", "gate_summary", "engine", "ACCURACY_SAMPLES"]

@@ -163,6 +163,28 @@ def test_logits_equal_the_tutorial_module_on_padded_batches(tmp_path):
     assert err <= 1e-5 and float(want.std()) > 0.1, err
 
 
+def test_norm_first_when_the_json_says_so(tmp_path):
+    model = tutorial_model()
+    model.transformer = Transformer(d_model=32, nhead=4, num_encoder_layers=2, num_decoder_layers=2,
+                                    dim_feedforward=64, dropout=0.0, norm_first=True)
+    with torch.no_grad():
+        for p in model.transformer.parameters():
+            p.add_(torch.randn_like(p) * 0.3)              # LayerNorm weights and biases that matter
+    model.eval()
+    pt, hp = save(model, tmp_path, {**HP, "norm_first": True})
+    ours = load_checkpoint(import_model(pt, tmp_path / "ckpt", config_file=hp)).model
+    assert ours.config.norm == "pre"
+    srcs = sources(8, 2)
+    src = nn.utils.rnn.pad_sequence([torch.tensor(s) for s in srcs], padding_value=PAD_IDX)
+    tgt = torch.from_numpy(np.random.default_rng(3).integers(4, TGT_V, size=(5, 8)))
+    tgt[0] = BOS_IDX
+    with torch.no_grad():
+        want = model(src, tgt, torch.zeros((src.shape[0],) * 2, dtype=torch.bool),
+                     generate_square_subsequent_mask(5), (src == PAD_IDX).T, None, (src == PAD_IDX).T)
+        got = ours(src.T, (src != PAD_IDX).T.long(), tgt.T).transpose(0, 1)
+    assert float((want - got).abs().max()) <= 1e-5 and float(want.std()) > 0.1
+
+
 @pytest.mark.slow
 def test_greedy_tokens_equal_the_tutorials_greedy_decode(tmp_path):
     threads = torch.get_num_threads()

@@ -1,6 +1,7 @@
 """torch.nn.Transformer checkpoints built like PyTorch's translation tutorial -> onnxformer checkpoint.
 
-The accepted layout is the tutorial's `Seq2SeqTransformer` (batch_first False or True, post-norm, ReLU or GELU):
+The accepted layout is the tutorial's `Seq2SeqTransformer` (batch_first False or True, ReLU or GELU, post-norm as
+the tutorial builds it, or norm_first=True when the JSON says so: the state dict cannot tell them apart):
 
     src_tok_emb.embedding.weight          [src_vocab, d]     token embeddings, scaled by sqrt(d) in forward
     tgt_tok_emb.embedding.weight          [tgt_vocab, d]
@@ -16,6 +17,7 @@ saved with torch.save(model.state_dict(), PATH) (loaded with weights_only=True),
 
     {"nhead": 8, "pad_id": 1, "bos_id": 2, "eos_id": 3, "unk_id": 0,          required: heads and special ids
      "activation": "relu", "layer_norm_eps": 1e-5, "max_len": 256,          optional (max_len: <= the table's rows)
+     "norm_first": false,                                                   optional: nn.Transformer(norm_first=...)
      "source_spm": "src.model", "target_spm": "tgt.model"}                  optional, paths beside the JSON file
 
 Sizes (layers, d_model, FFN, vocabularies) are read from the tensors. With SentencePiece models the ids are
@@ -36,7 +38,7 @@ from toolkit.config import ModelConfig
 from toolkit.importers import ImportRefused
 
 REQUIRED = ("nhead", "pad_id", "bos_id", "eos_id")
-OPTIONAL = ("unk_id", "activation", "layer_norm_eps", "max_len", "source_spm", "target_spm", "dropout")
+OPTIONAL = ("unk_id", "activation", "layer_norm_eps", "max_len", "source_spm", "target_spm", "dropout", "norm_first")
 TOP = ("src_tok_emb.embedding.weight", "tgt_tok_emb.embedding.weight", "positional_encoding.pos_embedding",
        "generator.weight", "generator.bias", "transformer.encoder.norm.weight", "transformer.encoder.norm.bias",
        "transformer.decoder.norm.weight", "transformer.decoder.norm.bias")
@@ -103,9 +105,9 @@ def tutorial_config(state: dict, hp: dict, where: Path) -> ModelConfig:
         raise ImportRefused(f"{where} is not in the tutorial's Seq2SeqTransformer layout: expected "
                             f"{', '.join(TOP[:3])}, transformer.encoder/decoder.layers.N..., found missing "
                             f"{first or 'none'} and unexpected {unexpected[:3] or 'none'}")
-    for name in ("transformer.encoder.layers.0.norm_first",):
-        if name in state:
-            raise ImportRefused(f"{where}: pre-norm (norm_first) layers cannot be imported")
+    norm_first = hp.get("norm_first", False)
+    if not isinstance(norm_first, bool):
+        raise ImportRefused(f"--config norm_first must be true or false, got {norm_first!r}")
     src_v, d = state["src_tok_emb.embedding.weight"].shape
     tgt_v = state["tgt_tok_emb.embedding.weight"].shape[0]
     table = state["positional_encoding.pos_embedding"]
@@ -120,10 +122,12 @@ def tutorial_config(state: dict, hp: dict, where: Path) -> ModelConfig:
         config = ModelConfig(vocab_size=int(tgt_v), src_vocab_size=int(src_v), share_embeddings=False,
                              d_model=int(d), n_heads=int(hp["nhead"]), n_encoder_layers=n_enc, n_decoder_layers=n_dec,
                              d_ff=int(state["transformer.encoder.layers.0.linear1.weight"].shape[0]), max_len=max_len,
-                             dropout=float(hp.get("dropout", 0.1)), norm="post", activation=act,
+                             dropout=float(hp.get("dropout", 0.1)), norm="pre" if norm_first else "post",
+                             activation=act,
                              tie_embeddings=False, layer_norm_eps=float(hp.get("layer_norm_eps", 1e-5)),
                              pad_id=int(hp["pad_id"]), bos_id=int(hp["bos_id"]), eos_id=int(hp["eos_id"]),
-                             positions="interleaved", scale_embeddings=True, logits_bias=True, final_norm=True)
+                             positions="interleaved", scale_embeddings=True, logits_bias=True,
+                             final_norm=not norm_first)          # pre-norm stacks end in their LayerNorm anyway
     except Exception as exc:
         raise ImportRefused(f"{where}: the hyperparameters cannot be represented ({exc})") from None
     from toolkit.model import sinusoid_table

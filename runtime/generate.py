@@ -26,6 +26,7 @@ class Engine(Protocol):
     eos_id: int
     vocab_size: int                 # target vocabulary (logits)
     src_vocab_size: int             # source vocabulary (input ids)
+    src_pad_id: int                 # the id source rows are padded with (runtime.spec.source_pad_id)
     suppress_ids: tuple[int, ...]   # never generated (runtime.spec.suppressed_ids)
     max_len: int
 
@@ -98,16 +99,15 @@ def generate_ids(engine: Engine, sequences: Sequence[Sequence[int]], opts: Searc
     lengths: each gets what it would alone); opts.max_new_tokens must then be their maximum. `stop`: inputs the
     caller no longer needs, set while the search runs (runtime.search.greedy).
     """
-    check_request(sequences, opts, getattr(engine, "src_vocab_size", engine.vocab_size), engine.max_len)
-    opts = replace(opts, suppress=tuple(getattr(engine, "suppress_ids", ())))
+    check_request(sequences, opts, engine.src_vocab_size, engine.max_len)
+    opts = replace(opts, suppress=tuple(engine.suppress_ids))
     if limits is not None:
         limits = np.asarray(limits, dtype=np.int64)
         if len(limits) != len(sequences) or int(limits.max()) != opts.max_new_tokens or int(limits.min()) < 0:
             raise ValueError("limits must give one max_new_tokens per input, at most opts.max_new_tokens")
     if opts.max_new_tokens == 0:
         return search(None, len(sequences), engine.bos_id, engine.eos_id, opts)
-    src_vocab = getattr(engine, "src_vocab_size", engine.vocab_size)
-    ids, mask = pad_batch(sequences, engine.pad_id if engine.pad_id < src_vocab else 0)   # runtime.spec.source_pad_id
+    ids, mask = pad_batch(sequences, engine.src_pad_id)
     state = engine.start(ids, mask, opts.beam, opts.max_new_tokens)   # encoder runs once here
     return search(state, len(sequences), engine.bos_id, engine.eos_id, opts, limits, stop)
 

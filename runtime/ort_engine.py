@@ -24,7 +24,8 @@ import numpy as np
 import onnxruntime as ort
 
 from runtime.session import FLOAT, SessionConfig, device_of, gather_model, make_session
-from runtime.spec import CROSS, PAST, PRESENT, SELF, cache_names, empty_past, source_vocab_size, suppressed_ids
+from runtime.spec import (CROSS, PAST, PRESENT, SELF, cache_names, empty_past, source_pad_id, source_vocab_size,
+                          suppressed_ids)
 from runtime.static_cache import StaticPath, is_static
 
 
@@ -151,6 +152,7 @@ class OrtEngine:
         self.pad_id, self.bos_id, self.eos_id = config["pad_id"], config["bos_id"], config["eos_id"]
         self.vocab_size, self.max_len = config["vocab_size"], config["max_len"]
         self.src_vocab_size, self.suppress_ids = source_vocab_size(config), suppressed_ids(config)
+        self.src_pad_id = source_pad_id(config)
         self.n_heads, self.head_dim = config["n_heads"], config["d_model"] // config["n_heads"]
         layers = config["n_decoder_layers"]
         self.cross_names = cache_names(layers, PRESENT, CROSS)         # encoder outputs

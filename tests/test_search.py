@@ -119,6 +119,7 @@ def test_greedy_rows_finishing_at_different_steps_match_running_alone(engine, in
 def test_max_new_tokens_zero_and_one(engine, inputs):
     class NoStart:
         pad_id, bos_id, eos_id, vocab_size, max_len = 0, 1, 2, engine.vocab_size, engine.max_len
+        src_vocab_size, src_pad_id, suppress_ids = engine.vocab_size, 0, ()
 
         def start(self, *args):
             raise AssertionError("max_new_tokens=0 must not run the model")

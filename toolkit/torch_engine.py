@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from runtime.spec import source_vocab_size, suppressed_ids
+from runtime.spec import source_pad_id, source_vocab_size, suppressed_ids
 from toolkit.model import KV, Transformer
 
 
@@ -53,7 +53,9 @@ class TorchEngine:
         c = model.config
         self.pad_id, self.bos_id, self.eos_id = c.pad_id, c.bos_id, c.eos_id
         self.vocab_size, self.max_len = c.vocab_size, c.max_len
-        self.src_vocab_size, self.suppress_ids = source_vocab_size(c.to_dict()), suppressed_ids(c.to_dict())
+        config = c.to_dict()
+        self.src_vocab_size, self.suppress_ids = source_vocab_size(config), suppressed_ids(config)
+        self.src_pad_id = source_pad_id(config)
         self.name = "torch-cache" if use_cache else "torch-nocache"
 
     @torch.no_grad()

@@ -30,6 +30,7 @@ import onnx
 import onnx_ir as ir
 
 from exporters.passes import ConvertPass
+from exporters.row_activations import per_row_activations
 
 
 def to_fp16(model: ir.Model) -> ir.Model:
@@ -91,10 +92,13 @@ def to_int4(model: ir.Model, block_size: int = INT4_BLOCK) -> ir.Model:
     return ir.from_proto(quantizer.model.model)
 
 
-def precision_pass(precision: str, per_channel: bool = True) -> ConvertPass | None:
-    """The pass for a precision (None for fp32)."""
+def precision_pass(precision: str, per_channel: bool = True, activation_scales: str = "per-tensor") -> ConvertPass | None:
+    """The pass for a precision (None for fp32). int8 activation_scales "per-row": each token row gets its own
+    activation range (exporters/row_activations), so a row's result does not depend on its batch neighbours."""
     if precision == "fp16":
         return ConvertPass("float16", to_fp16)
+    if precision == "int8" and activation_scales == "per-row":
+        return ConvertPass("quantize_int8", lambda model: per_row_activations(to_int8(model, per_channel)))
     if precision == "int8":
         return ConvertPass("quantize_int8", lambda model: to_int8(model, per_channel))
     if precision == "int4":

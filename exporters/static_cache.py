@@ -104,9 +104,8 @@ def _key_mask(op, graph: ir.Graph, filled: ir.Value) -> ir.Value | None:
         return None
     zero, one = (op.Constant(value=ir.tensor(np.array([i], dtype=np.int32))) for i in (0, 1))
     filled_part = op.Slice(op.Cast(mask, to=ir.DataType.INT32), zero, filled, one)               # [B, filled]
-    new = op.Expand(one, op.Concat(op.Shape(mask, start=0, end=1), op.Constant(
-        value=ir.tensor(np.array([1], dtype=np.int64))), axis=0))                                  # [B, 1] ones
-    return op.Concat(filled_part, new, axis=1)
+    end_pad = op.Constant(value=ir.tensor(np.array([0, 0, 0, 1], dtype=np.int64)))             # one slot at the end
+    return op.Pad(filled_part, end_pad, op.Constant(value=ir.tensor(np.array(1, dtype=np.int32))))  # ... set to 1
 
 
 class PastLengthFromInput(pattern.RewriteRuleClassBase):

@@ -162,6 +162,14 @@ def test_graphs_accept_shapes_never_seen_at_export(tiny_bundle, toy_model):
     assert next(c for c in report.checks if c.output == "logits").steps == 31
 
 
+def _decoder_feeds(new, mask, past, cross) -> dict:
+    feeds = {"input_ids": new.numpy(), "encoder_attention_mask": mask.numpy()}
+    for i, ((pk, pv), (ck, cv)) in enumerate(zip(past, cross)):
+        feeds.update({f"past_key_values.{i}.decoder.key": pk.numpy(), f"past_key_values.{i}.decoder.value": pv.numpy(),
+                      f"past_key_values.{i}.encoder.key": ck.numpy(), f"past_key_values.{i}.encoder.value": cv.numpy()})
+    return feeds
+
+
 @torch.no_grad()
 def test_cached_step_with_several_new_tokens(tiny_bundle, toy_model):
     """new_len > 1 with a non-empty past (speculative/chunked decoding) is served by the same graph."""
@@ -173,23 +181,12 @@ def test_cached_step_with_several_new_tokens(tiny_bundle, toy_model):
     past = [(torch.randn(2, c.n_heads, 4, c.head_dim), torch.randn(2, c.n_heads, 4, c.head_dim)) for _ in cross]
     new = torch.randint(3, c.vocab_size, (2, 3))
     logits, presents = toy_model.decode_step(new, mask, past, cross)
-    feeds = {"input_ids": new.numpy(), "encoder_attention_mask": mask.numpy(), **default_row_inputs(2, 4, 3)}
-    for i, ((pk, pv), (ck, cv)) in enumerate(zip(past, cross)):
-        feeds.update({f"past_key_values.{i}.decoder.key": pk.numpy(), f"past_key_values.{i}.decoder.value": pv.numpy(),
-                      f"past_key_values.{i}.encoder.key": ck.numpy(), f"past_key_values.{i}.encoder.value": cv.numpy()})
+    feeds = {**_decoder_feeds(new, mask, past, cross), **default_row_inputs(2, 4, 3)}
     sess = make_session(tiny_bundle / "decoder.onnx", "cpu")
     out = sess.run(["logits", "present.1.decoder.value"], feeds)
     assert out[0].shape == (2, 3, c.vocab_size) and out[1].shape == (2, c.n_heads, 7, c.head_dim)
     np.testing.assert_allclose(out[0], logits.numpy(), atol=1e-4, rtol=0)
     np.testing.assert_allclose(out[1], presents[1][1].numpy(), atol=1e-4, rtol=0)
-
-
-def _decoder_feeds(new, mask, past, cross) -> dict:
-    feeds = {"input_ids": new.numpy(), "encoder_attention_mask": mask.numpy()}
-    for i, ((pk, pv), (ck, cv)) in enumerate(zip(past, cross)):
-        feeds.update({f"past_key_values.{i}.decoder.key": pk.numpy(), f"past_key_values.{i}.decoder.value": pv.numpy(),
-                      f"past_key_values.{i}.encoder.key": ck.numpy(), f"past_key_values.{i}.encoder.value": cv.numpy()})
-    return feeds
 
 
 @torch.no_grad()

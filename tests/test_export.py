@@ -162,6 +162,18 @@ def test_graphs_accept_shapes_never_seen_at_export(tiny_bundle, toy_model):
     assert next(c for c in report.checks if c.output == "logits").steps == 31
 
 
+def _random_step(model, past_len: int, new_len: int):
+    """(new ids [2, new_len], source mask, random past [2, H, past_len, Dh] per layer, cross K/V) of two rows."""
+    c = model.config
+    ids = torch.randint(3, c.vocab_size, (2, 9))
+    mask = torch.ones_like(ids)
+    mask[1, 6:] = 0
+    _, cross = model.encode(ids, mask)
+    shape = (2, c.n_heads, past_len, c.head_dim)
+    past = [(torch.randn(shape), torch.randn(shape)) for _ in cross]
+    return torch.randint(3, c.vocab_size, (2, new_len)), mask, past, cross
+
+
 def _decoder_feeds(new, mask, past, cross) -> dict:
     feeds = {"input_ids": new.numpy(), "encoder_attention_mask": mask.numpy()}
     for i, ((pk, pv), (ck, cv)) in enumerate(zip(past, cross)):
@@ -174,12 +186,7 @@ def _decoder_feeds(new, mask, past, cross) -> dict:
 def test_cached_step_with_several_new_tokens(tiny_bundle, toy_model):
     """new_len > 1 with a non-empty past (speculative/chunked decoding) is served by the same graph."""
     c = toy_model.config
-    ids = torch.randint(3, c.vocab_size, (2, 9))
-    mask = torch.ones_like(ids)
-    mask[1, 6:] = 0
-    _, cross = toy_model.encode(ids, mask)
-    past = [(torch.randn(2, c.n_heads, 4, c.head_dim), torch.randn(2, c.n_heads, 4, c.head_dim)) for _ in cross]
-    new = torch.randint(3, c.vocab_size, (2, 3))
+    new, mask, past, cross = _random_step(toy_model, 4, 3)
     logits, presents = toy_model.decode_step(new, mask, past, cross)
     feeds = {**_decoder_feeds(new, mask, past, cross), **default_row_inputs(2, 4, 3)}
     sess = make_session(tiny_bundle / "decoder.onnx", "cpu")
@@ -193,13 +200,7 @@ def test_cached_step_with_several_new_tokens(tiny_bundle, toy_model):
 def test_rows_at_their_own_positions_equal_the_rows_alone(tiny_bundle, toy_model):
     """The per-row contract: row 1 joined 3 slots late (its first 3 cached slots are garbage, masked out, and its
     positions start 3 lower); the graph's output for it equals the row decoded alone with only its own past."""
-    c = toy_model.config
-    ids = torch.randint(3, c.vocab_size, (2, 9))
-    mask = torch.ones_like(ids)
-    mask[1, 5:] = 0
-    _, cross = toy_model.encode(ids, mask)
-    past = [(torch.randn(2, c.n_heads, 6, c.head_dim), torch.randn(2, c.n_heads, 6, c.head_dim)) for _ in cross]
-    new = torch.randint(3, c.vocab_size, (2, 2))
+    new, mask, past, cross = _random_step(toy_model, 6, 2)
     positions = torch.tensor([[6, 7], [3, 4]])
     key_mask = torch.tensor([[1] * 6, [0, 0, 0, 1, 1, 1]])
     logits, presents = toy_model.decode_step(new, mask, past, cross, positions, key_mask)

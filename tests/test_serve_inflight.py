@@ -24,15 +24,7 @@ from toolkit.serve.inflight import InflightScheduler  # noqa: E402
 from toolkit.serve.scheduler import Job, Scheduler  # noqa: E402
 from toolkit.tasks.toy import toy_inputs  # noqa: E402
 
-from test_serve import assert_same, metric, start_server  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def bundles(toy_exported, tmp_path_factory):
-    from exporters.optimize import optimize_bundle
-
-    static, _ = optimize_bundle(toy_exported[1], tmp_path_factory.mktemp("serve-inflight") / "static")
-    return {"dynamic": toy_exported[1], "static": static}
+from test_serve import assert_same, bundles, metric, start_server  # noqa: E402,F401 (bundles: a fixture)
 
 
 @pytest.fixture(scope="module")

@@ -45,19 +45,11 @@ class InflightScheduler(Scheduler):
             warm.step()
 
     def cancel(self, job: Job) -> None:
+        super().cancel(job)                                      # drops a waiting job; stops a beam batch's rows
         with self._cond:
-            job.cancelled = True
-            if job in self._pending:
-                self._pending.remove(job)
-                job.future.cancel()
-                self._gauge()
-                return
             rows = self._rows.get(job)
-        if rows is not None:
-            for row in rows:
-                self.batch.stop(row)                             # it leaves before the next step
-        else:
-            super().cancel(job)                                  # a beam job decoding request-level
+        for row in rows or ():
+            self.batch.stop(row)                                 # it leaves before the next step
 
     # --- the decoding thread ---
 

@@ -65,6 +65,8 @@ class Row:
     score: float = 0.0
     finished: bool = False          # ended with EOS
     stopped: bool = False           # the caller gave it up (stop()): it leaves at the next step
+    left: bool = False              # no longer in the batch (its hypothesis is final)
+    ignore_eos: bool = False        # never stop at EOS (the batch's opts.ignore_eos applies to every row)
     last: int = 0                   # the token it feeds next
 
     def hypothesis(self) -> Hypothesis:
@@ -113,7 +115,7 @@ class InflightBatch:
             raise InputError(f"max new tokens {max(limits)} exceeds the batch's cache of {self.capacity} positions")
         check_request(sequences, SearchOptions(max_new_tokens=max(limits, default=0)), self.e.src_vocab_size,
                       self.e.max_len)
-        rows = [Row(k, n, src_len=len(s), last=self.e.bos_id) for k, s, n in zip(keys, sequences, limits)]
+        rows = [Row(k, n, src_len=len(s), left=n == 0, last=self.e.bos_id) for k, s, n in zip(keys, sequences, limits)]
         joining = [i for i, r in enumerate(rows) if r.limit > 0]
         if not joining:
             return rows
@@ -168,8 +170,8 @@ class InflightBatch:
         logits = binding.get_outputs()[0].numpy()[:, -1].copy()      # [n, V]; ORT reuses the output's memory
         self.length += 1
         self.steps += 1
-        if self.opts.ignore_eos:
-            logits[:, self.e.eos_id] = -np.inf
+        no_eos = [i for i, r in enumerate(self.rows) if r.ignore_eos] if not self.opts.ignore_eos else slice(None)
+        logits[no_eos, self.e.eos_id] = -np.inf
         nxt = suppress(logits.copy(), self.suppress).argmax(axis=-1) if self.suppress else logits.argmax(axis=-1)
         scores = chosen_logprob(logits, nxt)
         for r, token, score in zip(self.rows, nxt, scores):
@@ -190,6 +192,8 @@ class InflightBatch:
     def _leave(self) -> None:
         """Drop stopped rows: the staying rows move up to the leading buffer rows (filled slots only)."""
         keep = np.array([i for i, r in enumerate(self.rows) if not r.stopped], dtype=np.int64)
+        for r in self.rows:
+            r.left = r.stopped
         self.rows = [self.rows[i] for i in keep]
         if len(keep):
             filled = self.length

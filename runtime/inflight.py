@@ -15,8 +15,9 @@ A finished row leaves before the next step: the live rows move up (their filled 
 so the buffer's leading rows are always the live ones and its row is free for the next joiner. When the shared
 slot reaches the buffer's end, every row shifts left by the oldest live row's start (compaction).
 
-Cross-attention K/V of rows with different source lengths are padded to the longest live source, with
-encoder_attention_mask 0 on the padding (as a request-level batch pads them). Each row's tokens, finished flag
+Cross-attention K/V live in [slots, H, width, Dh] buffers as wide as the longest source seen, each row padded
+with encoder_attention_mask 0 (as a request-level batch pads them). A join writes only the joiners' rows; a
+leave moves only as many rows as left (the last live rows into the freed places). Each row's tokens, finished flag
 and score are computed as runtime.search.greedy computes them for that row alone (fp32: the same tokens; the
 score within float rounding: tests/test_inflight.py).
 
@@ -88,8 +89,8 @@ class InflightBatch:
         self.buffers = [np.zeros(shape, dtype=np.float32) for _ in engine.past_names]
         self.key_mask = np.zeros((slots, self.capacity), dtype=np.int64)
         self.rows: list[Row] = []                                     # buffer row i holds rows[i]
-        self.cross: list[np.ndarray] = []                             # [n, H, S, Dh] per tensor
-        self.src_mask = np.zeros((0, 0), dtype=np.int64)             # [n, S]
+        self.cross: list[np.ndarray] = []                             # [slots, H, width, Dh] per tensor
+        self.src_mask = np.zeros((slots, 0), dtype=np.int64)         # [slots, width]; 0 past a row's source
         self.length = 0                                               # the shared write slot (past_sequence_length)
         self._binding = None
         self.steps = self.compactions = self.joined = 0
@@ -125,8 +126,13 @@ class InflightBatch:
             self._compact()
         ids, mask = pad_batch([sequences[i] for i in joining], self.e.src_pad_id)
         cross = self.e.encoder.run(self.e.cross_names, {INPUT_IDS: ids, "attention_mask": mask})
-        self._append_cross(cross, mask)
-        n = len(self.rows)
+        n, k, width = len(self.rows), len(joining), mask.shape[1]
+        self._widen(width)
+        for buf, new in zip(self.cross, cross):                      # the joiners' rows, in place
+            buf[n:n + k, :, :width] = new
+            buf[n:n + k, :, width:] = 0
+        self.src_mask[n:n + k] = 0
+        self.src_mask[n:n + k, :width] = mask
         for j, i in enumerate(joining):
             rows[i].start = self.length
             self.key_mask[n + j] = np.arange(self.capacity) >= self.length
@@ -135,14 +141,19 @@ class InflightBatch:
         self._binding = None
         return rows
 
-    def _append_cross(self, cross: list[np.ndarray], mask: np.ndarray) -> None:
-        """Cross K/V and source mask of the joiners after the live rows', padded to one source length."""
-        if not self.rows:
-            self.cross, self.src_mask = list(cross), mask
+    def _widen(self, width: int) -> None:
+        """Cross K/V buffers at least `width` source positions wide (the widest source seen so far: a row's
+        padding is masked by encoder_attention_mask 0, as in a request-level batch)."""
+        if self.cross and self.src_mask.shape[1] >= width:
             return
-        width = max(self.src_mask.shape[1], mask.shape[1])
-        self.cross = [np.concatenate([_pad(old, width, 2), _pad(new, width, 2)]) for old, new in zip(self.cross, cross)]
-        self.src_mask = np.concatenate([_pad(self.src_mask, width, 1), _pad(mask, width, 1)])
+        old, n = self.cross, len(self.rows)
+        shape = (self.slots, self.e.n_heads, width, self.e.head_dim)
+        self.cross = [np.zeros(shape, dtype=np.float32) for _ in self.e.cross_names]
+        for buf, prev in zip(self.cross, old):
+            buf[:n, :, :prev.shape[2]] = prev[:n]
+        mask = np.zeros((self.slots, width), dtype=np.int64)
+        mask[:n, :self.src_mask.shape[1]] = self.src_mask[:n]
+        self.src_mask = mask
 
     # --- one step ---
 
@@ -190,21 +201,26 @@ class InflightBatch:
     # --- rows out, compaction ---
 
     def _leave(self) -> None:
-        """Drop stopped rows: the staying rows move up to the leading buffer rows (filled slots only)."""
-        keep = np.array([i for i, r in enumerate(self.rows) if not r.stopped], dtype=np.int64)
+        """Drop stopped rows: the last staying rows move into their places, so the live rows stay the leading
+        buffer rows and only as many rows move as left (their filled slots, cross K/V, masks)."""
+        stay = [i for i, r in enumerate(self.rows) if not r.stopped]
+        n = len(stay)
+        holes = [i for i in range(n) if self.rows[i].stopped]      # places below n that are freed
+        movers = [i for i in stay if i >= n]                        # staying rows above n: one per hole
         for r in self.rows:
             r.left = r.stopped
-        self.rows = [self.rows[i] for i in keep]
-        if len(keep):
+        order = list(range(n))
+        for hole, mover in zip(holes, movers):
+            order[hole] = mover
+        if holes:
             filled = self.length
-            for buf in self.buffers:                                 # gathered on the right first: safe in place
-                buf[:len(keep), :, :filled] = buf[keep, :, :filled]
-            self.key_mask[:len(keep)] = self.key_mask[keep]
-            width = max(r.src_len for r in self.rows)                # the longest live source
-            self.cross = [c[keep][:, :, :width] for c in self.cross]
-            self.src_mask = np.ascontiguousarray(self.src_mask[keep][:, :width])
-        else:
-            self.cross, self.src_mask = [], np.zeros((0, 0), dtype=np.int64)
+            for buf in self.buffers:
+                buf[holes, :, :filled] = buf[movers, :, :filled]
+            for buf in self.cross:
+                buf[holes] = buf[movers]
+            self.key_mask[holes] = self.key_mask[movers]
+            self.src_mask[holes] = self.src_mask[movers]
+        self.rows = [self.rows[i] for i in order]
         self._binding = None
 
     def _compact(self) -> None:
@@ -226,10 +242,9 @@ class InflightBatch:
         """The decoder's binding for the current rows: buffers (past and present in one), cross K/V, masks."""
         n, e = len(self.rows), self.e
         binding = e.decoder.io_binding()
-        self._bound = [np.ascontiguousarray(c) for c in self.cross]   # kept alive while bound
-        binding.bind_cpu_input("encoder_attention_mask", self.src_mask)
-        for name, value in zip(e.cross_in_names, self._bound):
-            binding.bind_cpu_input(name, value)
+        binding.bind_ortvalue_input("encoder_attention_mask", ort.OrtValue.ortvalue_from_numpy(self.src_mask[:n]))
+        for name, buf in zip(e.cross_in_names, self.cross):           # leading rows: contiguous views, no copy
+            binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(buf[:n]))
         binding.bind_ortvalue_input(DECODER_ATTENTION_MASK, ort.OrtValue.ortvalue_from_numpy(self.key_mask[:n]))
         binding.bind_output("logits", "cpu")
         for past, present, buf in zip(e.past_names, e.present_names, self.buffers):
@@ -237,15 +252,6 @@ class InflightBatch:
             binding.bind_ortvalue_input(past, value)
             binding.bind_ortvalue_output(present, value)
         return binding
-
-
-def _pad(x: np.ndarray, width: int, axis: int) -> np.ndarray:
-    """Zero-pad axis `axis` of x to `width`."""
-    if x.shape[axis] == width:
-        return x
-    pad = [(0, 0)] * x.ndim
-    pad[axis] = (0, width - x.shape[axis])
-    return np.pad(x, pad)
 
 
 __all__ = ["InflightBatch", "Row", "check_engine", "REEXPORT"]

@@ -57,10 +57,28 @@ def test_requests_joining_the_running_batch_get_their_unbatched_outputs(engine, 
                                                                 for j in jobs if j.opts.beam == 1)
 
 
+class Slow:
+    """The engine, its decoder steps 5 ms longer: a request stays in the batch long enough to be cancelled there."""
+
+    def __init__(self, engine):
+        self.inner = engine
+        self.decoder = self
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def io_binding(self):
+        return self.inner.decoder.io_binding()
+
+    def run_with_iobinding(self, binding):
+        time.sleep(0.005)
+        return self.inner.decoder.run_with_iobinding(binding)
+
+
 def test_a_cancelled_request_frees_its_slots_at_the_next_step(engine, toy_model_factory):
     config = toy_model_factory().config
     seqs = toy_inputs(config, 3, min_len=3, max_len=8, seed=22)
-    scheduler = InflightScheduler(engine, max_batch=2, max_queue=8)
+    scheduler = InflightScheduler(Slow(engine), max_batch=2, max_queue=8)
     scheduler.start()
     long = Job([seqs[0], seqs[1]], SearchOptions(max_new_tokens=60, ignore_eos=True))   # takes both slots
     waiting = Job([seqs[2]], SearchOptions(max_new_tokens=5, ignore_eos=True))

@@ -11,9 +11,12 @@ write a step's key/value at one shared slot (`past_sequence_length`, here `lengt
 the batch stood at slot s has its tokens in slots s..length, so the decoder gets per row
 - `position_ids` = length - s (the row's own position: 0 for its start token), and
 - `decoder_attention_mask`, 1 on slots >= s (the slots before hold another row's keys, or nothing).
-A finished row leaves before the next step: the live rows move up (their filled slots, cross K/V and masks),
-so the buffer's leading rows are always the live ones and its row is free for the next joiner. When the shared
-slot reaches the buffer's end, every row shifts left by the oldest live row's start (compaction).
+A finished row leaves before the next step: the last live rows move into the freed places (their filled slots,
+cross K/V and masks), so the buffer's leading rows are always the live ones and the next joiner takes the row
+after them. A step binds the live rows rounded up to a multiple of ROW_BUCKET (the rows past them compute
+nothing anyone reads), so the bound shapes, and the binding, change rarely. When the oldest live row starts
+COMPACT_AT slots in, or the shared slot reaches the buffer's end, every row shifts left by that row's start
+(compaction: attention then spans only the oldest live row's tokens).
 
 Cross-attention K/V live in [slots, H, width, Dh] buffers as wide as the longest source seen, each row padded
 with encoder_attention_mask 0 (as a request-level batch pads them). A join writes only the joiners' rows; a
@@ -37,6 +40,8 @@ from runtime.generate import check_request, pad_batch
 from runtime.search import Hypothesis, SearchOptions, chosen_logprob, suppress
 from runtime.spec import DECODER_ATTENTION_MASK, INPUT_IDS, PAST_SEQUENCE_LENGTH, POSITION_IDS
 
+ROW_BUCKET = 8          # rows bound per step: the live rows rounded up to a multiple (few shapes, few rebinds)
+COMPACT_AT = 32         # shift the rows left once the oldest live row starts this far in (shorter attention)
 REEXPORT = ("re-export the model (onnxformer export) and optimize it again: in-flight batching needs a decoder "
             "with position_ids and decoder_attention_mask inputs; or serve with --batching request")
 
@@ -91,6 +96,7 @@ class InflightBatch:
         self.rows: list[Row] = []                                     # buffer row i holds rows[i]
         self.cross: list[np.ndarray] = []                             # [slots, H, width, Dh] per tensor
         self.src_mask = np.zeros((slots, 0), dtype=np.int64)         # [slots, width]; 0 past a row's source
+        self.bound = 0                                                # rows the binding covers (>= live rows)
         self.length = 0                                               # the shared write slot (past_sequence_length)
         self._binding = None
         self.steps = self.compactions = self.joined = 0
@@ -138,7 +144,6 @@ class InflightBatch:
             self.key_mask[n + j] = np.arange(self.capacity) >= self.length
             self.rows.append(rows[i])
         self.joined += len(joining)
-        self._binding = None
         return rows
 
     def _widen(self, width: int) -> None:
@@ -152,8 +157,10 @@ class InflightBatch:
         for buf, prev in zip(self.cross, old):
             buf[:n, :, :prev.shape[2]] = prev[:n]
         mask = np.zeros((self.slots, width), dtype=np.int64)
+        mask[:, 0] = 1                                                # rows bound but not live see one key
         mask[:n, :self.src_mask.shape[1]] = self.src_mask[:n]
         self.src_mask = mask
+        self._binding = None
 
     # --- one step ---
 
@@ -168,17 +175,22 @@ class InflightBatch:
             self._leave()
         if not self.rows:
             return gone
-        if self.length >= self.capacity:
+        if self.length >= self.capacity or min(r.start for r in self.rows) >= COMPACT_AT:
             self._compact()
-        if self._binding is None:
-            self._binding = self._bind()
         n = len(self.rows)
+        bound = min(self.slots, -(-n // ROW_BUCKET) * ROW_BUCKET)
+        if self._binding is None or bound != self.bound:
+            self._binding, self.bound = self._bind(bound), bound
         binding = self._binding
-        binding.bind_cpu_input(INPUT_IDS, np.array([[r.last] for r in self.rows], dtype=np.int64))
+        tokens = np.full((bound, 1), self.e.bos_id, dtype=np.int64)   # rows past n: not live, results unused
+        positions = np.zeros((bound, 1), dtype=np.int64)
+        tokens[:n, 0] = [r.last for r in self.rows]
+        positions[:n, 0] = [self.length - r.start for r in self.rows]
+        binding.bind_cpu_input(INPUT_IDS, tokens)
         binding.bind_cpu_input(PAST_SEQUENCE_LENGTH, np.array([self.length], dtype=np.int32))
-        binding.bind_cpu_input(POSITION_IDS, np.array([[self.length - r.start] for r in self.rows], dtype=np.int64))
+        binding.bind_cpu_input(POSITION_IDS, positions)
         self.e.decoder.run_with_iobinding(binding)
-        logits = binding.get_outputs()[0].numpy()[:, -1].copy()      # [n, V]; ORT reuses the output's memory
+        logits = binding.get_outputs()[0].numpy()[:n, -1].copy()     # [n, V]; ORT reuses the output's memory
         self.length += 1
         self.steps += 1
         no_eos = [i for i, r in enumerate(self.rows) if r.ignore_eos] if not self.opts.ignore_eos else slice(None)
@@ -221,7 +233,6 @@ class InflightBatch:
             self.key_mask[holes] = self.key_mask[movers]
             self.src_mask[holes] = self.src_mask[movers]
         self.rows = [self.rows[i] for i in order]
-        self._binding = None
 
     def _compact(self) -> None:
         """The shared slot reached the buffer's end: shift every row left by the oldest live row's start."""
@@ -236,11 +247,12 @@ class InflightBatch:
             self.key_mask[i] = np.arange(self.capacity) >= r.start
         self.length = keep
         self.compactions += 1
-        self._binding = None
 
-    def _bind(self):
-        """The decoder's binding for the current rows: buffers (past and present in one), cross K/V, masks."""
-        n, e = len(self.rows), self.e
+    def _bind(self, n: int):
+        """The decoder's binding for the leading n buffer rows: buffers (past and present in one), cross K/V, masks.
+        Views of the slot arrays, no copies: joins, leaves and compaction change their contents in place, so the
+        binding lives until n changes or the cross buffers widen."""
+        e = self.e
         binding = e.decoder.io_binding()
         binding.bind_ortvalue_input("encoder_attention_mask", ort.OrtValue.ortvalue_from_numpy(self.src_mask[:n]))
         for name, buf in zip(e.cross_in_names, self.cross):           # leading rows: contiguous views, no copy

@@ -67,6 +67,7 @@ def test_rows_joining_and_leaving_get_their_unbatched_outputs(engine, toy_model_
     batch = InflightBatch(engine, slots=6)
     got = drive(batch, seqs, limits, per_join=2)
     assert batch.joined == int((limits > 0).sum()) and batch.steps < int(limits.sum())   # rows shared steps
+    assert batch.compactions >= 1                         # the oldest row's start passed COMPACT_AT: rows shifted
     assert_alone(engine, seqs, limits, got)
     assert len({tuple(h.tokens) for h in got.values()}) > 20, "outputs do not vary: equality proves nothing"
     assert len({len(h.tokens) for h in got.values()}) > 5 and any(h.finished for h in got.values())

@@ -98,12 +98,12 @@ def test_a_cancelled_request_frees_its_slots_at_the_next_step(engine, toy_model_
 
 
 def test_batching_setting_chooses_and_refuses(bundles):
-    static = Service.load(bundles["static"], ServeSettings(provider="cpu"))
+    static = Service.load(bundles["static"], ServeSettings(provider="cpu", batching="auto"))
     assert isinstance(static.scheduler, InflightScheduler) and static.model_info()["scheduler"]["kind"] == "in-flight"
-    dynamic = Service.load(bundles["dynamic"], ServeSettings(provider="cpu"))            # auto falls back
+    dynamic = Service.load(bundles["dynamic"], ServeSettings(provider="cpu", batching="auto"))   # auto falls back
     assert type(dynamic.scheduler) is Scheduler
-    request = Service.load(bundles["static"], ServeSettings(provider="cpu", batching="request"))
-    assert type(request.scheduler) is Scheduler
+    default = Service.load(bundles["static"], ServeSettings(provider="cpu"))               # request-level
+    assert type(default.scheduler) is Scheduler
     with pytest.raises(ServeError, match="--batching inflight: .*static-cache decoder.*--kv-cache static"):
         Service.load(bundles["dynamic"], ServeSettings(provider="cpu", batching="inflight"))
     from toolkit.cli import main

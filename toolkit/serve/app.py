@@ -47,7 +47,8 @@ class ServeSettings:
     max_wait_ms: float = 5.0        # how long the oldest waiting request waits for others to join its batch
     max_queue: int = 256            # requests waiting or decoding; more get 503 + Retry-After
     max_beam: int = 8
-    batching: str = "auto"          # inflight | request | auto (in-flight where the bundle allows it)
+    batching: str = "request"       # request | inflight | auto (in-flight where the bundle allows it); request-level
+                                    # is the default: it measured faster on CPU (benchmarks/RESULTS.md, "Serving")
 
     def check(self) -> None:
         for name, low in (("max_batch", 1), ("max_queue", 1), ("max_beam", 1), ("max_wait_ms", 0)):
@@ -63,7 +64,7 @@ class ServeSettings:
         return Limits(max_inputs=self.max_batch, max_beam=self.max_beam)
 
 
-BATCHING = ("auto", "inflight", "request")
+BATCHING = ("request", "inflight", "auto")
 
 
 def make_scheduler(engine, settings: ServeSettings, metrics: Metrics) -> Scheduler:

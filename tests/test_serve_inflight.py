@@ -113,6 +113,8 @@ def test_batching_setting_chooses_and_refuses(bundles):
 
 
 def test_sigterm_answers_every_in_flight_request_and_exits_0(bundles):
+    """SIGTERM while one request decodes and others wait for its slot: every accepted request gets its full answer
+    (a client still connecting when the listener closes is refused, never accepted and dropped)."""
     n = 32
     proc, url = start_server(bundles["static"], "--max-batch", "1", "--batching", "inflight")
     try:
@@ -120,27 +122,28 @@ def test_sigterm_answers_every_in_flight_request_and_exits_0(bundles):
         answers: list = [None] * n
 
         def send(i):
-            answers[i] = httpx.post(url + "/v1/generate", json={"ids": [[5 + i % 20, 6, 7]], "max_new_tokens": 60,
-                                                                "ignore_eos": True}, timeout=120)
+            try:
+                answers[i] = httpx.post(url + "/v1/generate", json={"ids": [[5 + i % 20, 6, 7]], "max_new_tokens": 60,
+                                                                    "ignore_eos": True}, timeout=120)
+            except httpx.ConnectError:
+                answers[i] = "refused"
 
         threads = [threading.Thread(target=send, args=(i,)) for i in range(n)]
         for t in threads:
             t.start()
         deadline = time.monotonic() + 30
-        while True:                                              # every request accepted, one decoding, some waiting
-            depth, active = metric(url, "onnxformer_queue_depth"), metric(url, "onnxformer_active_rows")
-            if active >= 1 and depth >= 1 and depth + active + sum(a is not None for a in answers) >= n:
-                break
-            assert time.monotonic() < deadline, "never saw all requests accepted with some still waiting"
+        while metric(url, "onnxformer_active_rows") < 1 or metric(url, "onnxformer_queue_depth") < 4:
+            assert time.monotonic() < deadline, "never saw one request decoding and others waiting"
             time.sleep(0.002)
         proc.send_signal(signal.SIGTERM)
         for t in threads:
             t.join(120)
-        assert [a.status_code for a in answers] == [200] * n
-        assert all(len(a.json()["outputs"][0]["ids"]) == 60 for a in answers)
+        answered = [a for a in answers if a != "refused"]
+        assert len(answered) >= 5 and all(a.status_code == 200 for a in answered)
+        assert all(len(a.json()["outputs"][0]["ids"]) == 60 for a in answered)
         assert proc.wait(30) == 0
         tail = proc.stderr.read()
-        assert f"stopped: {n} requests answered" in tail and "Traceback" not in tail, tail
+        assert f"stopped: {len(answered)} requests answered" in tail and "Traceback" not in tail, tail
     finally:
         if proc.poll() is None:
             proc.kill()

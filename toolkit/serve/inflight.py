@@ -105,22 +105,26 @@ class InflightScheduler(Scheduler):
                 self._fail(exc)
 
     def _join(self, jobs: list[Job]) -> None:
+        """Every admitted job's inputs join in one InflightBatch.join: one encoder run for all of them."""
+        if not jobs:
+            return
         now = time.monotonic()
+        sequences = [seq for job in jobs for seq in job.sequences]
+        limits = [job.opts.max_new_tokens for job in jobs for _ in job.sequences]
+        keys = [(job, i) for job in jobs for i in range(len(job.sequences))]
+        rows = iter(self.batch.join(sequences, limits, keys))
         for job in jobs:
             job.started = now
-            o = job.opts
-            rows = self.batch.join(job.sequences, [o.max_new_tokens] * len(job.sequences),
-                                   keys=[(job, i) for i in range(len(job.sequences))])
-            for row in rows:
-                row.ignore_eos = o.ignore_eos
+            self._rows[job] = [next(rows) for _ in job.sequences]
+            for row in self._rows[job]:
+                row.ignore_eos = job.opts.ignore_eos
                 if job.cancelled:
                     self.batch.stop(row)
-            self._rows[job] = rows
             if self.metrics is not None:
                 self.metrics.queue_wait.observe(now - job.arrived)
             self._finish_if_done(job)
-        if self.metrics is not None and jobs:
-            self.metrics.joined_rows.observe(sum(len(j.sequences) for j in jobs))
+        if self.metrics is not None:
+            self.metrics.joined_rows.observe(len(sequences))
 
     def _step(self) -> None:
         if not self.batch.live:

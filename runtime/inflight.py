@@ -40,7 +40,7 @@ from runtime.generate import check_request, pad_batch
 from runtime.search import Hypothesis, SearchOptions, chosen_logprob, suppress
 from runtime.spec import DECODER_ATTENTION_MASK, INPUT_IDS, PAST_SEQUENCE_LENGTH, POSITION_IDS
 
-ROW_BUCKET = 8          # rows bound per step: the live rows rounded up to a multiple (few shapes, few rebinds)
+ROW_BUCKET = 2          # rows bound per step: the live rows rounded up to a multiple (few shapes, few rebinds)
 COMPACT_AT = 32         # shift the rows left once the oldest live row starts this far in (shorter attention)
 REEXPORT = ("re-export the model (onnxformer export) and optimize it again: in-flight batching needs a decoder "
             "with position_ids and decoder_attention_mask inputs; or serve with --batching request")

@@ -4,9 +4,11 @@ For each bundle, every held-out dates input is generated alone (batch 1) and the
 neighbours, --contexts times with different neighbours; an input "depends on its neighbours" when any batched
 output differs from its output alone. fp32 is the control (padding and batch shape only: expected 0). int8 uses
 dynamic quantization: each MatMul's activation scale is computed over the whole batch tensor (per tensor), so a
-neighbour with larger activations changes every row's rounding.
+neighbour with larger activations changes every row's rounding; `optimize --activation-scales per-row` gives each
+row its own (exporters/row_activations). --same-length batches only inputs of one token length, so the batch has
+no padding: fp32 and per-row int8 must then give identical scores, and any difference is the neighbours'.
 
-    python benchmarks/batch_neighbours.py out/dates-fused out/dates-int8 --threads 2 [--json]
+    python benchmarks/batch_neighbours.py out/dates-fused out/dates-int8 --threads 2 [--same-length] [--json]
 """
 
 from __future__ import annotations
@@ -26,7 +28,14 @@ from runtime.search import SearchOptions  # noqa: E402
 from toolkit.tasks.dates import TARGET_LEN, held_out_examples  # noqa: E402
 
 
-def measure(bundle: str, batch: int, contexts: int, threads: int | None, seed: int) -> dict:
+def batches(lengths: list[int], batch: int, rng: np.random.Generator, same_length: bool) -> list[np.ndarray]:
+    """A random split of the inputs into batches of `batch` (same_length: within each token length)."""
+    order = rng.permutation(len(lengths))
+    groups = [order[np.array([lengths[i] for i in order]) == n] for n in sorted(set(lengths))] if same_length else [order]
+    return [g[start:start + batch] for g in groups for start in range(0, len(g), batch)]
+
+
+def measure(bundle: str, batch: int, contexts: int, threads: int | None, seed: int, same_length: bool = False) -> dict:
     loaded = load_bundle(bundle, provider="cpu", threads=threads)
     engine, tok = loaded.engine, loaded.tokenizer
     examples = held_out_examples()
@@ -38,10 +47,8 @@ def measure(bundle: str, batch: int, contexts: int, threads: int | None, seed: i
     differs = np.zeros(len(seqs), dtype=bool)
     changed_outputs, correct_batched, score_diff = 0, [], 0.0
     for _ in range(contexts):
-        order = rng.permutation(len(seqs))
         got = [None] * len(seqs)
-        for start in range(0, len(order), batch):
-            rows = order[start:start + batch]
+        for rows in batches([len(s) for s in seqs], batch, rng, same_length):
             for i, hyps in zip(rows, generate_ids(engine, [seqs[i] for i in rows], opts)):
                 got[i] = hyps[0].tokens
                 if got[i] == alone[i]:                                  # same tokens: how far did the numbers move
@@ -52,7 +59,7 @@ def measure(bundle: str, batch: int, contexts: int, threads: int | None, seed: i
         correct_batched.append(np.mean([tok.decode(g) == t for g, (_, t) in zip(got, examples)]))
     correct_alone = np.mean([tok.decode(a) == t for a, (_, t) in zip(alone, examples)])
     return {"bundle": bundle, "precision": loaded.manifest["precision"], "inputs": len(seqs), "batch": batch,
-            "contexts": contexts, "inputs_depending_on_neighbours": int(differs.sum()),
+            "contexts": contexts, "same_length": same_length, "inputs_depending_on_neighbours": int(differs.sum()),
             "share_depending": round(float(differs.mean()), 4),
             "outputs_changed": changed_outputs, "share_outputs_changed": round(changed_outputs / (contexts * len(seqs)), 4),
             "max_score_diff_same_tokens": float(f"{score_diff:.3g}"),
@@ -67,9 +74,10 @@ def main() -> None:
     parser.add_argument("--contexts", type=int, default=4)
     parser.add_argument("--threads", type=int)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--same-length", action="store_true", help="batch only inputs of one token length (no padding)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    rows = [measure(b, args.batch, args.contexts, args.threads, args.seed) for b in args.bundles]
+    rows = [measure(b, args.batch, args.contexts, args.threads, args.seed, args.same_length) for b in args.bundles]
     if args.json:
         print(json.dumps(rows, indent=2))
         return

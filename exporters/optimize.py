@@ -31,6 +31,7 @@ from exporters.optimize_options import (ATTENTION_OPS, STATIC_ATTENTION_OP, TARG
 from exporters.ort_format import add_ort_format, check_convertible
 from exporters.passes import explain_misses, run_passes
 from exporters.precision import precision_pass
+from exporters.row_activations import RowActivationsPass
 from exporters.shared_weights import inline_external, share_weights, shared_bytes
 from exporters.static_cache import StaticCachePass, StaticCacheError
 from runtime.manifest import GRAPHS, PRECISIONS, read_manifest, verify_hashes
@@ -146,6 +147,7 @@ class _Job:
     report: OptimizeReport
     progress: Callable[[str], None]
     allow_unverified: bool = False
+    activation_scales: str = "per-tensor"
     texts: list[str] | None = None
 
     def source(self, graph: str) -> Path:
@@ -156,7 +158,8 @@ def optimize_bundle(bundle_dir: str | Path, out_dir: str | Path, target: str = "
                     fuse: bool = True, attention: str = "ort", force: bool = False, per_channel: bool | None = None,
                     samples: int = 32, progress: Callable[[str], None] | None = None,
                     ort_format: bool = False, kv_cache: str = "auto",
-                    allow_unverified: bool = False, texts: list[str] | None = None) -> tuple[Path, OptimizeReport]:
+                    allow_unverified: bool = False, activation_scales: str = "per-tensor",
+                    texts: list[str] | None = None) -> tuple[Path, OptimizeReport]:
     """Fuse and/or convert a bundle into out_dir; returns (out_dir, report). Bad input: OptimizeError/BundleError.
 
     Three steps, inside a staging folder renamed into place only when all succeed: transform (fusions, static
@@ -170,6 +173,10 @@ def optimize_bundle(bundle_dir: str | Path, out_dir: str | Path, target: str = "
     per_channel (int8): None chooses per tensor, which is faster, unless its greedy tokens miss the tolerance
     table's int8 row and per-channel scales do better; True/False force one.
 
+    activation_scales (int8): "per-tensor" (one activation range per MatMul input tensor, onnxruntime's dynamic
+    quantization) or "per-row" (one per token row, exporters/row_activations: a row's result then does not depend
+    on the other rows of its batch). Judged by the same int8 gate.
+
     The gate (toolkit.parity.gate, the tolerance table's row for the precision): a verdict other than "ok"
     (failed, or inconclusive because the outputs do not vary) raises ParityError and writes nothing, unless
     allow_unverified, which writes the bundle with the verdict and "verified": false in its manifest. Its token
@@ -178,7 +185,7 @@ def optimize_bundle(bundle_dir: str | Path, out_dir: str | Path, target: str = "
     """
     start = time.perf_counter()
     bundle_dir, out_dir = Path(bundle_dir), Path(out_dir)
-    check_options(target, precision, attention, fuse)
+    check_options(target, precision, attention, fuse, activation_scales)
     if ort_format:                                        # .ort graphs are for the CPU provider's minimal builds
         check_convertible({"precision": precision, "target": target})
     manifest = read_manifest(bundle_dir)
@@ -190,7 +197,7 @@ def optimize_bundle(bundle_dir: str | Path, out_dir: str | Path, target: str = "
         raise OptimizeError(f"{bundle_dir} has no tokenizer (it takes token ids), so gate input texts cannot be "
                             f"encoded; leave --input out and the gate uses random ids")
     job = _Job(bundle_dir, out_dir, manifest, target, precision, fuse, attention, kv_cache, per_channel, samples,
-               ort_format, report, progress or (lambda msg: None), allow_unverified, texts)
+               ort_format, report, progress or (lambda msg: None), allow_unverified, activation_scales, texts)
     job.progress(f"optimizing {bundle_dir} -> {out_dir}")
     if manifest.get("ort_graphs"):
         report.notes.append("the source's ORT-format (.ort) graphs are not carried over; convert the new graphs again")
@@ -225,7 +232,7 @@ def convert(job: _Job, models: dict[str, ir.Model], tmp: Path) -> bool | None:
     choices = [job.per_channel] if precision != "int8" or job.per_channel is not None else [False, True]
     tried = []
     for choice in choices:
-        step = precision_pass(precision, bool(choice))
+        step = precision_pass(precision, bool(choice), job.activation_scales)
         folder = tmp if len(choices) == 1 else tmp / f".per_channel_{choice}"
         folder.mkdir(exist_ok=True)
         for g in GRAPHS:
@@ -239,6 +246,8 @@ def convert(job: _Job, models: dict[str, ir.Model], tmp: Path) -> bool | None:
     choice, folder, report.parity = _choose(tried, report)
     if step is not None:
         report.passes.append(step.name)
+        if precision == "int8" and job.activation_scales == "per-row":
+            report.passes.append(RowActivationsPass.name)
     if folder != tmp:
         for g in GRAPHS:
             (folder / files[g]).replace(tmp / files[g])
@@ -275,7 +284,8 @@ def write(job: _Job, tmp: Path, per_channel: bool | None) -> None:
               "graphs": {g: {"sha256": manifest["graphs"][g]["sha256"], **report.before[g]} for g in GRAPHS},
               "options": {"target": job.target, "precision": job.precision, "fuse": job.fuse,
                           "attention": job.attention, "kv_cache": job.kv_cache,
-                          "per_channel": per_channel if job.precision == "int8" else None},
+                          "per_channel": per_channel if job.precision == "int8" else None,
+                          "activation_scales": job.activation_scales if job.precision == "int8" else None},
               "fusions_by_graph": report.fusions}
     new = build_manifest(manifest["model"], entries, precision=job.precision, target=job.target,
                          fusions=fusions, passes=(manifest.get("passes") or []) + report.passes,
@@ -336,7 +346,7 @@ def _fuse_graph(path: Path, fuse: bool, attention: str, precision: str, opset: i
 
 PIPELINE = ("opset_23", "fuse_attention", "fuse_layer_norm", "fuse_erf_gelu", "fuse_skip_layer_norm", "fuse_bias_gelu",
             "fuse_silu", "pack_matmuls", "cleanup", "static_kv_cache", "fold_transposed_weights", "int8_embedding",
-            "float16", "quantize_int8", "quantize_int4")
+            "float16", "quantize_int8", "per_row_activations", "quantize_int4")
 
 
 def _pass_rank(name: str) -> tuple[int, str]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from exporters.fusions import ATTENTION_TARGETS
+from exporters.row_activations import ACTIVATION_SCALES
 from runtime.errors import OnnxformerError
 from runtime.manifest import GRAPHS, PRECISIONS
 from runtime.spec import KV_CACHES
@@ -18,8 +19,16 @@ class OptimizeError(OnnxformerError):
     """Options or a source bundle that optimize cannot work with (exit 2, nothing written)."""
 
 
-def check_options(target: str, precision: str, attention: str, fuse: bool) -> None:
+def check_options(target: str, precision: str, attention: str, fuse: bool,
+                  activation_scales: str = "per-tensor") -> None:
     """Refuse option combinations that cannot work, before touching anything."""
+    if activation_scales not in ACTIVATION_SCALES:
+        raise OptimizeError(f"unknown activation scales {activation_scales!r}; choose one of: "
+                            f"{', '.join(ACTIVATION_SCALES)}")
+    if activation_scales != "per-tensor" and precision != "int8":
+        raise OptimizeError(f"--activation-scales {activation_scales} is for --precision int8 (dynamically quantized "
+                            f"activations); {precision} has none to scale" + (
+                                " (int4's kernel already quantizes each row on its own)" if precision == "int4" else ""))
     if target not in TARGETS:
         raise OptimizeError(f"unknown target {target!r}; choose one of: {', '.join(TARGETS)}")
     if precision not in PRECISIONS:

@@ -10,10 +10,12 @@ follow the graph's float type and are converted with it.
 int8 (onnxruntime.quantization.quantize_dynamic): MatMul weights only (op_types_to_quantize=["MatMul"]:
 quantizing the ONNX Attention op would turn it into QAttention, which no longer loads), int8 weights with one
 scale per tensor or per output channel (optimize chooses: per tensor runs ~20% faster at batch 1, per channel
-halves the logits error), activations quantized at run time. Packed weights (Q/K/V of a layer, the cross K/V of
-all decoder layers, exporters/fusions/pack_matmul) always get per-channel scales: one scale for matrices of
-different ranges is the error per-channel scales exist for. MatMuls between two activations (unfused attention
-scores) are left in float (MatMulConstBOnly).
+halves the logits error), activations quantized at run time: one range per MatMul input tensor (onnxruntime's
+dynamic quantization, so a row's rounding depends on the rest of its batch), or, with activation_scales
+"per-row", one per token row (exporters/row_activations; 10-17% slower, benchmarks/RESULTS.md). Packed
+weights (Q/K/V of a layer, the cross K/V of all decoder layers, exporters/fusions/pack_matmul) always get
+per-channel scales: one scale for matrices of different ranges is the error per-channel scales exist for.
+MatMuls between two activations (unfused attention scores) are left in float (MatMulConstBOnly).
 
 reduce_range stays off, by measurement (benchmarks/int8_numerics.py, RESULTS.md "int8 numerics"): 7-bit weights
 double the teacher-forced logits error on the dates model on a VNNI CPU (mean 0.043 -> 0.076), where 8-bit
@@ -30,6 +32,7 @@ import onnx
 import onnx_ir as ir
 
 from exporters.passes import ConvertPass
+from exporters.row_activations import per_row_activations
 
 
 def to_fp16(model: ir.Model) -> ir.Model:
@@ -91,10 +94,13 @@ def to_int4(model: ir.Model, block_size: int = INT4_BLOCK) -> ir.Model:
     return ir.from_proto(quantizer.model.model)
 
 
-def precision_pass(precision: str, per_channel: bool = True) -> ConvertPass | None:
-    """The pass for a precision (None for fp32)."""
+def precision_pass(precision: str, per_channel: bool = True, activation_scales: str = "per-tensor") -> ConvertPass | None:
+    """The pass for a precision (None for fp32). int8 activation_scales "per-row": each token row gets its own
+    activation range (exporters/row_activations), so a row's result does not depend on its batch neighbours."""
     if precision == "fp16":
         return ConvertPass("float16", to_fp16)
+    if precision == "int8" and activation_scales == "per-row":
+        return ConvertPass("quantize_int8", lambda model: per_row_activations(to_int8(model, per_channel)))
     if precision == "int8":
         return ConvertPass("quantize_int8", lambda model: to_int8(model, per_channel))
     if precision == "int4":

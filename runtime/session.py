@@ -9,7 +9,6 @@ as protobuf bytes by hand so that the runtime needs no `onnx` package.
 
 from __future__ import annotations
 
-import importlib.metadata
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -70,6 +69,8 @@ class SessionConfig:
 
 def installed_onnxruntime() -> str:
     """'onnxruntime-gpu 1.32.0' or 'onnxruntime 1.32.0': the package this environment runs."""
+    import importlib.metadata                       # here: 3 MiB resident that loading a bundle does not need
+
     for dist in ("onnxruntime-gpu", "onnxruntime"):
         try:
             return f"{dist} {importlib.metadata.version(dist)}"
@@ -100,11 +101,19 @@ def provider_list(provider: str) -> list:
     return [PROVIDERS["cpu"]]
 
 
-def make_session(model: str | Path | bytes, provider: str, config: SessionConfig | None = None) -> ort.InferenceSession:
-    """An InferenceSession on `provider` ('cpu' or 'cuda'); raises ProviderError if CUDA did not come up."""
+def make_session(model: str | Path | bytes, provider: str, config: SessionConfig | None = None,
+                 initializers: dict[str, ort.OrtValue] | None = None) -> ort.InferenceSession:
+    """An InferenceSession on `provider` ('cpu' or 'cuda'); raises ProviderError if CUDA did not come up.
+
+    `initializers` replace the graph's initializers of those names (SessionOptions.add_initializer): sessions given
+    the same OrtValue read one buffer. ONNX Runtime does not own them, so the session keeps a reference."""
     config = config or SessionConfig()
     source = model if isinstance(model, bytes) else str(model)
-    session = ort.InferenceSession(source, sess_options=config.to_ort(), providers=provider_list(provider))
+    options = config.to_ort()
+    for name, value in (initializers or {}).items():
+        options.add_initializer(name, value)
+    session = ort.InferenceSession(source, sess_options=options, providers=provider_list(provider))
+    session.onnxformer_initializers = initializers         # keeps the buffers alive as long as the session
     if PROVIDERS[provider] not in session.get_providers():    # e.g. CUDA/cuDNN libraries missing at load time
         raise ProviderError(f"{PROVIDERS[provider]} could not be started by {installed_onnxruntime()} (the session "
                             f"fell back to {', '.join(session.get_providers())}); check that the CUDA and cuDNN "

@@ -174,6 +174,22 @@ def test_the_cli_and_generate_do_not_import_torch():
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
 
 
+def test_a_command_imports_only_its_own_module_and_help_lists_every_command():
+    """The group loads a command's module when it runs (issue 16: generate's resident memory); --help lists all."""
+    code = ("import sys\nfrom toolkit.cli import main\ntry:\n    main(['generate', '--help'])\nexcept SystemExit:\n    pass\n"
+            "mods = sorted(m for m in sys.modules if m.startswith('toolkit.commands.') and m != 'toolkit.commands._common')\n"
+            "assert mods == ['toolkit.commands.generate'], mods\n"
+            "assert 'importlib.metadata' not in sys.modules, 'importlib.metadata was imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+    result = run("--help")
+    listed = result.stdout.split("Commands:", 1)[1].split()
+    names = ["bench", "demo", "export", "generate", "import", "init", "inspect", "loadtest", "optimize", "parity",
+             "serve", "train"]
+    assert result.exit_code == 0 and [w for w in listed if w in names] == names
+    version = run("--version")
+    assert version.exit_code == 0 and ", version " in version.stdout
+
+
 def test_train_end_to_end_with_few_steps(tmp_path):
     from toolkit.checkpoint import load_checkpoint
 

@@ -233,6 +233,12 @@ def test_int8_bundle_stores_one_int8_embedding_both_graphs_read(bundles, toy_exp
     exported = onnx.load(str(toy_exported[1] / "encoder.onnx"))
     table = next(onnx.numpy_helper.to_array(t) for t in exported.graph.initializer if t.name == "model.embed.lut.weight")
     assert np.all(np.abs(q * scale[:, None] - table) <= scale[:, None] / 2 + 1e-6)
+    # the tied projection: DynamicQuantizeMatMul with a scalar b_scale of 1, then one Mul by the row scales (the
+    # per-column b_scale path of onnxruntime is slower at a large vocabulary)
+    (dqmm,) = [n for n in decoder.graph.node if n.op_type == "DynamicQuantizeMatMul"]
+    assert dqmm.input[1] == tables[0]["name"] and values[dqmm.input[2]].shape == () and values[dqmm.input[2]] == 1.0
+    (mul,) = [n for n in decoder.graph.node if dqmm.output[0] in n.input]
+    assert mul.op_type == "Mul" and next(k for k in mul.input if k != dqmm.output[0]).endswith(".int8_scale")
 
 
 def test_int8_tokens_with_8bit_embeddings_stay_near_pytorch(bundles, seqs, toy_model_factory):
@@ -263,6 +269,57 @@ def test_weights_file_is_checked_like_a_graph(bundles, tmp_path):
     result = CliRunner().invoke(__import__("toolkit.cli", fromlist=["main"]).main,
                                 ["generate", str(broken), "hello"])
     assert result.exit_code == 2 and "weights.data" in result.output and "Traceback" not in result.output
+
+
+def test_both_sessions_read_the_shared_tensors_from_one_buffer(bundles, seqs, monkeypatch):
+    """The tensors both graphs read from weights.data are handed to both sessions as one OrtValue each, over one
+    mapping (resident once, not once per session), at the offsets the graphs record; tokens are those of sessions
+    that map the file themselves. ORT-format graphs embed their weights and get none."""
+    import numpy as np
+    import onnx
+
+    import runtime.bundle as bundle_module
+
+    path = bundles["int8"]
+    record = json.loads((path / "manifest.json").read_text())["shared_weights"]
+    for g in ("encoder", "decoder"):                                   # the record is where the graphs read
+        model = onnx.load(str(path / f"{g}.onnx"), load_external_data=False)
+        external = {t.name: {e.key: e.value for e in t.external_data} for t in model.graph.initializer
+                    if t.data_location == onnx.TensorProto.EXTERNAL}
+        for t in record["tensors"]:
+            if g in t["graphs"]:
+                assert (int(external[t["name"]]["offset"]), int(external[t["name"]]["length"])) == \
+                       (t["offset"], t["length"]), (g, t["name"])
+    loaded = load_bundle(path, provider="cpu")
+    given = loaded.engine.encoder.onnxformer_initializers
+    assert given is loaded.engine.decoder.onnxformer_initializers
+    table = next(t for t in record["tensors"] if t["dtype"] == "int8")
+    data = (path / "weights.data").read_bytes()[table["offset"]:table["offset"] + table["length"]]
+    assert given[table["name"]].numpy().tobytes() == data and list(given[table["name"]].shape()) == table["shape"]
+    opts = SearchOptions(max_new_tokens=12)
+    got = tokens(generate_ids(loaded.engine, seqs, opts))
+    monkeypatch.setattr(bundle_module, "shared_initializers", lambda *args: {})
+    own = load_bundle(path, provider="cpu")
+    assert not own.engine.encoder.onnxformer_initializers
+    assert got == tokens(generate_ids(own.engine, seqs, opts))
+    monkeypatch.undo()
+    assert load_bundle(bundles["int8-ort"], provider="cpu").engine.encoder.onnxformer_initializers is None
+
+
+def test_a_shared_weights_record_that_does_not_fit_the_file_is_refused(bundles, tmp_path):
+    from runtime.errors import BundleError
+
+    broken = tmp_path / "broken"
+    shutil.copytree(bundles["int8"], broken)
+    manifest = json.loads((broken / "manifest.json").read_text())
+    table = next(t for t in manifest["shared_weights"]["tensors"] if t["dtype"] == "int8")
+    table["offset"] = manifest["shared_weights"]["bytes"]                   # past the end of weights.data
+    (broken / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(BundleError, match="shared_weights entry .* does not describe a tensor of weights.data"):
+        load_bundle(broken, provider="cpu")
+    result = CliRunner().invoke(__import__("toolkit.cli", fromlist=["main"]).main,
+                                ["generate", str(broken), "hello", "--provider", "cpu"])
+    assert result.exit_code == 2 and "re-optimize" in result.output and "Traceback" not in result.output
 
 
 def test_optimize_replaces_a_bundle_with_weights_and_reoptimizes_from_one(bundles, toy_exported, tmp_path, seqs):

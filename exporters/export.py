@@ -1,7 +1,8 @@
 """Export: a model and its graph specs in, encoder.onnx and decoder.onnx out (torch.onnx dynamo exporter).
 
     EncoderGraph   (input_ids, attention_mask) -> (encoder_hidden_states, present.{i}.encoder.key/value ...)
-    DecoderGraph   (input_ids, encoder_attention_mask, *past_key_values in spec order) -> (logits, present.{i}.decoder.key/value ...)
+    DecoderGraph   (input_ids, encoder_attention_mask, position_ids, decoder_attention_mask, *past_key_values in spec order)
+                   -> (logits, present.{i}.decoder.key/value ...)
 
 Every name, the order of the flattened caches and every dynamic axis come from runtime/spec.py. One
 decoder graph serves the first step (past_len 0) and every cached step (any new_len >= 1).
@@ -36,6 +37,7 @@ SUPPORTED_OPSETS = range(18, 24)            # 18..23: what the dynamo exporter a
 MAX_DIM = 65536                             # upper bound for every dynamic axis
 TRACE_SIZES = {S.BATCH: 3, S.SRC_LEN: 7, S.NEW_LEN: 2, S.PAST_LEN: 5}   # never 0 or 1: torch.export would specialize
 MAX_PROTO_BYTES = 2_000_000_000            # one protobuf file holds at most 2 GB
+N_DECODER_FIXED = 4                         # decoder inputs before the caches: ids, encoder mask, positions, key mask
 
 
 class EncoderGraph(torch.nn.Module):
@@ -60,15 +62,16 @@ class DecoderGraph(torch.nn.Module):
         super().__init__()
         self.model, self.output_names = model, spec.output_names
         self.layers = model.config.n_decoder_layers
-        self.cache_index = {name: i for i, name in enumerate(spec.input_names[2:])}
+        self.cache_index = {name: i for i, name in enumerate(spec.input_names[N_DECODER_FIXED:])}
 
-    def forward(self, input_ids, encoder_attention_mask, *caches):
+    def forward(self, input_ids, encoder_attention_mask, position_ids, decoder_attention_mask, *caches):
         def get(i, attn, kv):
             return caches[self.cache_index[cache_name(PAST, i, attn, kv)]]
 
         past = [(get(i, SELF, "key"), get(i, SELF, "value")) for i in range(self.layers)]
         cross = [(get(i, CROSS, "key"), get(i, CROSS, "value")) for i in range(self.layers)]
-        logits, presents = self.model.decode_step(input_ids, encoder_attention_mask, past, cross)
+        logits, presents = self.model.decode_step(input_ids, encoder_attention_mask, past, cross, position_ids,
+                                                  decoder_attention_mask)
         named = {"logits": logits}
         for i, (k, v) in enumerate(presents):
             named[cache_name(PRESENT, i, SELF, "key")], named[cache_name(PRESENT, i, SELF, "value")] = k, v
@@ -90,6 +93,8 @@ def dynamic_shapes(spec: GraphSpec) -> dict[str, dict[int, Dim]]:
 def example_input(t: S.TensorSpec, config, gen: torch.Generator) -> torch.Tensor:
     """A tracing input of the spec's shape with TRACE_SIZES for its symbolic dims (seeded; global RNG untouched)."""
     shape = [TRACE_SIZES[d] if isinstance(d, str) else d for d in t.shape]
+    if t.name == S.POSITION_IDS:                            # past_len + 0..new_len-1 (positions index the table)
+        return (torch.arange(shape[1]) + TRACE_SIZES[S.PAST_LEN]).expand(shape).contiguous()
     if t.dtype == "int64":
         if "mask" in t.name:
             mask = torch.ones(shape, dtype=torch.long)
@@ -108,7 +113,8 @@ def _export(module: torch.nn.Module, spec: GraphSpec, config, path: Path, opset:
     shapes = dynamic_shapes(spec)
     if isinstance(module, DecoderGraph):                  # varargs: (ids, mask, tuple of per-cache dims)
         names = spec.input_names
-        dyn = (shapes[names[0]], shapes[names[1]], tuple(shapes[n] for n in names[2:]))
+        fixed = N_DECODER_FIXED
+        dyn = (*(shapes[n] for n in names[:fixed]), tuple(shapes[n] for n in names[fixed:]))
     else:
         dyn = shapes
     quiet = io.StringIO()

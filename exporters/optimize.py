@@ -209,6 +209,17 @@ def optimize_bundle(bundle_dir: str | Path, out_dir: str | Path, target: str = "
     return out_dir, report
 
 
+STACK_TRACE = "pkg.torch.onnx.stack_trace"
+
+
+def drop_stack_traces(model: ir.Model) -> None:
+    """Optimized graphs ship without the exporter's per-node Python stack traces: they name files on the machine
+    that exported the model and were the largest part of the small graphs' bytes (the exported bundle keeps them
+    for debugging; the module names, 'namespace', stay)."""
+    for node in model.graph.all_nodes():
+        node.metadata_props.pop(STACK_TRACE, None)
+
+
 def transform(job: _Job) -> dict[str, ir.Model]:
     """Load each graph and run its rewrite passes (fusions until nothing changes, the static cache, int8 pre-passes)."""
     report, models = job.report, {}
@@ -238,6 +249,7 @@ def convert(job: _Job, models: dict[str, ir.Model], tmp: Path) -> bool | None:
         for g in GRAPHS:
             with quiet_loggers("root", "onnxruntime", "onnxruntime.quantization"):
                 converted = step(models[g]).model if step is not None else models[g]
+            drop_stack_traces(converted)
             ir.save(converted, folder / files[g])
         parity = _parity(job, {g: folder / files[g] for g in GRAPHS})
         tried.append((choice, folder, parity))

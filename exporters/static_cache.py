@@ -23,7 +23,10 @@ Two rewriter rules, like the fusions (pattern, check, replacement, count):
 - positions: the graph read past_len from the past's shape (Shape(past)[2]); that now comes from the new
   `past_sequence_length` input;
 - the causal attention bias is dropped: with one new token every cached position is visible, which is what
-  the bias said (DecoderMaskedMultiHeadAttention takes exactly one token a step);
+  the bias said (DecoderMaskedMultiHeadAttention takes exactly one token a step); the per-row key mask
+  (`decoder_attention_mask` [B, cache_len], 1 where a slot holds a real token of the row) goes to its mask_index
+  instead, cut to the filled slots plus this step's (int32 [B, past_sequence_length + 1], as onnxruntime wants);
+  the per-row `position_ids` [B, 1] stay as exported (the positional table is read at them);
 - the caches' length axis becomes `cache_len`: the runtime sizes the buffer per request (the tokens it may
   generate, at most the model's max_len).
 Parity with the dynamic graph is proved by optimize, as for every pass.
@@ -31,13 +34,15 @@ Parity with the dynamic graph is proved by optimize, as for every pass.
 
 from __future__ import annotations
 
+import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes.common import CommonSubexpressionEliminationPass, RemoveUnusedNodesPass, TopologicalSortPass
 from onnxscript.rewriter import pattern
 
 from exporters.passes import Reporting, RewritePass
 from runtime.errors import OnnxformerError
-from runtime.spec import CACHE_LEN, PAST, PAST_SEQUENCE_LENGTH, PRESENT, SELF, is_cache
+from runtime.spec import (CACHE_LEN, DECODER_ATTENTION_MASK, INPUT_IDS, PAST, PAST_SEQUENCE_LENGTH, POSITION_IDS, PRESENT,
+                          SELF, is_cache)
 
 MS = "com.microsoft"
 RANK = 4                                              # caches are [B, H, len, Dh]; dim 2 is the length
@@ -85,9 +90,22 @@ class StaticAttention(pattern.RewriteRuleClassBase):
         scale = fused.attributes.get_float("scale", None)
         if scale is not None:
             attributes["scale"] = scale
-        return op.DecoderMaskedMultiHeadAttention(query, key, value, None, None, past_key, past_value,
-                                                  _past_sequence_length(past_key), **attributes, _domain=MS,
-                                                  _outputs=3)
+        filled = _past_sequence_length(past_key)
+        return op.DecoderMaskedMultiHeadAttention(query, key, value, _key_mask(op, past_key.graph, filled), None,
+                                                  past_key, past_value, filled, **attributes, _domain=MS, _outputs=3)
+
+
+def _key_mask(op, graph: ir.Graph, filled: ir.Value) -> ir.Value | None:
+    """DecoderMaskedMultiHeadAttention's mask_index, int32 [B, past_sequence_length + 1]: the decoder_attention_mask's
+    filled slots, then 1 for this step's token (onnxruntime checks that length; a mask over the whole buffer is
+    refused). None for decoders exported without the mask (bundles before in-flight batching)."""
+    mask = next((v for v in graph.inputs if v.name == DECODER_ATTENTION_MASK), None)
+    if mask is None:
+        return None
+    zero, one = (op.Constant(value=ir.tensor(np.array([i], dtype=np.int32))) for i in (0, 1))
+    filled_part = op.Slice(op.Cast(mask, to=ir.DataType.INT32), zero, filled, one)               # [B, filled]
+    end_pad = op.Constant(value=ir.tensor(np.array([0, 0, 0, 1], dtype=np.int64)))             # one slot at the end
+    return op.Pad(filled_part, end_pad, op.Constant(value=ir.tensor(np.array(1, dtype=np.int32))))  # ... set to 1
 
 
 class PastLengthFromInput(pattern.RewriteRuleClassBase):
@@ -140,14 +158,17 @@ class StaticCachePass(Reporting, ir.passes.InPlacePass):
         _refuse_leftovers(pasts)
         for v in pasts:
             v.shape = _with_len(v.shape, CACHE_LEN)
+        for v in graph.inputs:                                         # the key mask covers the whole buffer
+            if v.name == DECODER_ATTENTION_MASK and v.shape is not None:
+                v.shape = ir.Shape([v.shape[0], CACHE_LEN])
         for v in graph.outputs:
             if is_cache(v.name, PRESENT, SELF):
                 v.shape = _with_len(v.shape, CACHE_LEN)
             elif v.name == "logits" and v.shape is not None:
                 v.shape = ir.Shape([v.shape[0], 1, *list(v.shape)[2:]])
-        ids = next(v for v in graph.inputs if v.name == "input_ids")
-        if ids.shape is not None:
-            ids.shape = ir.Shape([ids.shape[0], 1])
+        for ids in (v for v in graph.inputs if v.name in (INPUT_IDS, POSITION_IDS)):   # one token a step
+            if ids.shape is not None:
+                ids.shape = ir.Shape([ids.shape[0], 1])
         CommonSubexpressionEliminationPass()(model)                    # one Cast of past_sequence_length
         RemoveUnusedNodesPass()(model)                                 # the causal-bias subgraph is dead now
         TopologicalSortPass()(model)

@@ -9,8 +9,12 @@ as protobuf bytes by hand so that the runtime needs no `onnx` package.
 
 from __future__ import annotations
 
+import ctypes
+import gc
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import NamedTuple
 
 import onnxruntime as ort
 
@@ -119,6 +123,66 @@ def make_session(model: str | Path | bytes, provider: str, config: SessionConfig
                             f"fell back to {', '.join(session.get_providers())}); check that the CUDA and cuDNN "
                             f"libraries onnxruntime-gpu needs are installed, or use --provider cpu")
     return session
+
+
+class Arg(NamedTuple):
+    """What InferenceSession.get_inputs()/get_outputs() give (onnxruntime.NodeArg): name, type, shape."""
+
+    name: str
+    type: str                       # "tensor(float)", "tensor(int64)", ...
+    shape: list
+
+
+class OnDemandSession:
+    """An InferenceSession made on first use and dropped by `release()`, so that a process can hold one graph's
+    weights at a time (`onnxformer generate`: the encoder runs once, then only the decoder; runtime.bundle's
+    one_graph_at_a_time). `before` runs before the session is made (it releases the other graph's session).
+    Until the session exists, get_inputs()/get_outputs() answer from the interface given (the manifest's, which
+    the made session is checked against), so that an engine asking them does not load the graph.
+
+    For one-shot use: a session released while a request still holds its IO binding (a server decoding while it
+    encodes new requests) would be made again at every switch."""
+
+    def __init__(self, make: Callable[[], ort.InferenceSession], inputs: list[Arg], outputs: list[Arg]):
+        self._make, self._inputs, self._outputs = make, inputs, outputs
+        self._session: ort.InferenceSession | None = None
+        self.before: Callable[[], None] | None = None
+
+    @property
+    def loaded(self) -> bool:
+        return self._session is not None
+
+    def session(self) -> ort.InferenceSession:
+        if self._session is None:
+            if self.before is not None:
+                self.before()
+            self._session = self._make()
+        return self._session
+
+    def release(self) -> None:
+        if self._session is not None:
+            self._session = None
+            return_freed_memory()
+
+    def get_inputs(self) -> list:
+        return self._inputs if self._session is None else self._session.get_inputs()
+
+    def get_outputs(self) -> list:
+        return self._outputs if self._session is None else self._session.get_outputs()
+
+    def __getattr__(self, name: str):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self.session(), name)
+
+
+def return_freed_memory() -> None:
+    """Give the memory of dropped sessions back to the system: glibc keeps freed heap for reuse (malloc_trim)."""
+    gc.collect()
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):                 # not glibc (musl, macOS): nothing to trim
+        pass
 
 
 def device_of(provider: str) -> str:

@@ -22,6 +22,9 @@ BATCH, SRC_LEN, NEW_LEN, PAST_LEN, TOTAL_LEN = "batch", "src_len", "new_len", "p
 INPUT_IDS = "input_ids"                          # both graphs: token ids (the embedding lookup reads it)
 PAST_SEQUENCE_LENGTH = "past_sequence_length"   # static-cache decoders: how many buffer rows are filled
 CACHE_LEN = "cache_len"                          # static-cache decoders: buffer length (<= max_len, chosen per request)
+POSITION_IDS = "position_ids"                    # decoders: each new token's position in its own target sequence
+DECODER_ATTENTION_MASK = "decoder_attention_mask"  # decoders: 1 where a cached self-attention key is a real token
+ROW_INPUTS = (POSITION_IDS, DECODER_ATTENTION_MASK)  # the per-row inputs in-flight batching needs (bundles since i15)
 KV_CACHES = ("dynamic", "static")
 
 
@@ -145,6 +148,13 @@ def decoder_spec(n_decoder_layers: int, n_heads: int, d_model: int, vocab_size: 
     (exporters/static_cache.py): past and present are one [B, H, cache_len, Dh] buffer the runtime allocates per
     request (cache_len = the tokens it may generate, at most max_len) and binds twice; `past_sequence_length` says
     how many rows are filled, and a step takes exactly one token.
+
+    Per-row inputs (rows of one batch may sit at different positions, as in in-flight batching):
+    `position_ids` [B, new_len], each new token's position in its own target sequence (one request alone:
+    past_len + 0..new_len-1), and `decoder_attention_mask` [B, past_len] (static: [B, cache_len]), 1 where a cached
+    key/value slot holds a real token of that row, 0 where it holds none (a slot before the row joined, or beyond
+    past_sequence_length). This step's new tokens are always attended, causally among themselves.
+    `default_row_inputs` gives the one-request feeds (all slots real), which reproduce the graph without them.
     """
     head_dim = d_model // n_heads
     new_len = 1 if static_cache else NEW_LEN
@@ -153,6 +163,8 @@ def decoder_spec(n_decoder_layers: int, n_heads: int, d_model: int, vocab_size: 
               TensorSpec("encoder_attention_mask", "int64", (BATCH, SRC_LEN))]
     if static_cache:
         inputs.append(TensorSpec(PAST_SEQUENCE_LENGTH, "int32", (1,)))
+    inputs += [TensorSpec(POSITION_IDS, "int64", (BATCH, new_len)),
+               TensorSpec(DECODER_ATTENTION_MASK, "int64", (BATCH, past_len))]
     outputs = [TensorSpec("logits", float_type, (BATCH, new_len, vocab_size))]
     for i in range(n_decoder_layers):
         inputs += [TensorSpec(cache_name(PAST, i, SELF, kv), float_type, (BATCH, n_heads, past_len, head_dim))
@@ -162,6 +174,21 @@ def decoder_spec(n_decoder_layers: int, n_heads: int, d_model: int, vocab_size: 
         outputs += [TensorSpec(cache_name(PRESENT, i, SELF, kv), float_type, (BATCH, n_heads, total_len, head_dim))
                     for kv in KV]
     return GraphSpec("decoder", inputs=tuple(inputs), outputs=tuple(outputs))
+
+
+def takes_row_inputs(input_names) -> bool:
+    """Whether a decoder takes per-row positions and a self-attention key mask (exported since in-flight batching)."""
+    names = set(input_names)
+    return all(name in names for name in ROW_INPUTS)
+
+
+def default_row_inputs(batch: int, past_len: int, new_len: int = 1, mask_len: int | None = None) -> dict:
+    """position_ids and decoder_attention_mask of rows that all start at position 0 with every slot filled: what
+    the graph computed before it took them (position past_len + i; every cached key real). mask_len: the mask's
+    length when it differs from past_len (a static cache's cache_len)."""
+    positions = np.arange(past_len, past_len + new_len, dtype=np.int64)
+    return {POSITION_IDS: np.ascontiguousarray(np.broadcast_to(positions, (batch, new_len))),
+            DECODER_ATTENTION_MASK: np.ones((batch, past_len if mask_len is None else mask_len), dtype=np.int64)}
 
 
 def source_vocab_size(config: dict) -> int:
@@ -189,7 +216,8 @@ def graph_specs(config: dict, float_type: str = "float32", kv_cache: str = "dyna
     return {"encoder": encoder_spec(L, H, D, float_type), "decoder": decoder_spec(L, H, D, V, float_type, static)}
 
 
-__all__ = ["TensorSpec", "GraphSpec", "PAST_SEQUENCE_LENGTH", "CACHE_LEN", "KV_CACHES", "PAST", "PRESENT", "SELF",
+__all__ = ["TensorSpec", "GraphSpec", "PAST_SEQUENCE_LENGTH", "CACHE_LEN", "POSITION_IDS", "DECODER_ATTENTION_MASK",
+           "ROW_INPUTS", "takes_row_inputs", "default_row_inputs", "KV_CACHES", "PAST", "PRESENT", "SELF",
            "CROSS", "KV", "cache_name", "cache_names", "parse_cache_name", "is_cache", "past_of", "present_of",
            "empty_past", "first_step_cache", "encoder_spec", "decoder_spec", "graph_specs", "source_vocab_size",
            "source_pad_id", "suppressed_ids"]

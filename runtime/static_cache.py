@@ -20,7 +20,8 @@ import numpy as np
 import onnxruntime as ort
 
 from runtime.errors import InputError
-from runtime.spec import PAST, PAST_SEQUENCE_LENGTH, SELF, is_cache, present_of
+from runtime.spec import (DECODER_ATTENTION_MASK, INPUT_IDS, PAST, PAST_SEQUENCE_LENGTH, POSITION_IDS, SELF, is_cache,
+                          present_of)
 
 
 def is_static(session: ort.InferenceSession) -> bool:
@@ -37,7 +38,7 @@ class StaticCache:
 
     def __init__(self, buffers: list, rows: int, capacity: int, length: int = 0):
         self.buffers, self.rows, self.capacity, self.length = buffers, rows, capacity, length
-        self.binding = None
+        self.binding = self.key_mask = None
 
 
 class StaticPath:
@@ -84,6 +85,8 @@ class StaticPath:
         binding = cache.binding
         binding.bind_cpu_input("input_ids", tokens)
         binding.bind_cpu_input(PAST_SEQUENCE_LENGTH, np.array([cache.length], dtype=np.int32))
+        if self.e.row_inputs:                                        # every row alone: all at position `length`
+            binding.bind_cpu_input(POSITION_IDS, np.full((cache.rows, 1), cache.length, dtype=np.int64))
         self.e.decoder.run_with_iobinding(binding)
         cache.length += 1
         return binding.get_outputs()[0].numpy().copy(), cache        # ORT reuses the bound output's memory next step
@@ -99,6 +102,9 @@ class StaticPath:
             binding.bind_ortvalue_input("encoder_attention_mask", mask)
             for name, value in zip(self.e.cross_in_names, cross):
                 binding.bind_ortvalue_input(name, value)
+        if self.e.row_inputs:                                        # every slot below `length` is a real token
+            cache.key_mask = np.ones((cache.rows, cache.capacity), dtype=np.int64)
+            binding.bind_cpu_input(DECODER_ATTENTION_MASK, cache.key_mask)
         binding.bind_output("logits", "cpu")                         # the one tensor the search reads on the host
         for past, present, buf in zip(self.e.past_names, self.e.present_names, cache.buffers):
             # host: the leading rows of a C-order array are contiguous, so the view wraps without a copy
@@ -126,12 +132,21 @@ class DynamicView:
             past = feeds[name]
             buffers[name] = np.zeros(past.shape[:2] + (filled + tokens.shape[1],) + past.shape[3:], dtype=past.dtype)
             buffers[name][:, :, :filled] = past
-        fixed = {k: v for k, v in feeds.items() if k not in buffers and k != "input_ids"}
+        per_token = (INPUT_IDS, POSITION_IDS, DECODER_ATTENTION_MASK)
+        fixed = {k: v for k, v in feeds.items() if k not in buffers and k not in per_token}
+        mask = None
+        if DECODER_ATTENTION_MASK in feeds:                              # [B, P] -> the buffer's [B, P + T]
+            mask = np.ones((len(tokens), filled + tokens.shape[1]), dtype=np.int64)
+            mask[:, :filled] = feeds[DECODER_ATTENTION_MASK]            # this call's earlier tokens are real
         logits = []
         for t in range(tokens.shape[1]):
-            outs = dict(zip(out_names, self.session.run(out_names, {
-                **fixed, **buffers, "input_ids": np.ascontiguousarray(tokens[:, t:t + 1]),
-                PAST_SEQUENCE_LENGTH: np.array([filled + t], dtype=np.int32)})))
+            step = {INPUT_IDS: np.ascontiguousarray(tokens[:, t:t + 1]),
+                    PAST_SEQUENCE_LENGTH: np.array([filled + t], dtype=np.int32)}
+            if mask is not None:
+                step[DECODER_ATTENTION_MASK] = mask
+            if POSITION_IDS in feeds:
+                step[POSITION_IDS] = np.ascontiguousarray(feeds[POSITION_IDS][:, t:t + 1])
+            outs = dict(zip(out_names, self.session.run(out_names, {**fixed, **buffers, **step})))
             logits.append(outs["logits"])
             buffers = {name: outs[present_of(name)] for name in self.pasts}
         result = {"logits": np.concatenate(logits, axis=1)}

@@ -322,6 +322,41 @@ def test_a_shared_weights_record_that_does_not_fit_the_file_is_refused(bundles, 
     assert result.exit_code == 2 and "re-optimize" in result.output and "Traceback" not in result.output
 
 
+def test_one_graph_at_a_time_gives_the_same_tokens_and_holds_one_session(bundles, seqs):
+    """load_bundle(one_graph_at_a_time=True), what `onnxformer generate` uses: the encoder session is made for
+    start() and released when the decoder's is made; tokens equal those of both sessions held (greedy and beam,
+    dynamic and static cache, .onnx and .ort graphs), also on a second request (the encoder is made again)."""
+    for name in ("fp32", "int8", "int8-ort"):
+        normal = load_bundle(bundles[name], provider="cpu")
+        lean = load_bundle(bundles[name], provider="cpu", one_graph_at_a_time=True)
+        encoder, decoder = lean.engine.encoder, lean.engine.decoder
+        assert not encoder.loaded and not decoder.loaded and lean.engine.static_cache == normal.engine.static_cache
+        for opts in (SearchOptions(max_new_tokens=12), SearchOptions(max_new_tokens=8, beam=3, num_return=2)):
+            want = tokens(generate_ids(normal.engine, seqs, opts))
+            assert tokens(generate_ids(lean.engine, seqs, opts)) == want, (name, opts)
+            assert decoder.loaded and not encoder.loaded
+    bound = load_bundle(bundles["int8"], provider="cpu", one_graph_at_a_time=True, io_binding=True).engine.encoder
+    assert type(bound).__name__ == "InferenceSession"               # bound outputs must not outlive their session
+
+
+def test_generate_checks_each_graph_against_the_manifest_when_it_is_made(bundles, tmp_path):
+    """generate makes each session on first use: a graph whose interface differs from the manifest is still a
+    one-line error (exit 2), before any output."""
+    swapped = tmp_path / "swapped"
+    shutil.copytree(bundles["int8"], swapped)
+    manifest = json.loads((swapped / "manifest.json").read_text())
+    graphs = manifest["graphs"]
+    for key in ("file", "sha256"):
+        graphs["encoder"][key], graphs["decoder"][key] = graphs["decoder"][key], graphs["encoder"][key]
+    for g in graphs.values():
+        g.pop("bytes", None)
+    (swapped / "manifest.json").write_text(json.dumps(manifest))
+    result = CliRunner().invoke(__import__("toolkit.cli", fromlist=["main"]).main,
+                                ["generate", str(swapped), "hello", "--provider", "cpu"])
+    assert result.exit_code == 2 and "do not match the manifest" in result.output, result.output
+    assert "Traceback" not in result.output and result.stdout == ""
+
+
 def test_optimize_replaces_a_bundle_with_weights_and_reoptimizes_from_one(bundles, toy_exported, tmp_path, seqs):
     """--force recognises weights.data as the bundle's own; a bundle with external weights can be a source."""
     from exporters.optimize import optimize_bundle

@@ -24,7 +24,7 @@ from exporters.bundle import tensor_specs
 from runtime.errors import BundleError, ProviderError
 from toolkit.errors import ConfigError
 from runtime.manifest import read_manifest, verify_hashes
-from runtime.spec import graph_specs
+from runtime.spec import DECODER_ATTENTION_MASK, POSITION_IDS, default_row_inputs, graph_specs
 from runtime.tokenizer import CharTokenizer
 from toolkit.checkpoint import load_checkpoint, save_checkpoint
 from toolkit.cli import main
@@ -162,26 +162,59 @@ def test_graphs_accept_shapes_never_seen_at_export(tiny_bundle, toy_model):
     assert next(c for c in report.checks if c.output == "logits").steps == 31
 
 
-@torch.no_grad()
-def test_cached_step_with_several_new_tokens(tiny_bundle, toy_model):
-    """new_len > 1 with a non-empty past (speculative/chunked decoding) is served by the same graph."""
-    c = toy_model.config
+def _random_step(model, past_len: int, new_len: int):
+    """(new ids [2, new_len], source mask, random past [2, H, past_len, Dh] per layer, cross K/V) of two rows."""
+    c = model.config
     ids = torch.randint(3, c.vocab_size, (2, 9))
     mask = torch.ones_like(ids)
     mask[1, 6:] = 0
-    _, cross = toy_model.encode(ids, mask)
-    past = [(torch.randn(2, c.n_heads, 4, c.head_dim), torch.randn(2, c.n_heads, 4, c.head_dim)) for _ in cross]
-    new = torch.randint(3, c.vocab_size, (2, 3))
-    logits, presents = toy_model.decode_step(new, mask, past, cross)
+    _, cross = model.encode(ids, mask)
+    shape = (2, c.n_heads, past_len, c.head_dim)
+    past = [(torch.randn(shape), torch.randn(shape)) for _ in cross]
+    return torch.randint(3, c.vocab_size, (2, new_len)), mask, past, cross
+
+
+def _decoder_feeds(new, mask, past, cross) -> dict:
     feeds = {"input_ids": new.numpy(), "encoder_attention_mask": mask.numpy()}
     for i, ((pk, pv), (ck, cv)) in enumerate(zip(past, cross)):
         feeds.update({f"past_key_values.{i}.decoder.key": pk.numpy(), f"past_key_values.{i}.decoder.value": pv.numpy(),
                       f"past_key_values.{i}.encoder.key": ck.numpy(), f"past_key_values.{i}.encoder.value": cv.numpy()})
+    return feeds
+
+
+@torch.no_grad()
+def test_cached_step_with_several_new_tokens(tiny_bundle, toy_model):
+    """new_len > 1 with a non-empty past (speculative/chunked decoding) is served by the same graph."""
+    c = toy_model.config
+    new, mask, past, cross = _random_step(toy_model, 4, 3)
+    logits, presents = toy_model.decode_step(new, mask, past, cross)
+    feeds = {**_decoder_feeds(new, mask, past, cross), **default_row_inputs(2, 4, 3)}
     sess = make_session(tiny_bundle / "decoder.onnx", "cpu")
     out = sess.run(["logits", "present.1.decoder.value"], feeds)
     assert out[0].shape == (2, 3, c.vocab_size) and out[1].shape == (2, c.n_heads, 7, c.head_dim)
     np.testing.assert_allclose(out[0], logits.numpy(), atol=1e-4, rtol=0)
     np.testing.assert_allclose(out[1], presents[1][1].numpy(), atol=1e-4, rtol=0)
+
+
+@torch.no_grad()
+def test_rows_at_their_own_positions_equal_the_rows_alone(tiny_bundle, toy_model):
+    """The per-row contract: row 1 joined 3 slots late (its first 3 cached slots are garbage, masked out, and its
+    positions start 3 lower); the graph's output for it equals the row decoded alone with only its own past."""
+    new, mask, past, cross = _random_step(toy_model, 6, 2)
+    positions = torch.tensor([[6, 7], [3, 4]])
+    key_mask = torch.tensor([[1] * 6, [0, 0, 0, 1, 1, 1]])
+    logits, presents = toy_model.decode_step(new, mask, past, cross, positions, key_mask)
+    alone, _ = toy_model.decode_step(new[1:], mask[1:], [(k[1:, :, 3:], v[1:, :, 3:]) for k, v in past],
+                                     [(k[1:], v[1:]) for k, v in cross])
+    np.testing.assert_allclose(logits[1:].numpy(), alone.numpy(), atol=1e-5, rtol=0)
+    default, _ = toy_model.decode_step(new, mask, past, cross)
+    assert not np.allclose(logits[1].numpy(), default[1].numpy(), atol=1e-3)    # the mask and positions matter
+    feeds = {**_decoder_feeds(new, mask, past, cross), POSITION_IDS: positions.numpy(),
+             DECODER_ATTENTION_MASK: key_mask.numpy()}
+    for path in (tiny_bundle / "decoder.onnx",):
+        out = make_session(path, "cpu").run(["logits", "present.1.decoder.key"], feeds)
+        np.testing.assert_allclose(out[0], logits.numpy(), atol=1e-4, rtol=0)
+        np.testing.assert_allclose(out[1], presents[1][0].numpy(), atol=1e-4, rtol=0)
 
 
 def test_reference_outputs_vary_and_constant_models_fail(tiny_bundle, toy_model):

@@ -19,7 +19,8 @@ from runtime.generate import generate_ids
 from runtime.manifest import read_manifest
 from runtime.search import SearchOptions
 from runtime.session import make_session
-from runtime.spec import PAST_SEQUENCE_LENGTH, graph_specs
+from runtime.spec import (DECODER_ATTENTION_MASK, PAST_SEQUENCE_LENGTH, POSITION_IDS, default_row_inputs,
+                          graph_specs)
 from runtime.static_cache import DynamicView, is_static
 from toolkit.checkpoint import load_checkpoint
 from toolkit.cli import main
@@ -93,12 +94,15 @@ def test_static_step_writes_in_place_and_reads_only_filled_rows(bundles):
     values = {n: ort.OrtValue.ortvalue_from_numpy(b) for n, b in buffers.items()}
     for step, token in enumerate([1, 17, 23, 5, 40, 8]):
         ids = np.full((2, 1), token, np.int64)
+        rows = default_row_inputs(2, step)                                  # one request: position step, all real
         want = dict(zip(out_names, dyn.run(out_names, {"input_ids": ids, "encoder_attention_mask": mask,
-                                                       **cross, **past})))
+                                                       **rows, **cross, **past})))
         binding = sta.io_binding()
         binding.bind_cpu_input("input_ids", ids)
         binding.bind_cpu_input("encoder_attention_mask", mask)
         binding.bind_cpu_input(PAST_SEQUENCE_LENGTH, np.array([step], np.int32))
+        binding.bind_cpu_input(POSITION_IDS, rows[POSITION_IDS])
+        binding.bind_cpu_input(DECODER_ATTENTION_MASK, np.ones((2, c.max_len), np.int64))
         for name, value in cross.items():
             binding.bind_cpu_input(name, value)
         binding.bind_output("logits", "cpu")
@@ -124,7 +128,8 @@ def test_dynamic_view_feeds_several_tokens_one_at_a_time(bundles):
     names = [o.name for o in dyn.get_outputs()]
     past = {i.name: rng.standard_normal((2, c.n_heads, 3, c.head_dim)).astype(np.float32)
             for i in dyn.get_inputs() if ".decoder." in i.name}
-    feeds = {"input_ids": np.array([[7, 8], [9, 10]], np.int64), "encoder_attention_mask": mask, **cross, **past}
+    feeds = {"input_ids": np.array([[7, 8], [9, 10]], np.int64), "encoder_attention_mask": mask, **cross, **past,
+             **default_row_inputs(2, 3, 2)}
     for want, got in zip(dyn.run(names, feeds), view.run(names, feeds)):
         assert want.shape == got.shape
         np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)

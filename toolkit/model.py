@@ -64,8 +64,11 @@ class PositionalEncoding(nn.Module):
         self.register_buffer("pe", sinusoid_table(config), persistent=False)  # derived, never stored in checkpoints
         self.dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x: torch.Tensor, start: int | torch.Tensor = 0) -> torch.Tensor:
-        positions = torch.arange(x.shape[1], device=x.device) + start  # [T], starting at the past length
+    def forward(self, x: torch.Tensor, start: int | torch.Tensor = 0,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        """positions [B, T]: each token's own position (rows at different positions); default start + 0..T-1."""
+        if positions is None:
+            positions = torch.arange(x.shape[1], device=x.device) + start  # [T], starting at the past length
         return self.dropout(x + self.pe[positions])
 
 
@@ -275,12 +278,20 @@ class Transformer(nn.Module):
         cross = [layer.cross_attn.project_kv(memory) for layer in self.decoder.layers]
         return memory, cross
 
-    def decode_step(self, tgt_ids: torch.Tensor, src_mask: torch.Tensor, past: list[KV],
-                    cross: list[KV]) -> tuple[torch.Tensor, list[KV]]:
-        """Logits [B, T, V] for T new tokens, and the self-attention caches grown to [B, H, P+T, Dh]."""
+    def decode_step(self, tgt_ids: torch.Tensor, src_mask: torch.Tensor, past: list[KV], cross: list[KV],
+                    position_ids: torch.Tensor | None = None,
+                    past_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, list[KV]]:
+        """Logits [B, T, V] for T new tokens, and the self-attention caches grown to [B, H, P+T, Dh].
+
+        Rows at different positions (in-flight batching): position_ids [B, T] gives each new token's position in
+        its own sequence (default P + 0..T-1), past_mask [B, P] is 1 where a cached key is a real token of that row
+        (default all); the new tokens are always attended, causally."""
         past_len = past[0][0].shape[2]
-        x = self.pos(self.embed(tgt_ids), start=past_len)
+        x = self.pos(self.embed(tgt_ids), start=past_len, positions=position_ids)
         self_mask = causal_mask(tgt_ids.shape[1], past_len, tgt_ids.device)
+        if past_mask is not None:
+            keys = torch.cat([past_mask.bool(), torch.ones_like(tgt_ids, dtype=torch.bool)], dim=1)  # [B, P+T]
+            self_mask = self_mask & keys[:, None, None, :]                                              # [B, 1, T, P+T]
         cross_mask = src_mask.bool()[:, None, None, :]
         x, presents = self.decoder(x, self_mask, cross_mask, past, cross)
         return self.generator(x), presents

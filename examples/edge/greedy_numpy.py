@@ -63,8 +63,14 @@ def greedy(encoder, decoder, config: dict, sources: list[list[int]], max_new_tok
         # 3. one cached step: the newest token in, logits [N, 1, V] and the self-attention caches out (grown by
         #    one position, or the static buffers with position `step` written; onnxformer's runtime binds each
         #    static buffer as both input and output with IO binding, so nothing is copied)
+        #    Graphs exported since in-flight batching also take each row's position and which cached slots are
+        #    real tokens (position_ids [N, 1], decoder_attention_mask [N, past_len or cache_len]): every row here
+        #    sits at position `step` with all of its slots real
         if static:
             feeds["past_sequence_length"] = np.array([step], dtype=np.int32)
+        if any(i.name == "position_ids" for i in decoder.get_inputs()):
+            feeds["position_ids"] = np.full((len(tokens), 1), step, dtype=np.int64)
+            feeds["decoder_attention_mask"] = np.ones((len(tokens), cache_len or step), dtype=np.int64)
         logits, *presents = decoder.run(out_names, {"input_ids": tokens[:, None],
                                                     "encoder_attention_mask": mask, **feeds})
         tokens = logits[:, -1].argmax(-1).astype(np.int64)

@@ -73,7 +73,8 @@ def command(model, texts, input_file, ids, beam, num_return, length_penalty, max
     if use_ray:
         return _generate_on_ray(model, inputs, beam, num_return, length_penalty, max_new_tokens, provider, threads,
                                 as_json, replicas, batch_size, address)
-    opened = open_model(model, provider=provider, threads=threads)
+    opened = open_model(model, provider=provider, threads=threads, one_graph_at_a_time=True)   # one generate_ids call:
+    # the encoder runs once, so its session is released before the decoder's is made (peak memory on the edge)
     engine, tokenizer = opened.engine, opened.tokenizer
     seqs = encode_inputs(inputs, tokenizer)
     opts = SearchOptions(max_new_tokens=min(64, engine.max_len) if max_new_tokens is None else max_new_tokens,

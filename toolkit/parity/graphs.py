@@ -35,7 +35,8 @@ from runtime.errors import BundleError, InputError
 from runtime.generate import pad_batch
 from runtime.manifest import read_manifest, verify_hashes
 from runtime.session import SessionConfig, choose_provider, make_session
-from runtime.spec import (CROSS, KV, PRESENT, SELF, cache_name, cache_names, first_step_cache, graph_specs, past_of,
+from runtime.spec import (CROSS, KV, PRESENT, SELF, cache_name, cache_names, default_row_inputs, first_step_cache,
+                          graph_specs, past_of, takes_row_inputs,
                           source_pad_id)
 from runtime.static_cache import dynamic_view
 from toolkit.config import ModelConfig
@@ -239,7 +240,9 @@ class OrtSide:
         self.config, self.label = config, label
         provider = choose_provider(provider)
         self.encoder = make_session(paths["encoder"], provider)
-        self.decoder = dynamic_view(make_session(paths["decoder"], provider))
+        decoder = make_session(paths["decoder"], provider)
+        self.row_inputs = takes_row_inputs(i.name for i in decoder.get_inputs())   # bundles since in-flight batching
+        self.decoder = dynamic_view(decoder)
         specs = graph_specs(config)
         self.encoder_names, self.decoder_names = specs["encoder"].output_names, specs["decoder"].output_names
         self.presents = cache_names(config["n_decoder_layers"], PRESENT, SELF)
@@ -251,8 +254,12 @@ class OrtSide:
         return out
 
     def step(self, tokens: np.ndarray) -> dict[str, np.ndarray]:
+        rows = {}
+        if self.row_inputs:                                      # one request alone: the default positions and mask
+            past_len = self.feeds[past_of(self.presents[0])].shape[2]
+            rows = default_row_inputs(len(tokens), past_len, tokens.shape[1])
         out = dict(zip(self.decoder_names, self.decoder.run(self.decoder_names, {
-            "input_ids": tokens, "encoder_attention_mask": self.mask, **self.feeds})))
+            "input_ids": tokens, "encoder_attention_mask": self.mask, **rows, **self.feeds})))
         self.feeds.update({past_of(name): out[name] for name in self.presents})    # fed its own cache
         return out
 

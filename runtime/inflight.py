@@ -1,0 +1,247 @@
+"""In-flight (continuous) batching: greedy rows join a running batch at any decoding step and leave at once.
+
+    batch = InflightBatch(engine, slots=32)            # an OrtEngine over a static-cache decoder
+    rows = batch.join([[5, 6, 7], [8, 9]], limits=[16, 64])   # the encoder runs for these rows only
+    while batch.live:
+        for row in batch.step():                       # one decoder step for every live row
+            print(row.key, row.hypothesis())           # rows that finished (EOS, their limit, or stopped)
+
+Rows sit at different positions of one static KV buffer [slots, H, capacity, Dh] per cache tensor. All rows
+write a step's key/value at one shared slot (`past_sequence_length`, here `length`); a row that joined when
+the batch stood at slot s has its tokens in slots s..length, so the decoder gets per row
+- `position_ids` = length - s (the row's own position: 0 for its start token), and
+- `decoder_attention_mask`, 1 on slots >= s (the slots before hold another row's keys, or nothing).
+A finished row leaves before the next step: the live rows move up (their filled slots, cross K/V and masks),
+so the buffer's leading rows are always the live ones and its row is free for the next joiner. When the shared
+slot reaches the buffer's end, every row shifts left by the oldest live row's start (compaction).
+
+Cross-attention K/V of rows with different source lengths are padded to the longest live source, with
+encoder_attention_mask 0 on the padding (as a request-level batch pads them). Each row's tokens, finished flag
+and score are computed as runtime.search.greedy computes them for that row alone (fp32: the same tokens; the
+score within float rounding: tests/test_inflight.py).
+
+CPU only for now: the buffers are numpy arrays bound without a copy (runtime/static_cache.py's host path).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+import onnxruntime as ort
+
+from runtime.errors import InputError
+from runtime.generate import check_request, pad_batch
+from runtime.search import Hypothesis, SearchOptions, chosen_logprob, suppress
+from runtime.spec import DECODER_ATTENTION_MASK, INPUT_IDS, PAST_SEQUENCE_LENGTH, POSITION_IDS
+
+REEXPORT = ("re-export the model (onnxformer export) and optimize it again: in-flight batching needs a decoder "
+            "with position_ids and decoder_attention_mask inputs; or serve with --batching request")
+
+
+def check_engine(engine) -> None:
+    """Refuse engines in-flight batching cannot drive, with the fix (InputError, one line)."""
+    if not getattr(engine, "row_inputs", False):
+        raise InputError(f"this bundle's decoder takes no per-row positions (it was exported before in-flight "
+                         f"batching); {REEXPORT}")
+    if not getattr(engine, "static_cache", False):
+        raise InputError("in-flight batching needs a static-cache decoder; optimize the bundle with "
+                         "--kv-cache static, or serve with --batching request")
+    if engine.provider != "cpu":
+        raise InputError(f"in-flight batching runs on the CPU provider only so far, not {engine.provider}; "
+                         f"serve with --provider cpu or --batching request")
+
+
+@dataclass(eq=False)
+class Row:
+    """One input decoding in the batch (greedy)."""
+
+    key: Any                        # the caller's handle (e.g. (job, input index))
+    limit: int                      # most new tokens
+    start: int = 0                  # the buffer slot its first token was written to
+    src_len: int = 0
+    tokens: list[int] = field(default_factory=list)
+    score: float = 0.0
+    finished: bool = False          # ended with EOS
+    stopped: bool = False           # the caller gave it up (stop()): it leaves at the next step
+    last: int = 0                   # the token it feeds next
+
+    def hypothesis(self) -> Hypothesis:
+        return Hypothesis(list(self.tokens), float(self.score), self.finished)
+
+
+class InflightBatch:
+    """Greedy decoding of up to `slots` rows that join and leave at any step (one thread drives it)."""
+
+    def __init__(self, engine, slots: int = 32, opts: SearchOptions | None = None, capacity: int | None = None):
+        check_engine(engine)
+        if slots < 1:
+            raise ValueError("slots must be at least 1")
+        self.e, self.slots = engine, slots
+        self.opts = opts or SearchOptions()
+        self.suppress = tuple(engine.suppress_ids)
+        self.capacity = capacity or engine.max_len                    # buffer positions (>= any row's limit)
+        shape = (slots, engine.n_heads, self.capacity, engine.head_dim)
+        self.buffers = [np.zeros(shape, dtype=np.float32) for _ in engine.past_names]
+        self.key_mask = np.zeros((slots, self.capacity), dtype=np.int64)
+        self.rows: list[Row] = []                                     # buffer row i holds rows[i]
+        self.cross: list[np.ndarray] = []                             # [n, H, S, Dh] per tensor
+        self.src_mask = np.zeros((0, 0), dtype=np.int64)             # [n, S]
+        self.length = 0                                               # the shared write slot (past_sequence_length)
+        self._binding = None
+        self.steps = self.compactions = self.joined = 0
+
+    @property
+    def live(self) -> int:
+        return len(self.rows)
+
+    @property
+    def free(self) -> int:
+        return self.slots - len(self.rows)
+
+    # --- rows in ---
+
+    def join(self, sequences: Sequence[Sequence[int]], limits: Sequence[int], keys: Sequence | None = None) -> list[Row]:
+        """Add rows (at most `free`): the encoder runs for them only; they decode from the next step on. Rows
+        with limit 0 are returned finished-empty and never join (as greedy gives them)."""
+        keys = list(range(len(sequences))) if keys is None else list(keys)
+        if len(sequences) > self.free:
+            raise ValueError(f"{len(sequences)} rows do not fit: {self.free} of {self.slots} slots are free")
+        limits = [int(n) for n in limits]
+        if any(n > self.capacity for n in limits):
+            raise InputError(f"max new tokens {max(limits)} exceeds the batch's cache of {self.capacity} positions")
+        check_request(sequences, SearchOptions(max_new_tokens=max(limits, default=0)), self.e.src_vocab_size,
+                      self.e.max_len)
+        rows = [Row(k, n, src_len=len(s), last=self.e.bos_id) for k, s, n in zip(keys, sequences, limits)]
+        joining = [i for i, r in enumerate(rows) if r.limit > 0]
+        if not joining:
+            return rows
+        if not self.rows:
+            self.length = 0                                           # an empty batch starts at slot 0 again
+        if self.length >= self.capacity:
+            self._compact()
+        ids, mask = pad_batch([sequences[i] for i in joining], self.e.src_pad_id)
+        cross = self.e.encoder.run(self.e.cross_names, {INPUT_IDS: ids, "attention_mask": mask})
+        self._append_cross(cross, mask)
+        n = len(self.rows)
+        for j, i in enumerate(joining):
+            rows[i].start = self.length
+            self.key_mask[n + j] = np.arange(self.capacity) >= self.length
+            self.rows.append(rows[i])
+        self.joined += len(joining)
+        self._binding = None
+        return rows
+
+    def _append_cross(self, cross: list[np.ndarray], mask: np.ndarray) -> None:
+        """Cross K/V and source mask of the joiners after the live rows', padded to one source length."""
+        if not self.rows:
+            self.cross, self.src_mask = list(cross), mask
+            return
+        width = max(self.src_mask.shape[1], mask.shape[1])
+        self.cross = [np.concatenate([_pad(old, width, 2), _pad(new, width, 2)]) for old, new in zip(self.cross, cross)]
+        self.src_mask = np.concatenate([_pad(self.src_mask, width, 1), _pad(mask, width, 1)])
+
+    # --- one step ---
+
+    def stop(self, row: Row) -> None:
+        """The caller no longer wants this row: it leaves at the next step with what it has."""
+        row.stopped = True
+
+    def step(self) -> list[Row]:
+        """One decoder step for every live row; returns the rows that left (finished, at their limit, stopped)."""
+        gone = [r for r in self.rows if r.stopped]
+        if gone:
+            self._leave()
+        if not self.rows:
+            return gone
+        if self.length >= self.capacity:
+            self._compact()
+        if self._binding is None:
+            self._binding = self._bind()
+        n = len(self.rows)
+        binding = self._binding
+        binding.bind_cpu_input(INPUT_IDS, np.array([[r.last] for r in self.rows], dtype=np.int64))
+        binding.bind_cpu_input(PAST_SEQUENCE_LENGTH, np.array([self.length], dtype=np.int32))
+        binding.bind_cpu_input(POSITION_IDS, np.array([[self.length - r.start] for r in self.rows], dtype=np.int64))
+        self.e.decoder.run_with_iobinding(binding)
+        logits = binding.get_outputs()[0].numpy()[:, -1].copy()      # [n, V]; ORT reuses the output's memory
+        self.length += 1
+        self.steps += 1
+        if self.opts.ignore_eos:
+            logits[:, self.e.eos_id] = -np.inf
+        nxt = suppress(logits.copy(), self.suppress).argmax(axis=-1) if self.suppress else logits.argmax(axis=-1)
+        scores = chosen_logprob(logits, nxt)
+        for r, token, score in zip(self.rows, nxt, scores):
+            r.tokens.append(int(token))
+            r.score += float(score)
+            r.finished = bool(token == self.e.eos_id)
+            r.last = int(token)
+            if r.finished or len(r.tokens) >= r.limit:
+                r.stopped = True
+        left = [r for r in self.rows if r.stopped]
+        if left:
+            self._leave()
+        assert n >= len(self.rows)
+        return gone + left
+
+    # --- rows out, compaction ---
+
+    def _leave(self) -> None:
+        """Drop stopped rows: the staying rows move up to the leading buffer rows (filled slots only)."""
+        keep = np.array([i for i, r in enumerate(self.rows) if not r.stopped], dtype=np.int64)
+        self.rows = [self.rows[i] for i in keep]
+        if len(keep):
+            filled = self.length
+            for buf in self.buffers:                                 # gathered on the right first: safe in place
+                buf[:len(keep), :, :filled] = buf[keep, :, :filled]
+            self.key_mask[:len(keep)] = self.key_mask[keep]
+            width = max(r.src_len for r in self.rows)                # the longest live source
+            self.cross = [c[keep][:, :, :width] for c in self.cross]
+            self.src_mask = np.ascontiguousarray(self.src_mask[keep][:, :width])
+        else:
+            self.cross, self.src_mask = [], np.zeros((0, 0), dtype=np.int64)
+        self._binding = None
+
+    def _compact(self) -> None:
+        """The shared slot reached the buffer's end: shift every row left by the oldest live row's start."""
+        shift = min((r.start for r in self.rows), default=self.length)
+        if shift == 0:                                               # a row filled the buffer: it is at its limit
+            raise InputError(f"the in-flight KV cache of {self.capacity} positions is full")
+        keep = self.length - shift
+        for buf in self.buffers:
+            buf[:len(self.rows), :, :keep] = buf[:len(self.rows), :, shift:self.length].copy()
+        for i, r in enumerate(self.rows):
+            r.start -= shift
+            self.key_mask[i] = np.arange(self.capacity) >= r.start
+        self.length = keep
+        self.compactions += 1
+        self._binding = None
+
+    def _bind(self):
+        """The decoder's binding for the current rows: buffers (past and present in one), cross K/V, masks."""
+        n, e = len(self.rows), self.e
+        binding = e.decoder.io_binding()
+        self._bound = [np.ascontiguousarray(c) for c in self.cross]   # kept alive while bound
+        binding.bind_cpu_input("encoder_attention_mask", self.src_mask)
+        for name, value in zip(e.cross_in_names, self._bound):
+            binding.bind_cpu_input(name, value)
+        binding.bind_ortvalue_input(DECODER_ATTENTION_MASK, ort.OrtValue.ortvalue_from_numpy(self.key_mask[:n]))
+        binding.bind_output("logits", "cpu")
+        for past, present, buf in zip(e.past_names, e.present_names, self.buffers):
+            value = ort.OrtValue.ortvalue_from_numpy(buf[:n])          # leading rows: contiguous, no copy
+            binding.bind_ortvalue_input(past, value)
+            binding.bind_ortvalue_output(present, value)
+        return binding
+
+
+def _pad(x: np.ndarray, width: int, axis: int) -> np.ndarray:
+    """Zero-pad axis `axis` of x to `width`."""
+    if x.shape[axis] == width:
+        return x
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, width - x.shape[axis])
+    return np.pad(x, pad)
+
+
+__all__ = ["InflightBatch", "Row", "check_engine", "REEXPORT"]

@@ -1,0 +1,111 @@
+"""In-flight batching (runtime/inflight.py): rows join a running batch and leave at once; every row's tokens,
+finished flag and score equal its unbatched greedy generate_ids result (fp32, varied outputs), across staggered
+joins, rows leaving mid-batch, stopped rows and compaction of the shared write slot."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from runtime.bundle import load_bundle
+from runtime.errors import InputError
+from runtime.generate import generate_ids
+from runtime.inflight import InflightBatch, check_engine
+from runtime.search import SearchOptions
+from toolkit.tasks.toy import toy_inputs
+
+
+@pytest.fixture(scope="module")
+def bundles(toy_exported, tmp_path_factory):
+    from exporters.optimize import optimize_bundle
+
+    static, report = optimize_bundle(toy_exported[1], tmp_path_factory.mktemp("inflight") / "static")
+    assert report.kv_cache == "static"
+    return {"dynamic": toy_exported[1], "static": static}
+
+
+@pytest.fixture(scope="module")
+def engine(bundles):
+    return load_bundle(bundles["static"], provider="cpu").engine
+
+
+def drive(batch: InflightBatch, seqs, limits, per_join: int = 2, every: int = 1, stop_after: dict | None = None):
+    """Join up to `per_join` waiting rows every `every` steps while slots are free; {row index: hypothesis}."""
+    waiting, done, step = list(range(len(seqs))), {}, 0
+    rows = {}
+    while waiting or batch.live:
+        if waiting and step % every == 0 and batch.free:
+            take = waiting[:min(per_join, batch.free)]
+            waiting = waiting[len(take):]
+            for row in batch.join([seqs[i] for i in take], [limits[i] for i in take], keys=take):
+                rows[row.key] = row
+                if row.limit == 0:
+                    done[row.key] = row.hypothesis()
+        for key, after in (stop_after or {}).items():
+            if key in rows and len(rows[key].tokens) >= after:
+                batch.stop(rows[key])
+        for row in batch.step():
+            done[row.key] = row.hypothesis()
+        step += 1
+    return done
+
+
+def assert_alone(engine, seqs, limits, got, atol=1e-4):
+    for i, (seq, limit) in enumerate(zip(seqs, limits)):
+        alone = generate_ids(engine, [seq], SearchOptions(max_new_tokens=int(limit)))[0][0]
+        assert got[i].tokens == alone.tokens, (i, got[i].tokens, alone.tokens)
+        assert got[i].finished == alone.finished, i
+        assert abs(got[i].score - alone.score) <= atol, (i, got[i].score, alone.score)
+
+
+def test_rows_joining_and_leaving_get_their_unbatched_outputs(engine, toy_model_factory):
+    config = toy_model_factory().config
+    seqs = toy_inputs(config, 40, min_len=1, max_len=12, seed=11)
+    limits = np.random.default_rng(4).integers(0, 21, size=len(seqs))
+    batch = InflightBatch(engine, slots=6)
+    got = drive(batch, seqs, limits, per_join=2)
+    assert batch.joined == int((limits > 0).sum()) and batch.steps < int(limits.sum())   # rows shared steps
+    assert_alone(engine, seqs, limits, got)
+    assert len({tuple(h.tokens) for h in got.values()}) > 20, "outputs do not vary: equality proves nothing"
+    assert len({len(h.tokens) for h in got.values()}) > 5 and any(h.finished for h in got.values())
+
+
+def test_compaction_keeps_every_row_exact(engine, toy_model_factory):
+    """A 24-position buffer with rows of up to 20 tokens joining one at a time: the shared slot reaches the end
+    again and again, and the rows shift left."""
+    config = toy_model_factory().config
+    seqs = toy_inputs(config, 24, min_len=1, max_len=12, seed=12)
+    limits = np.random.default_rng(5).integers(8, 21, size=len(seqs))
+    batch = InflightBatch(engine, slots=4, opts=SearchOptions(ignore_eos=True), capacity=24)
+    got = drive(batch, seqs, limits, per_join=1, every=3)
+    assert batch.compactions >= 3
+    for i, limit in enumerate(limits):
+        alone = generate_ids(engine, [seqs[i]], SearchOptions(max_new_tokens=int(limit), ignore_eos=True))[0][0]
+        assert got[i].tokens == alone.tokens and len(alone.tokens) == limit
+        assert abs(got[i].score - alone.score) <= 1e-4
+
+
+def test_a_stopped_row_leaves_with_what_it_had(engine, toy_model_factory):
+    config = toy_model_factory().config
+    seqs = toy_inputs(config, 6, min_len=3, max_len=12, seed=13)
+    limits = [30] * 6
+    batch = InflightBatch(engine, slots=3, opts=SearchOptions(ignore_eos=True))
+    got = drive(batch, seqs, limits, per_join=3, stop_after={1: 4, 4: 2})
+    full = generate_ids(engine, seqs, SearchOptions(max_new_tokens=30, ignore_eos=True))
+    for i in range(6):
+        want = full[i][0].tokens
+        if i in (1, 4):
+            assert 1 <= len(got[i].tokens) < 30 and got[i].tokens == want[:len(got[i].tokens)]
+        else:
+            assert got[i].tokens == want
+
+
+def test_engines_in_flight_batching_cannot_drive_are_refused(bundles):
+    dynamic = load_bundle(bundles["dynamic"], provider="cpu").engine
+    with pytest.raises(InputError, match="static-cache decoder.*--kv-cache static"):
+        InflightBatch(dynamic)
+    old = SimpleNamespace(row_inputs=False, static_cache=True, provider="cpu")     # a bundle exported before i15
+    with pytest.raises(InputError, match="exported before in-flight batching.*re-export"):
+        check_engine(old)

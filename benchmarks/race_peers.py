@@ -4,10 +4,12 @@ inputs in its own environment, under the bench lock, and the tokens are compared
 
     .venv/bin/python benchmarks/race_peers.py [--model tiny|opus|DIR] [--batch-sizes 1,8] [--new-tokens 64]
 
-Environments are built under out/peers/ (Optimum pins an older transformers than ours): ct2 (ctranslate2,
-transformers 5, torch) and optimum (optimum-onnx 0.1, transformers 4.57, torch). Models: "tiny" is the trained
-test model (outputs vary, so token agreement means something); "opus" the opus-mt-en-de shape with random
-weights (speed; every engine generates exactly --new-tokens tokens, EOS ignored).
+Environments are built under out/peers/ (or $ONNXFORMER_PEERS; Optimum pins an older transformers than ours): ct2
+(ctranslate2, transformers 5, torch) and optimum (optimum-onnx 0.1, transformers 4.57, torch); they are called
+as `python -m`, so a copied folder works too. Models: "tiny" is the trained test model (toolkit.tasks.tiny_marian
+TRAINED: outputs vary, so token agreement means something, and its int8 bundle passes the gate on held-out
+texts); "opus" the opus-mt-en-de shape with random weights (speed; every engine generates exactly --new-tokens
+tokens, EOS ignored; its int8 bundle is written unverified, as random weights cannot pass a token gate).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-WORK = ROOT / "out" / "peers"
+WORK = Path(os.environ.get("ONNXFORMER_PEERS") or ROOT / "out" / "peers").absolute()
 PY = sys.executable
 ENVS = {"ct2": ["torch==2.13.0", "ctranslate2==4.8.5", "transformers>=5.24,<6", "sentencepiece"],
         "optimum": ["torch==2.13.0", "optimum-onnx[onnxruntime]==0.1.0", "sentencepiece"]}
@@ -49,10 +51,11 @@ def env_python(name: str) -> Path:
 def build(model: str, new_tokens: int) -> tuple[Path, Path]:
     """The Marian directory, and the folder holding every engine's model converted from it."""
     if model in ("tiny", "opus"):
-        marian = WORK / "models" / model / "marian"
+        marian = WORK / "models" / ("tiny-trained" if model == "tiny" else model) / "marian"
         if not (marian / "config.json").exists():
-            fn = "build_tiny_marian" if model == "tiny" else "random_marian"
-            sh(PY, "-c", f"from toolkit.tasks.tiny_marian import {fn}; {fn}({str(marian)!r})", cwd=ROOT)
+            log(f"building the {model} Marian directory")
+            fn = "build_tiny_marian(d, **TRAINED)" if model == "tiny" else "random_marian(d)"
+            sh(PY, "-c", f"from toolkit.tasks.tiny_marian import *; d = {str(marian)!r}; {fn}", cwd=ROOT)
     else:
         marian = Path(model)
     out = marian.parent
@@ -62,17 +65,24 @@ def build(model: str, new_tokens: int) -> tuple[Path, Path]:
         sh(ox, "import", marian, "--out", out / "checkpoint", "--force")
         sh(ox, "export", out / "checkpoint", "--out", out / "onnxformer-export", "--force")
         sh(ox, "optimize", out / "onnxformer-export", "--out", out / "onnxformer-fp32", "--force")
-        sh(ox, "optimize", out / "onnxformer-export", "--out", out / "onnxformer-int8", "--precision", "int8", "--force")
+        if model == "tiny":                   # the gate on texts like the model's own (held out from training)
+            from toolkit.tasks.tiny_marian import held_out
+            (out / "gate-texts.txt").write_text("\n".join(held_out(64)) + "\n")
+            gate = ["--input", out / "gate-texts.txt", "--samples", "64"]
+        else:
+            gate = ["--allow-unverified"]    # random weights: no token gate can pass (speed only)
+        sh(ox, "optimize", out / "onnxformer-export", "--out", out / "onnxformer-int8", "--precision", "int8", "--force",
+           *gate)
     ct2 = env_python("ct2")
     for name, extra in (("ct2-fp32", []), ("ct2-int8", ["--quantization", "int8"])):
         if not (out / name / "model.bin").exists():
             log(f"CTranslate2: convert ({name})")
-            sh(ct2.with_name("ct2-transformers-converter"), "--model", marian, "--output_dir", out / name, "--force",
-               *extra)
+            sh(ct2, "-m", "ctranslate2.converters.transformers", "--model", marian, "--output_dir", out / name,
+               "--force", *extra)
     opt = env_python("optimum")
     if not (out / "optimum" / "encoder_model.onnx").exists():
         log("Optimum: optimum-cli export onnx (text2text-generation-with-past)")
-        sh(opt.with_name("optimum-cli"), "export", "onnx", "--model", marian, "--task",
+        sh(opt, "-m", "optimum.commands.optimum_cli", "export", "onnx", "--model", marian, "--task",
            "text2text-generation-with-past", out / "optimum")
     return marian, out
 
@@ -84,9 +94,9 @@ def inputs(marian: Path, n: int, src_len: int | None) -> list[list[int]]:
     vocab = json.loads((marian / "vocab.json").read_text())
     if src_len is None:
         from runtime.tokenizer import load_tokenizer
-        from toolkit.tasks.tiny_marian import corpus
+        from toolkit.tasks.tiny_marian import held_out
         tok = load_tokenizer(marian.parent / "checkpoint" / "tokenizer.json")
-        return [tok.encode(t) for t in corpus(n=n, seed=1)]
+        return [tok.encode(t) for t in held_out(n)]
     rng = np.random.default_rng(0)
     return [rng.integers(2, vocab["<pad>"], size=src_len - 1).tolist() + [vocab["</s>"]] for _ in range(n)]
 

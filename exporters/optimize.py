@@ -148,6 +148,7 @@ class _Job:
     progress: Callable[[str], None]
     allow_unverified: bool = False
     activation_scales: str = "per-tensor"
+    texts: list[str] | None = None
 
     def source(self, graph: str) -> Path:
         return self.bundle_dir / self.manifest["graphs"][graph]["file"]
@@ -157,8 +158,8 @@ def optimize_bundle(bundle_dir: str | Path, out_dir: str | Path, target: str = "
                     fuse: bool = True, attention: str = "ort", force: bool = False, per_channel: bool | None = None,
                     samples: int = 32, progress: Callable[[str], None] | None = None,
                     ort_format: bool = False, kv_cache: str = "auto",
-                    allow_unverified: bool = False,
-                    activation_scales: str = "per-tensor") -> tuple[Path, OptimizeReport]:
+                    allow_unverified: bool = False, activation_scales: str = "per-tensor",
+                    texts: list[str] | None = None) -> tuple[Path, OptimizeReport]:
     """Fuse and/or convert a bundle into out_dir; returns (out_dir, report). Bad input: OptimizeError/BundleError.
 
     Three steps, inside a staging folder renamed into place only when all succeed: transform (fusions, static
@@ -178,7 +179,9 @@ def optimize_bundle(bundle_dir: str | Path, out_dir: str | Path, target: str = "
 
     The gate (toolkit.parity.gate, the tolerance table's row for the precision): a verdict other than "ok"
     (failed, or inconclusive because the outputs do not vary) raises ParityError and writes nothing, unless
-    allow_unverified, which writes the bundle with the verdict and "verified": false in its manifest.
+    allow_unverified, which writes the bundle with the verdict and "verified": false in its manifest. Its token
+    check runs on `samples` inputs: the texts given (through the bundle's tokenizer), else the held-out inputs of the
+    model's task, else random ids (which a text model, e.g. an imported Marian, never sees: give it texts).
     """
     start = time.perf_counter()
     bundle_dir, out_dir = Path(bundle_dir), Path(out_dir)
@@ -190,8 +193,11 @@ def optimize_bundle(bundle_dir: str | Path, out_dir: str | Path, target: str = "
     check_source(bundle_dir, out_dir, manifest, precision, fuse, attention)
     kv_cache = resolve_kv_cache(kv_cache, target, fuse, attention, manifest, precision)
     report = OptimizeReport(str(bundle_dir), str(out_dir), target, precision, attention if fuse else None, kv_cache)
+    if texts is not None and not manifest.get("tokenizer"):
+        raise OptimizeError(f"{bundle_dir} has no tokenizer (it takes token ids), so gate input texts cannot be "
+                            f"encoded; leave --input out and the gate uses random ids")
     job = _Job(bundle_dir, out_dir, manifest, target, precision, fuse, attention, kv_cache, per_channel, samples,
-               ort_format, report, progress or (lambda msg: None), allow_unverified, activation_scales)
+               ort_format, report, progress or (lambda msg: None), allow_unverified, activation_scales, texts)
     job.progress(f"optimizing {bundle_dir} -> {out_dir}")
     if manifest.get("ort_graphs"):
         report.notes.append("the source's ORT-format (.ort) graphs are not carried over; convert the new graphs again")
@@ -397,7 +403,8 @@ def _parity(job: _Job, paths: dict[str, Path]) -> dict:
         job.progress(f"parity not verified: {record['reason']}")
         return record
     t0 = time.perf_counter()
-    record = bundle_gate(src_paths, paths, job.manifest, job.bundle_dir, provider, precision, job.samples)
+    record = bundle_gate(src_paths, paths, job.manifest, job.bundle_dir, provider, precision, job.samples,
+                         job.texts)
     job.progress(f"parity against the source bundle on {provider} in {time.perf_counter() - t0:.1f} s: "
                  f"{record['summary']}")
     return record

@@ -29,7 +29,7 @@ from toolkit.checkpoint import load_checkpoint  # noqa: E402
 from toolkit.cli import main  # noqa: E402
 from toolkit.importers import import_model  # noqa: E402
 from toolkit.parity.original import hf_generate, load_marian, logits_check, marian_parity  # noqa: E402
-from toolkit.tasks.tiny_marian import build_tiny_marian, corpus  # noqa: E402
+from toolkit.tasks.tiny_marian import TRAINED, build_tiny_marian, corpus, held_out  # noqa: E402
 from toolkit.torch_engine import TorchEngine  # noqa: E402
 
 TEXTS = corpus(n=64, seed=1)
@@ -148,6 +148,61 @@ def test_separate_vocabularies(tmp_path):
     assert got == want and len({tuple(w) for w in want}) >= 16
     for ids in ([5, 6, 7, 0], list(range(c.vocab_size))):
         assert ckpt.tokenizer.decode(ids) == tok.decode(ids, skip_special_tokens=True)
+
+
+def test_optimize_gate_on_given_texts(marian, fused, tmp_path):
+    """optimize --input: the gate's token check runs on the texts (through the bundle's tokenizer), not random ids."""
+    texts = tmp_path / "texts.txt"
+    texts.write_text("\n".join(TEXTS[:12]) + "\n\n")
+    result = CliRunner().invoke(main, ["optimize", str(fused), "--out", str(tmp_path / "int8"), "--precision", "int8",
+                                       "--input", str(texts), "--samples", "8", "--allow-unverified", "--json"])
+    assert result.exit_code == 0, result.output
+    gen = json.loads(result.output[result.output.index("{"):])["parity"]["generation"]
+    assert gen["source"] == "8 given source texts" and gen["samples"] == 8
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n")
+    result = CliRunner().invoke(main, ["optimize", str(fused), "--out", str(tmp_path / "x"), "--precision", "int8",
+                                       "--input", str(empty)])
+    assert result.exit_code == 2 and "has no text lines" in result.output and not (tmp_path / "x").exists()
+
+
+FAMILIES = {"shared-tied": {}, "separate-untied": {"separate_vocabs": True}, "gelu": {"activation_function": "gelu"}}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_trained_marian_passes_the_int8_gate(tmp_path, family):
+    """A realistic small Marian (TRAINED: right on most held-out sentences, so confident) imports, fuses and passes
+    the int8 gate (the tolerance table's row: >= 98% of greedy tokens) on held-out texts, verified in its manifest;
+    the int8 bundle's tokens also hold against MarianMTModel.generate itself."""
+    from exporters.export import export_checkpoint
+    from exporters.optimize import optimize_bundle
+    from runtime.manifest import read_manifest
+    from toolkit.parity.tolerances import tolerance
+
+    directory = build_tiny_marian(tmp_path / "marian", **{**TRAINED, **FAMILIES[family]})
+    ckpt = import_model(directory, tmp_path / "ckpt")
+    config = load_checkpoint(ckpt).config
+    separate = family == "separate-untied"
+    assert (config.tie_embeddings, config.share_embeddings) == ((False, False) if separate else (True, True))
+    assert config.activation == ("gelu" if family == "gelu" else "silu") and config.logits_bias
+    fused, _ = optimize_bundle(export_checkpoint(ckpt, tmp_path / "bundle"), tmp_path / "fused")
+    ops = read_manifest(fused)["graphs"]["decoder"]["op_counts"]
+    activation = "com.microsoft.BiasGelu" if family == "gelu" else "com.microsoft.QuickGelu"
+    assert ops.get(activation) == config.n_decoder_layers
+    assert ops["com.microsoft.SkipLayerNormalization"] > 0 and "Softmax" not in ops
+    texts = held_out(64)
+    out, report = optimize_bundle(fused, tmp_path / "int8", precision="int8", texts=texts, samples=64)
+    gen = report.parity["generation"]
+    assert report.parity["verified"] and gen["basis"] == "tokens" and gen["distinct_outputs"] >= 32
+    assert gen["tokens_equal"] >= tolerance("int8", "cpu").token_match, report.parity["summary"]
+    assert read_manifest(out)["parity"]["verified"] is True
+    print(report.parity["summary"])
+    model, tok = load_marian(directory)
+    seqs = [tok(t)["input_ids"] for t in texts]
+    want = hf_generate(model, seqs, 1, 32)
+    got = [h[0].tokens for h in generate_ids(load_bundle(out, "cpu").engine, seqs, SearchOptions(max_new_tokens=32))]
+    assert sum(g == w for g, w in zip(got, want)) >= 0.9 * len(want)
 
 
 def _copy(directory: Path, dest: Path, config: dict | None = None, extra_weights: dict | None = None) -> Path:

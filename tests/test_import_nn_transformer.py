@@ -256,3 +256,80 @@ def test_sentencepiece_models_per_side(tmp_path):
         assert ckpt.tokenizer.decode([BOS_IDX, *ids, EOS_IDX, PAD_IDX]) == tgt.decode(ids)
     result = CliRunner().invoke(main, ["generate", str(tmp_path / "ckpt"), lines[0], "--max-new-tokens", "5"])
     assert result.exit_code == 0, result.output
+
+
+@pytest.mark.slow
+def test_trained_tutorial_model_passes_the_int8_gate(tmp_path):
+    """The tutorial-like family on a realistic footing: the tutorial's module (interleaved positions, relu, the final
+    encoder/decoder LayerNorms, untied generator, separate vocabularies), trained as the tutorial trains it on a
+    text task (toolkit.tasks.tiny_marian's syllable cipher) with one SentencePiece model per side, imported with its
+    tokenizers, fused, and its int8 bundle verified by the gate (>= 98% of greedy tokens) on held-out texts."""
+    pytest.importorskip("sentencepiece")
+    import sentencepiece as spm
+
+    from exporters.export import export_checkpoint
+    from exporters.optimize import optimize_bundle
+    from runtime.manifest import read_manifest
+    from toolkit.parity.tolerances import tolerance
+    from toolkit.tasks.tiny_marian import cipher, corpus, held_out
+
+    lines = corpus(seed=0)
+    targets = [cipher(t) for t in lines]
+    for side, texts, size in (("src", lines, 120), ("tgt", targets, 100)):
+        spm.SentencePieceTrainer.train(sentence_iterator=iter(texts), model_prefix=str(tmp_path / side),
+                                       vocab_size=size, unk_id=UNK_IDX, pad_id=PAD_IDX, bos_id=BOS_IDX,
+                                       eos_id=EOS_IDX, minloglevel=2, num_threads=1)
+    src_sp, tgt_sp = (spm.SentencePieceProcessor(model_file=str(tmp_path / f"{s}.model")) for s in ("src", "tgt"))
+    srcs = [[BOS_IDX, *src_sp.encode(t), EOS_IDX] for t in lines]
+    tgts = [[BOS_IDX, *tgt_sp.encode(t), EOS_IDX] for t in targets]
+    torch.manual_seed(0)
+    model = Seq2SeqTransformer(2, 2, 64, 4, 120, 100, dim_feedforward=256, dropout=0.0)
+    for p in model.parameters():
+        if p.dim() > 1:
+            nn.init.xavier_uniform_(p)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        steps, warmup = 3000, 300
+        opt = torch.optim.Adam(model.parameters(), lr=3e-3, betas=(0.9, 0.98))
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min((s + 1) / warmup, max(
+            0.1, 1 - (s - warmup) / (steps - warmup))))
+        loss_fn = nn.CrossEntropyLoss(ignore_index=PAD_IDX)
+        gen = torch.Generator().manual_seed(0)
+        model.train()
+        for _ in range(steps):                           # the tutorial's training step, on the cipher pairs
+            rows = torch.randint(0, len(lines), (32,), generator=gen).tolist()
+            src = nn.utils.rnn.pad_sequence([torch.tensor(srcs[r]) for r in rows], padding_value=PAD_IDX)
+            tgt = nn.utils.rnn.pad_sequence([torch.tensor(tgts[r]) for r in rows], padding_value=PAD_IDX)
+            tgt_in = tgt[:-1]
+            logits = model(src, tgt_in, torch.zeros((src.shape[0],) * 2, dtype=torch.bool),
+                           generate_square_subsequent_mask(tgt_in.shape[0]), (src == PAD_IDX).T,
+                           (tgt_in == PAD_IDX).T, (src == PAD_IDX).T)
+            loss = loss_fn(logits.reshape(-1, 100), tgt[1:].reshape(-1))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            sched.step()
+    finally:
+        torch.set_num_threads(threads)
+    model.eval()
+    pt, hp = save(model, tmp_path, {**HP, "source_spm": "src.model", "target_spm": "tgt.model", "max_len": 128})
+    ckpt = import_model(pt, tmp_path / "ckpt", config_file=hp)
+    c = load_checkpoint(ckpt).config
+    assert (c.positions, c.activation, c.final_norm, c.tie_embeddings, c.share_embeddings, c.logits_bias) == \
+        ("interleaved", "relu", True, False, False, True)
+    fused, _ = optimize_bundle(export_checkpoint(ckpt, tmp_path / "bundle"), tmp_path / "fused")
+    ops = read_manifest(fused)["graphs"]["decoder"]["op_counts"]
+    assert ops["Relu"] == 2 and ops["LayerNormalization"] == 1 and ops["com.microsoft.SkipLayerNormalization"] > 0
+    texts = held_out(64)
+    tok = load_checkpoint(ckpt).tokenizer
+    hyps = generate_ids(TorchEngine(load_checkpoint(ckpt).model), [tok.encode(t) for t in texts],
+                        SearchOptions(max_new_tokens=40))
+    right = sum(tok.decode(h[0].tokens) == cipher(t) for t, h in zip(texts, hyps))
+    print(f"tutorial model: {right} of {len(texts)} held-out texts translated exactly")
+    out, report = optimize_bundle(fused, tmp_path / "int8", precision="int8", texts=texts, samples=64)
+    gen = report.parity["generation"]
+    assert report.parity["verified"] and gen["basis"] == "tokens" and gen["distinct_outputs"] >= 32, report.parity
+    assert gen["tokens_equal"] >= tolerance("int8", "cpu").token_match, report.parity["summary"]
+    assert read_manifest(out)["parity"]["verified"] is True
+    print(report.parity["summary"])

@@ -25,3 +25,17 @@ def friendly(fn):
             sys.exit(130)
 
     return wrapper
+
+
+def text_lines(input_file: str | None) -> list[str] | None:
+    """The non-blank lines of an --input file of source texts (None without one); an empty file is an input error."""
+    if input_file is None:
+        return None
+    from pathlib import Path
+
+    from runtime.errors import InputError
+
+    texts = [line for line in Path(input_file).read_text(encoding="utf-8").splitlines() if line.strip()]
+    if not texts:
+        raise InputError(f"--input {input_file} has no text lines; pass source texts, one a line")
+    return texts

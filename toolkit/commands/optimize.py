@@ -2,7 +2,7 @@
 
 import click
 
-from toolkit.commands._common import friendly
+from toolkit.commands._common import friendly, text_lines
 from toolkit.extras import require
 
 
@@ -32,10 +32,15 @@ from toolkit.extras import require
 @click.option("--allow-unverified", is_flag=True,
               help="write the bundle even when its parity gate fails or is inconclusive (outputs that do not vary, "
                    "e.g. random weights), marked unverified in its manifest [default: refuse, exit 1]")
+@click.option("--input", "input_file", type=click.Path(exists=True, dir_okay=False),
+              help="source texts, one a line, for the parity gate's token check (the first --samples; the "
+                   "bundle's tokenizer encodes them) [default: the model's task's held-out inputs, else random ids, which "
+                   "a text model such as an imported Marian never sees]")
+@click.option("--samples", default=32, show_default=True, help="inputs of the parity gate's token check")
 @click.option("--json", "as_json", is_flag=True, help="print the report as JSON")
 @friendly
 def command(bundle, out, target, precision, fuse, attention, kv_cache, per_channel, activation_scales, ort_format,
-            force, allow_unverified, as_json):
+            force, allow_unverified, input_file, samples, as_json):
     """Optimize a bundle for ONNX Runtime: attention/LayerNorm/GELU fusion, fp16 or int8, checked for parity."""
     require("export")
     from exporters.optimize import optimize_bundle
@@ -45,11 +50,12 @@ def command(bundle, out, target, precision, fuse, attention, kv_cache, per_chann
         if not as_json:
             click.echo(f"  {message}")
 
+    texts = text_lines(input_file)
     try:
         _, report = optimize_bundle(bundle, out, target=target, precision=precision, fuse=fuse, attention=attention,
                                     force=force, per_channel=per_channel, progress=progress,
                                     ort_format=ort_format, kv_cache=kv_cache, allow_unverified=allow_unverified,
-                                    activation_scales=activation_scales)
+                                    activation_scales=activation_scales, texts=texts, samples=samples)
     except ParityError as exc:
         if isinstance(exc.report, dict) and not as_json:
             from toolkit.parity.graphs import record_table

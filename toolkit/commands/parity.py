@@ -9,7 +9,7 @@ import click
 
 from runtime.errors import InputError
 from runtime.session import PROVIDER_CHOICES
-from toolkit.commands._common import friendly
+from toolkit.commands._common import friendly, text_lines
 from toolkit.extras import require
 
 
@@ -91,11 +91,7 @@ def _against_marian(original, candidate, provider, samples, beam, max_new_tokens
     opened = open_model(candidate, provider=provider)
     precision = opened.info if opened.kind == "bundle" else "fp32"
     token_match = 1.0 if precision in ("fp32", "") else tolerance(precision, opened.provider).token_match
-    texts = None
-    if input_file is not None:
-        texts = [line for line in Path(input_file).read_text(encoding="utf-8").splitlines() if line.strip()]
-        if not texts:
-            raise InputError(f"--input {input_file} has no text lines; pass source texts, one a line")
+    texts = text_lines(input_file)
     click.echo(f"comparing {opened.describe()} with MarianMTModel from {original}", err=True)
     beams = (1,) if beam == 1 else (1, beam)
     report = marian_parity(original, opened.engine, str(candidate), texts, samples, beams, max_new_tokens,

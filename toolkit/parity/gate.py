@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from runtime.errors import InputError
 from runtime.ort_engine import OrtEngine
 from runtime.session import SessionConfig, make_session
 from runtime.tokenizer import load_tokenizer
@@ -38,14 +39,19 @@ def engine(paths: dict[str, Path], config: dict, provider: str) -> OrtEngine:
 
 
 def bundle_gate(src_paths: dict[str, Path], paths: dict[str, Path], manifest: dict, bundle_dir: Path,
-                provider: str, precision: str, samples: int = 32) -> dict:
-    """The parity record of candidate graphs against the source bundle's, with the gate's verdict."""
+                provider: str, precision: str, samples: int = 32, texts: list[str] | None = None) -> dict:
+    """The parity record of candidate graphs against the source bundle's, with the gate's verdict. texts: source
+    texts (through the bundle's tokenizer, at most `samples`) as the token check's inputs instead of the task's
+    held-out inputs or random ids."""
     config = manifest["model"]
     tol = tolerance(precision, provider)
     record = bundle_parity(src_paths, paths, config, provider, tol, precision).to_dict()
     verdicts = {"graphs": record["verdict"]} if record["judged"] or record["verdict"] == "inconclusive" else {}
     tokenizer = load_tokenizer(bundle_dir / manifest["tokenizer"]) if manifest.get("tokenizer") else None
-    seqs, source = parity_inputs(ModelConfig.from_dict(config), tokenizer, samples=samples)
+    if texts:
+        seqs, source = gate_inputs(texts, tokenizer, samples)
+    else:
+        seqs, source = parity_inputs(ModelConfig.from_dict(config), tokenizer, samples=samples)
     reference, candidate = engine(src_paths, config, provider), engine(paths, config, provider)
     gen = generation_parity(reference, candidate, seqs, tol, provider, precision, beams=(1,),
                             max_new_tokens=min(32, config["max_len"]), source=source)
@@ -56,6 +62,7 @@ def bundle_gate(src_paths: dict[str, Path], paths: dict[str, Path], manifest: di
                             "verdict": check.verdict, "basis": check.basis, "teacher_forced": check.teacher_forced,
                             "summary": gen.summary()}
     verdicts["tokens"] = check.verdict
+    record["tokenizer"] = tokenizer is not None
     if tol.accuracy_drop is not None:
         found = task_accuracy(tokenizer, (reference, candidate), ACCURACY_SAMPLES)
         if found is not None:
@@ -70,6 +77,17 @@ def bundle_gate(src_paths: dict[str, Path], paths: dict[str, Path], manifest: di
     record["verified"] = record["verdict"] == "ok"
     record["summary"] = gate_summary(record)
     return record
+
+
+def gate_inputs(texts: list[str], tokenizer, samples: int) -> tuple[list[list[int]], str]:
+    """The first `samples` texts as token ids (the bundle's tokenizer) and their description."""
+    if tokenizer is None:
+        raise InputError("gate input texts need a bundle with a tokenizer; this bundle has none (it takes token "
+                         "ids), so leave --input out and the gate uses random ids")
+    if samples < 1:
+        raise InputError(f"--samples must be at least 1, got {samples}")
+    texts = texts[:samples]
+    return [tokenizer.encode(t) for t in texts], f"{len(texts)} given source texts"
 
 
 def gate_summary(record: dict) -> str:
@@ -88,8 +106,12 @@ def gate_summary(record: dict) -> str:
             a = record["accuracy"]
             parts.append(f"{a['what']} {verdict}: {a['candidate']:.2%} vs {a['source']:.2%} "
                          f"({a['drop_points']:+.2f} points lost, at most {a['allowed_drop_points']:g} allowed)")
-    return (f"verdict {record['verdict'].upper() if record['verdict'] != 'ok' else 'ok'} against the source bundle on "
+    line = (f"verdict {record['verdict'].upper() if record['verdict'] != 'ok' else 'ok'} against the source bundle on "
             f"{record['provider']} {record['precision']}: " + "; ".join(parts))
+    if record["verdict"] != "ok" and "random id sequences" in gen["source"] and record.get("tokenizer"):
+        line += ("; the inputs were random ids, which a text model never sees: pass --input with source texts like "
+                 "the model's own (one a line)")
+    return line
 
 
-__all__ = ["bundle_gate", "gate_summary", "engine", "ACCURACY_SAMPLES"]
+__all__ = ["bundle_gate", "gate_inputs", "gate_summary", "engine", "ACCURACY_SAMPLES"]

@@ -2,6 +2,8 @@
 
     build_tiny_marian(out_dir)              # SentencePiece models trained on a generated corpus, a MarianMTModel
                                             # trained briefly on it (word order reversed), saved with save_pretrained
+    build_tiny_marian(out_dir, **TRAINED)   # a realistic one (syllable cipher, d_model 64, 3000 steps): confident
+    held_out(64)                            # sentences it never saw in training (parity and gate inputs)
     random_marian(out_dir, **shape)         # opus-mt-en-de's shape (or any), random weights, no tokenizer training
 
 The directory looks like a downloaded Helsinki-NLP model (config.json, model.safetensors, source.spm, target.spm,
@@ -29,9 +31,37 @@ def corpus(n: int = 3000, seed: int = 0) -> list[str]:
             for _ in range(n)]
 
 
+HELD_OUT_AFTER = 50_000             # held-out sentences come after this many: never among the training sentences
+
+
+def held_out(n: int = 64, seed: int = 0) -> list[str]:
+    """Sentences of the training corpus's words that no training run (sentences < HELD_OUT_AFTER) sees."""
+    return corpus(HELD_OUT_AFTER + n, seed)[HELD_OUT_AFTER:]
+
+
 def translate(text: str) -> str:
     """The task the model is trained on: the words in reverse order."""
     return " ".join(reversed(text.split()))
+
+
+_CIPHER = dict(zip(SYLLABLES, random.Random(7).sample(SYLLABLES, len(SYLLABLES))))
+_LONGEST_FIRST = sorted(SYLLABLES, key=len, reverse=True)
+
+
+def cipher(text: str) -> str:
+    """A harder-to-fake task, closer to translation: each syllable of each word replaced by its partner in a fixed
+    permutation (words keep their order and punctuation), e.g. "da umon ne?" -> "ka lomi tri?"."""
+    def word(w: str) -> str:
+        out, i = [], 0
+        while i < len(w):
+            s = next((s for s in _LONGEST_FIRST if w.startswith(s, i)), w[i])
+            out.append(_CIPHER.get(s, s))
+            i += len(s)
+        return "".join(out)
+    return " ".join(word(w) for w in text.split())
+
+
+TASKS = {"reverse": translate, "cipher": cipher}
 
 
 def train_spm(lines: list[str], vocab_size: int, seed_text: str = "") -> bytes:
@@ -78,18 +108,29 @@ def marian_config(vocab_size: int, target_vocab_size: int | None = None, **shape
                         tie_word_embeddings=not separate, **sizes)
 
 
+# a realistic small model: trained long enough to be right most of the time, so its logits are confident as a real
+# translation model's are (the int8 gate's token row holds on held-out texts): 3000 steps, ~3 min on one core
+TRAINED = dict(task="cipher", steps=3000, d_model=64, encoder_ffn_dim=256, decoder_ffn_dim=256, lr=3e-3, warmup=300)
+
+
 def build_tiny_marian(out_dir: str | Path, steps: int = 150, seed: int = 0, separate_vocabs: bool = False,
-                      **shape) -> Path:
-    """Train SentencePiece models and a small MarianMTModel offline; save them as save_pretrained does."""
+                      task: str = "reverse", sentences: int = 3000, pieces: int = 120, lr: float = 5e-3,
+                      batch: int = 32, warmup: int = 0, **shape) -> Path:
+    """Train SentencePiece models and a small MarianMTModel offline; save them as save_pretrained does.
+
+    task: "reverse" (word order) or "cipher" (syllables swapped); sentences: training sentences of corpus();
+    pieces: SentencePiece vocabulary per side; lr, batch, warmup: Adam with linear warmup and decay (warmup 0:
+    constant lr). The defaults make the quick test model; TRAINED a realistic one. <pad> (the decoder's start)
+    keeps a zero embedding throughout, and the logits bias is random (small) and fixed before training."""
     import torch
     from transformers import GenerationConfig, MarianMTModel, MarianTokenizer
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    lines = corpus(seed=seed)
-    targets = [translate(s) for s in lines]
-    (out / "source.spm").write_bytes(train_spm(lines, 120))
-    (out / "target.spm").write_bytes(train_spm(targets, 100 if separate_vocabs else 120))
+    lines = corpus(sentences, seed=seed)
+    targets = [TASKS[task](s) for s in lines]
+    (out / "source.spm").write_bytes(train_spm(lines, pieces))
+    (out / "target.spm").write_bytes(train_spm(targets, pieces - 20 if separate_vocabs else pieces))
     if separate_vocabs:
         source_vocab = marian_vocab([out / "source.spm"])
         target_vocab = marian_vocab([out / "target.spm"], LANGUAGE_TOKENS)
@@ -108,18 +149,33 @@ def build_tiny_marian(out_dir: str | Path, steps: int = 150, seed: int = 0, sepa
     torch.manual_seed(seed)
     model = MarianMTModel(config)
     pad = config.pad_token_id
+
+    def pin() -> None:
+        # as in the converted opus-mt models: <pad>, the decoder's start, has a zero embedding (Marian itself starts
+        # from a zero vector); kept zero through training, which would otherwise move it (tied output projection)
+        with torch.no_grad():
+            model.get_decoder().embed_tokens.weight[pad] = 0.0
+            model.get_encoder().embed_tokens.weight[tok.pad_token_id] = 0.0
+
+    with torch.no_grad():                                  # a logits bias that matters, as trained models have
+        model.final_logits_bias.copy_(torch.randn(model.final_logits_bias.shape, generator=torch.Generator()
+                                                  .manual_seed(seed)) * 0.1)
+    pin()
     if steps:
         enc = tok(lines, text_target=targets, return_tensors="pt", padding=True)   # tokenized once
         labels = enc["labels"].masked_fill((enc["labels"] == pad) | (enc["labels"] == tok.pad_token_id), -100)
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         gen = torch.Generator().manual_seed(seed)
-        opt = torch.optim.Adam(model.parameters(), lr=5e-3)
+        opt = torch.optim.Adam(model.parameters(), lr=lr, betas=(0.9, 0.98))
+        # linear warmup, then linear decay to a tenth: the usual Transformer recipe, short
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min((s + 1) / max(warmup, 1), max(
+            0.1, 1 - (s - warmup) / max(steps - warmup, 1)))) if warmup else None
         model.train()
         try:
             with torch.enable_grad():
                 for _ in range(steps):
-                    rows = torch.randint(0, len(lines), (32,), generator=gen)
+                    rows = torch.randint(0, len(lines), (batch,), generator=gen)
                     mask = enc["attention_mask"][rows]
                     width = int(mask.sum(1).max())
                     lab = labels[rows]
@@ -129,15 +185,11 @@ def build_tiny_marian(out_dir: str | Path, steps: int = 150, seed: int = 0, sepa
                     opt.zero_grad()
                     loss.backward()
                     opt.step()
+                    pin()
+                    if sched is not None:
+                        sched.step()
         finally:
             torch.set_num_threads(threads)
-    with torch.no_grad():                                  # a logits bias that matters, as trained models have
-        model.final_logits_bias.copy_(torch.randn(model.final_logits_bias.shape, generator=torch.Generator()
-                                                  .manual_seed(seed)) * 0.1)
-        # as in the converted opus-mt models: <pad>, the decoder's start, has a zero embedding (Marian itself
-        # starts from a zero vector; with tied weights training moved the row through the output projection)
-        model.get_decoder().embed_tokens.weight[pad] = 0.0
-        model.get_encoder().embed_tokens.weight[tok.pad_token_id] = 0.0
     model.eval()
     model.generation_config = GenerationConfig(bad_words_ids=[[pad]], decoder_start_token_id=pad, eos_token_id=0,
                                                pad_token_id=pad, max_length=64, num_beams=4)

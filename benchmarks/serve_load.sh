@@ -1,10 +1,15 @@
 #!/usr/bin/env bash
 # Serving load figures for RESULTS.md: the base int8 bundle (benchmarks/run.sh builds it) behind `onnxformer serve`,
 # 32 concurrent clients, mixed output lengths (8-128 new tokens, EOS suppressed), one run per server setting:
-# one request at a time (--max-batch 1) and request-level batching (--max-batch 32). Each run is bounded (REQUESTS
+# one request at a time (--max-batch 1), request-level batching (--max-batch 32 --batching request) and in-flight
+# batching (--max-batch 32 --batching inflight), in that order, in one command. Each run is bounded (REQUESTS
 # requests, DURATION seconds) and stops by itself; the server gets SIGTERM after it and must exit 0.
 #
 #   flock /tmp/onnxformer-bench.lock bash benchmarks/serve_load.sh [BUNDLE]     (default out/bench/base/base-int8)
+#
+# A bundle exported before the decoder took per-row positions (no position_ids in its manifest) cannot batch
+# in-flight: it is rebuilt first from the base checkpoint beside it (CHECKPOINT, default BUNDLE/../base-checkpoint;
+# export, then optimize --precision int8 --allow-unverified as benchmarks/run.sh does for the random-weight base).
 #
 # Writes benchmarks/serve_load.json (one report per setting) and prints a table row per setting.
 set -euo pipefail
@@ -16,8 +21,16 @@ CLIENTS=${CLIENTS:-32}
 THREADS=${THREADS:-2}
 DURATION=${DURATION:-300}
 OUT=${OUT:-benchmarks/serve_load.json}
-SETTINGS=${SETTINGS:-"one-at-a-time:--max-batch 1|request-level:--max-batch 32"}
+SETTINGS=${SETTINGS:-"one-at-a-time:--max-batch 1 --batching request|request-level:--max-batch 32 --batching request|in-flight:--max-batch 32 --batching inflight"}
 [ -f "$BUNDLE/manifest.json" ] || { echo "error: $BUNDLE is not a bundle; build it with benchmarks/run.sh" >&2; exit 2; }
+if ! grep -q '"position_ids"' "$BUNDLE/manifest.json"; then
+  CHECKPOINT=${CHECKPOINT:-$(dirname "$BUNDLE")/base-checkpoint}
+  [ -d "$CHECKPOINT" ] || { echo "error: $BUNDLE predates per-row positions and $CHECKPOINT is missing; rebuild it with benchmarks/run.sh" >&2; exit 2; }
+  echo "rebuilding $BUNDLE from $CHECKPOINT (its decoder has no position_ids input)" >&2
+  "$OX" export "$CHECKPOINT" --out "$BUNDLE.fp32-unfused" --force
+  "$OX" optimize "$BUNDLE.fp32-unfused" --out "$BUNDLE" --target cpu --precision int8 --allow-unverified --force
+  rm -rf "$BUNDLE.fp32-unfused"
+fi
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
 echo "load: $(uptime)" >&2
@@ -54,5 +67,9 @@ for name, r in reports.items():
     print(f"{name:<16}{r['sent']:>6}{r['ok']:>6}{r['errors']:>5}{r['lost']:>5}{r['throughput_rps']:>8.2f}"
           f"{r['tokens_per_s']:>8.0f}{lat['p50']:>9.0f}{lat['p90']:>9.0f}{lat['p99']:>9.0f}{r['mean_batch_rows']:>7.2f}"
           f"{r['throughput_rps'] / first['throughput_rps']:>8.2f}")
+if "in-flight" in reports and "request-level" in reports:
+    a, b = reports["in-flight"], reports["request-level"]
+    print(f"in-flight / request-level: throughput {a['throughput_rps'] / b['throughput_rps']:.2f}x, "
+          f"p99 {a['latency_ms']['p99'] / b['latency_ms']['p99']:.2f}x, p50 {a['latency_ms']['p50'] / b['latency_ms']['p50']:.2f}x")
 print(load)
 PY

@@ -11,12 +11,16 @@ write a step's key/value at one shared slot (`past_sequence_length`, here `lengt
 the batch stood at slot s has its tokens in slots s..length, so the decoder gets per row
 - `position_ids` = length - s (the row's own position: 0 for its start token), and
 - `decoder_attention_mask`, 1 on slots >= s (the slots before hold another row's keys, or nothing).
-A finished row leaves before the next step: the live rows move up (their filled slots, cross K/V and masks),
-so the buffer's leading rows are always the live ones and its row is free for the next joiner. When the shared
-slot reaches the buffer's end, every row shifts left by the oldest live row's start (compaction).
+A finished row leaves before the next step: the last live rows move into the freed places (their filled slots,
+cross K/V and masks), so the buffer's leading rows are always the live ones and the next joiner takes the row
+after them. A step binds the live rows rounded up to a multiple of ROW_BUCKET (the rows past them compute
+nothing anyone reads), so the bound shapes, and the binding, change rarely. When the oldest live row starts
+COMPACT_AT slots in, or the shared slot reaches the buffer's end, every row shifts left by that row's start
+(compaction: attention then spans only the oldest live row's tokens).
 
-Cross-attention K/V of rows with different source lengths are padded to the longest live source, with
-encoder_attention_mask 0 on the padding (as a request-level batch pads them). Each row's tokens, finished flag
+Cross-attention K/V live in [slots, H, width, Dh] buffers as wide as the longest source seen, each row padded
+with encoder_attention_mask 0 (as a request-level batch pads them). A join writes only the joiners' rows; a
+leave moves only as many rows as left (the last live rows into the freed places). Each row's tokens, finished flag
 and score are computed as runtime.search.greedy computes them for that row alone (fp32: the same tokens; the
 score within float rounding: tests/test_inflight.py).
 
@@ -36,6 +40,8 @@ from runtime.generate import check_request, pad_batch
 from runtime.search import Hypothesis, SearchOptions, chosen_logprob, suppress
 from runtime.spec import DECODER_ATTENTION_MASK, INPUT_IDS, PAST_SEQUENCE_LENGTH, POSITION_IDS
 
+ROW_BUCKET = 2          # rows bound per step: the live rows rounded up to a multiple (few shapes, few rebinds)
+COMPACT_AT = 32         # shift the rows left once the oldest live row starts this far in (shorter attention)
 REEXPORT = ("re-export the model (onnxformer export) and optimize it again: in-flight batching needs a decoder "
             "with position_ids and decoder_attention_mask inputs; or serve with --batching request")
 
@@ -65,6 +71,8 @@ class Row:
     score: float = 0.0
     finished: bool = False          # ended with EOS
     stopped: bool = False           # the caller gave it up (stop()): it leaves at the next step
+    left: bool = False              # no longer in the batch (its hypothesis is final)
+    ignore_eos: bool = False        # never stop at EOS (the batch's opts.ignore_eos applies to every row)
     last: int = 0                   # the token it feeds next
 
     def hypothesis(self) -> Hypothesis:
@@ -86,8 +94,9 @@ class InflightBatch:
         self.buffers = [np.zeros(shape, dtype=np.float32) for _ in engine.past_names]
         self.key_mask = np.zeros((slots, self.capacity), dtype=np.int64)
         self.rows: list[Row] = []                                     # buffer row i holds rows[i]
-        self.cross: list[np.ndarray] = []                             # [n, H, S, Dh] per tensor
-        self.src_mask = np.zeros((0, 0), dtype=np.int64)             # [n, S]
+        self.cross: list[np.ndarray] = []                             # [slots, H, width, Dh] per tensor
+        self.src_mask = np.zeros((slots, 0), dtype=np.int64)         # [slots, width]; 0 past a row's source
+        self.bound = 0                                                # rows the binding covers (>= live rows)
         self.length = 0                                               # the shared write slot (past_sequence_length)
         self._binding = None
         self.steps = self.compactions = self.joined = 0
@@ -113,7 +122,7 @@ class InflightBatch:
             raise InputError(f"max new tokens {max(limits)} exceeds the batch's cache of {self.capacity} positions")
         check_request(sequences, SearchOptions(max_new_tokens=max(limits, default=0)), self.e.src_vocab_size,
                       self.e.max_len)
-        rows = [Row(k, n, src_len=len(s), last=self.e.bos_id) for k, s, n in zip(keys, sequences, limits)]
+        rows = [Row(k, n, src_len=len(s), left=n == 0, last=self.e.bos_id) for k, s, n in zip(keys, sequences, limits)]
         joining = [i for i, r in enumerate(rows) if r.limit > 0]
         if not joining:
             return rows
@@ -123,24 +132,35 @@ class InflightBatch:
             self._compact()
         ids, mask = pad_batch([sequences[i] for i in joining], self.e.src_pad_id)
         cross = self.e.encoder.run(self.e.cross_names, {INPUT_IDS: ids, "attention_mask": mask})
-        self._append_cross(cross, mask)
-        n = len(self.rows)
+        n, k, width = len(self.rows), len(joining), mask.shape[1]
+        self._widen(width)
+        for buf, new in zip(self.cross, cross):                      # the joiners' rows, in place
+            buf[n:n + k, :, :width] = new
+            buf[n:n + k, :, width:] = 0
+        self.src_mask[n:n + k] = 0
+        self.src_mask[n:n + k, :width] = mask
         for j, i in enumerate(joining):
             rows[i].start = self.length
             self.key_mask[n + j] = np.arange(self.capacity) >= self.length
             self.rows.append(rows[i])
         self.joined += len(joining)
-        self._binding = None
         return rows
 
-    def _append_cross(self, cross: list[np.ndarray], mask: np.ndarray) -> None:
-        """Cross K/V and source mask of the joiners after the live rows', padded to one source length."""
-        if not self.rows:
-            self.cross, self.src_mask = list(cross), mask
+    def _widen(self, width: int) -> None:
+        """Cross K/V buffers at least `width` source positions wide (the widest source seen so far: a row's
+        padding is masked by encoder_attention_mask 0, as in a request-level batch)."""
+        if self.cross and self.src_mask.shape[1] >= width:
             return
-        width = max(self.src_mask.shape[1], mask.shape[1])
-        self.cross = [np.concatenate([_pad(old, width, 2), _pad(new, width, 2)]) for old, new in zip(self.cross, cross)]
-        self.src_mask = np.concatenate([_pad(self.src_mask, width, 1), _pad(mask, width, 1)])
+        old, n = self.cross, len(self.rows)
+        shape = (self.slots, self.e.n_heads, width, self.e.head_dim)
+        self.cross = [np.zeros(shape, dtype=np.float32) for _ in self.e.cross_names]
+        for buf, prev in zip(self.cross, old):
+            buf[:n, :, :prev.shape[2]] = prev[:n]
+        mask = np.zeros((self.slots, width), dtype=np.int64)
+        mask[:, 0] = 1                                                # rows bound but not live see one key
+        mask[:n, :self.src_mask.shape[1]] = self.src_mask[:n]
+        self.src_mask = mask
+        self._binding = None
 
     # --- one step ---
 
@@ -155,21 +175,26 @@ class InflightBatch:
             self._leave()
         if not self.rows:
             return gone
-        if self.length >= self.capacity:
+        if self.length >= self.capacity or min(r.start for r in self.rows) >= COMPACT_AT:
             self._compact()
-        if self._binding is None:
-            self._binding = self._bind()
         n = len(self.rows)
+        bound = min(self.slots, -(-n // ROW_BUCKET) * ROW_BUCKET)
+        if self._binding is None or bound != self.bound:
+            self._binding, self.bound = self._bind(bound), bound
         binding = self._binding
-        binding.bind_cpu_input(INPUT_IDS, np.array([[r.last] for r in self.rows], dtype=np.int64))
+        tokens = np.full((bound, 1), self.e.bos_id, dtype=np.int64)   # rows past n: not live, results unused
+        positions = np.zeros((bound, 1), dtype=np.int64)
+        tokens[:n, 0] = [r.last for r in self.rows]
+        positions[:n, 0] = [self.length - r.start for r in self.rows]
+        binding.bind_cpu_input(INPUT_IDS, tokens)
         binding.bind_cpu_input(PAST_SEQUENCE_LENGTH, np.array([self.length], dtype=np.int32))
-        binding.bind_cpu_input(POSITION_IDS, np.array([[self.length - r.start] for r in self.rows], dtype=np.int64))
+        binding.bind_cpu_input(POSITION_IDS, positions)
         self.e.decoder.run_with_iobinding(binding)
-        logits = binding.get_outputs()[0].numpy()[:, -1].copy()      # [n, V]; ORT reuses the output's memory
+        logits = binding.get_outputs()[0].numpy()[:n, -1].copy()     # [n, V]; ORT reuses the output's memory
         self.length += 1
         self.steps += 1
-        if self.opts.ignore_eos:
-            logits[:, self.e.eos_id] = -np.inf
+        no_eos = [i for i, r in enumerate(self.rows) if r.ignore_eos] if not self.opts.ignore_eos else slice(None)
+        logits[no_eos, self.e.eos_id] = -np.inf
         nxt = suppress(logits.copy(), self.suppress).argmax(axis=-1) if self.suppress else logits.argmax(axis=-1)
         scores = chosen_logprob(logits, nxt)
         for r, token, score in zip(self.rows, nxt, scores):
@@ -188,20 +213,26 @@ class InflightBatch:
     # --- rows out, compaction ---
 
     def _leave(self) -> None:
-        """Drop stopped rows: the staying rows move up to the leading buffer rows (filled slots only)."""
-        keep = np.array([i for i, r in enumerate(self.rows) if not r.stopped], dtype=np.int64)
-        self.rows = [self.rows[i] for i in keep]
-        if len(keep):
+        """Drop stopped rows: the last staying rows move into their places, so the live rows stay the leading
+        buffer rows and only as many rows move as left (their filled slots, cross K/V, masks)."""
+        stay = [i for i, r in enumerate(self.rows) if not r.stopped]
+        n = len(stay)
+        holes = [i for i in range(n) if self.rows[i].stopped]      # places below n that are freed
+        movers = [i for i in stay if i >= n]                        # staying rows above n: one per hole
+        for r in self.rows:
+            r.left = r.stopped
+        order = list(range(n))
+        for hole, mover in zip(holes, movers):
+            order[hole] = mover
+        if holes:
             filled = self.length
-            for buf in self.buffers:                                 # gathered on the right first: safe in place
-                buf[:len(keep), :, :filled] = buf[keep, :, :filled]
-            self.key_mask[:len(keep)] = self.key_mask[keep]
-            width = max(r.src_len for r in self.rows)                # the longest live source
-            self.cross = [c[keep][:, :, :width] for c in self.cross]
-            self.src_mask = np.ascontiguousarray(self.src_mask[keep][:, :width])
-        else:
-            self.cross, self.src_mask = [], np.zeros((0, 0), dtype=np.int64)
-        self._binding = None
+            for buf in self.buffers:
+                buf[holes, :, :filled] = buf[movers, :, :filled]
+            for buf in self.cross:
+                buf[holes] = buf[movers]
+            self.key_mask[holes] = self.key_mask[movers]
+            self.src_mask[holes] = self.src_mask[movers]
+        self.rows = [self.rows[i] for i in order]
 
     def _compact(self) -> None:
         """The shared slot reached the buffer's end: shift every row left by the oldest live row's start."""
@@ -216,16 +247,16 @@ class InflightBatch:
             self.key_mask[i] = np.arange(self.capacity) >= r.start
         self.length = keep
         self.compactions += 1
-        self._binding = None
 
-    def _bind(self):
-        """The decoder's binding for the current rows: buffers (past and present in one), cross K/V, masks."""
-        n, e = len(self.rows), self.e
+    def _bind(self, n: int):
+        """The decoder's binding for the leading n buffer rows: buffers (past and present in one), cross K/V, masks.
+        Views of the slot arrays, no copies: joins, leaves and compaction change their contents in place, so the
+        binding lives until n changes or the cross buffers widen."""
+        e = self.e
         binding = e.decoder.io_binding()
-        self._bound = [np.ascontiguousarray(c) for c in self.cross]   # kept alive while bound
-        binding.bind_cpu_input("encoder_attention_mask", self.src_mask)
-        for name, value in zip(e.cross_in_names, self._bound):
-            binding.bind_cpu_input(name, value)
+        binding.bind_ortvalue_input("encoder_attention_mask", ort.OrtValue.ortvalue_from_numpy(self.src_mask[:n]))
+        for name, buf in zip(e.cross_in_names, self.cross):           # leading rows: contiguous views, no copy
+            binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(buf[:n]))
         binding.bind_ortvalue_input(DECODER_ATTENTION_MASK, ort.OrtValue.ortvalue_from_numpy(self.key_mask[:n]))
         binding.bind_output("logits", "cpu")
         for past, present, buf in zip(e.past_names, e.present_names, self.buffers):
@@ -233,15 +264,6 @@ class InflightBatch:
             binding.bind_ortvalue_input(past, value)
             binding.bind_ortvalue_output(present, value)
         return binding
-
-
-def _pad(x: np.ndarray, width: int, axis: int) -> np.ndarray:
-    """Zero-pad axis `axis` of x to `width`."""
-    if x.shape[axis] == width:
-        return x
-    pad = [(0, 0)] * x.ndim
-    pad[axis] = (0, width - x.shape[axis])
-    return np.pad(x, pad)
 
 
 __all__ = ["InflightBatch", "Row", "check_engine", "REEXPORT"]

@@ -182,6 +182,11 @@ def takes_row_inputs(input_names) -> bool:
     return all(name in names for name in ROW_INPUTS)
 
 
+def without_row_inputs(spec: GraphSpec) -> GraphSpec:
+    """A decoder spec as graphs exported before per-row positions have it (an encoder spec is returned as is)."""
+    return GraphSpec(spec.name, tuple(t for t in spec.inputs if t.name not in ROW_INPUTS), spec.outputs)
+
+
 def default_row_inputs(batch: int, past_len: int, new_len: int = 1, mask_len: int | None = None) -> dict:
     """position_ids and decoder_attention_mask of rows that all start at position 0 with every slot filled: what
     the graph computed before it took them (position past_len + i; every cached key real). mask_len: the mask's
@@ -217,7 +222,7 @@ def graph_specs(config: dict, float_type: str = "float32", kv_cache: str = "dyna
 
 
 __all__ = ["TensorSpec", "GraphSpec", "PAST_SEQUENCE_LENGTH", "CACHE_LEN", "POSITION_IDS", "DECODER_ATTENTION_MASK",
-           "ROW_INPUTS", "takes_row_inputs", "default_row_inputs", "KV_CACHES", "PAST", "PRESENT", "SELF",
+           "ROW_INPUTS", "takes_row_inputs", "without_row_inputs", "default_row_inputs", "KV_CACHES", "PAST", "PRESENT", "SELF",
            "CROSS", "KV", "cache_name", "cache_names", "parse_cache_name", "is_cache", "past_of", "present_of",
            "empty_past", "first_step_cache", "encoder_spec", "decoder_spec", "graph_specs", "source_vocab_size",
            "source_pad_id", "suppressed_ids"]

@@ -67,6 +67,7 @@ def test_rows_joining_and_leaving_get_their_unbatched_outputs(engine, toy_model_
     batch = InflightBatch(engine, slots=6)
     got = drive(batch, seqs, limits, per_join=2)
     assert batch.joined == int((limits > 0).sum()) and batch.steps < int(limits.sum())   # rows shared steps
+    assert batch.compactions >= 1                         # the oldest row's start passed COMPACT_AT: rows shifted
     assert_alone(engine, seqs, limits, got)
     assert len({tuple(h.tokens) for h in got.values()}) > 20, "outputs do not vary: equality proves nothing"
     assert len({len(h.tokens) for h in got.values()}) > 5 and any(h.finished for h in got.values())
@@ -109,3 +110,20 @@ def test_engines_in_flight_batching_cannot_drive_are_refused(bundles):
     old = SimpleNamespace(row_inputs=False, static_cache=True, provider="cpu")     # a bundle exported before i15
     with pytest.raises(InputError, match="exported before in-flight batching.*re-export"):
         check_engine(old)
+
+
+def test_bundles_exported_before_per_row_inputs_still_load(toy_model_factory, tmp_path):
+    """Their manifest's decoder interface lacks position_ids and decoder_attention_mask: accepted (request-level
+    serving, runtime.inflight refuses them); any other difference is still refused."""
+    from runtime.bundle import _check_recorded
+    from runtime.errors import BundleError
+    from runtime.spec import GraphSpec, graph_specs, without_row_inputs
+
+    for kv in ("dynamic", "static"):
+        expected = graph_specs(toy_model_factory().config.to_dict(), kv_cache=kv)["decoder"]
+        old = without_row_inputs(expected)
+        assert len(old.inputs) == len(expected.inputs) - 2
+        _check_recorded(tmp_path, "decoder", old, expected)
+        broken = GraphSpec("decoder", old.inputs[:-1], old.outputs)
+        with pytest.raises(BundleError, match="interface differs"):
+            _check_recorded(tmp_path, "decoder", broken, expected)

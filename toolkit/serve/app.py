@@ -24,10 +24,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from runtime.bundle import Bundle, load_bundle
-from runtime.errors import OnnxformerError
+from runtime.errors import InputError, OnnxformerError
 from runtime.generate import encode_inputs, generate_ids, records, to_outputs
 from runtime.search import SearchOptions
 from toolkit.serve.metrics import Metrics
+from toolkit.serve.inflight import InflightScheduler
 from toolkit.serve.scheduler import Job, Overloaded, Scheduler, Stopped
 from toolkit.serve.schemas import GenerateRequest, GenerateResponse, Limits, parse_request
 
@@ -46,17 +47,38 @@ class ServeSettings:
     max_wait_ms: float = 5.0        # how long the oldest waiting request waits for others to join its batch
     max_queue: int = 256            # requests waiting or decoding; more get 503 + Retry-After
     max_beam: int = 8
+    batching: str = "request"       # request | inflight | auto (in-flight where the bundle allows it); request-level
+                                    # is the default: it measured faster on CPU (benchmarks/RESULTS.md, "Serving")
 
     def check(self) -> None:
         for name, low in (("max_batch", 1), ("max_queue", 1), ("max_beam", 1), ("max_wait_ms", 0)):
             if getattr(self, name) < low:
                 raise ServeError(f"--{name.replace('_', '-')} must be at least {low}, got {getattr(self, name)}")
+        if self.batching not in BATCHING:
+            raise ServeError(f"--batching must be one of {', '.join(BATCHING)}, got {self.batching!r}")
         if self.threads is not None and self.threads < 1:
             raise ServeError(f"--threads must be at least 1, got {self.threads}")
 
     @property
     def limits(self) -> Limits:
         return Limits(max_inputs=self.max_batch, max_beam=self.max_beam)
+
+
+BATCHING = ("request", "inflight", "auto")
+
+
+def make_scheduler(engine, settings: ServeSettings, metrics: Metrics) -> Scheduler:
+    """In-flight batching (greedy requests; beam requests still batch request-level) where the engine allows it:
+    --batching inflight refuses a bundle it cannot serve that way (ServeError: the reason and the fix), auto falls
+    back to request-level batching."""
+    args = (engine, settings.max_batch, settings.max_wait_ms, settings.max_queue, metrics)
+    if settings.batching != "request":
+        try:
+            return InflightScheduler(*args)
+        except InputError as exc:
+            if settings.batching == "inflight":
+                raise ServeError(f"--batching inflight: {exc}") from None
+    return Scheduler(*args)
 
 
 class Service:
@@ -67,8 +89,7 @@ class Service:
         self.bundle, self.settings, self.limits = bundle, settings, settings.limits
         self.engine, self.tokenizer = bundle.engine, bundle.tokenizer
         self.metrics = Metrics()
-        self.scheduler = Scheduler(self.engine, settings.max_batch, settings.max_wait_ms, settings.max_queue,
-                                   self.metrics)
+        self.scheduler = make_scheduler(self.engine, settings, self.metrics)
         self.state = "loaded"       # loaded -> warming up -> ready -> draining -> stopped
         self._started = False
 
@@ -97,6 +118,8 @@ class Service:
         seq = [min(self.engine.vocab_size - 1, max(self.engine.eos_id, self.engine.pad_id, self.engine.bos_id) + 1)]
         for rows in sorted({1, self.settings.max_batch}):
             generate_ids(self.engine, [seq * 4] * rows, SearchOptions(max_new_tokens=min(4, self.engine.max_len)))
+        if isinstance(self.scheduler, InflightScheduler):
+            self.scheduler.warm_up()
 
     def stop(self) -> None:
         """Finish every accepted request, then stop the decoding thread."""

@@ -5,7 +5,9 @@
                                                 too_large, queue_full, not_ready, cancelled, engine)
     onnxformer_queue_depth                      requests waiting for a batch
     onnxformer_active_rows                      decoder rows in the running batch
-    onnxformer_batch_rows                       histogram: inputs decoded together in one batch
+    onnxformer_batch_rows                       histogram: inputs decoded together in one batch (in-flight: in
+                                                one decoder step, the live rows)
+    onnxformer_joined_rows                      histogram: in-flight: inputs that joined the running batch at a step
     onnxformer_request_latency_seconds          histogram: arrival to answer, answered requests
     onnxformer_queue_wait_seconds               histogram: arrival to the start of its batch
     onnxformer_generated_tokens_total           tokens generated (returned hypotheses, EOS excluded)
@@ -32,6 +34,8 @@ class Metrics:
         self.active_rows = Gauge("onnxformer_active_rows", "decoder rows in the running batch", registry=r)
         self.batch_rows = Histogram("onnxformer_batch_rows", "inputs decoded together in one batch",
                                     buckets=BATCH_BUCKETS, registry=r)
+        self.joined_rows = Histogram("onnxformer_joined_rows", "inputs that joined the running batch at one step",
+                                     buckets=BATCH_BUCKETS, registry=r)
         self.latency = Histogram("onnxformer_request_latency_seconds", "arrival to answer",
                                  buckets=LATENCY_BUCKETS, registry=r)
         self.queue_wait = Histogram("onnxformer_queue_wait_seconds", "arrival to the start of its batch",

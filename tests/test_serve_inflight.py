@@ -1,0 +1,149 @@
+"""The server's in-flight batching (toolkit/serve/inflight.py): greedy requests join the running batch at the next
+step and each gets its unbatched output; beam requests still batch request-level; a client that leaves frees its
+slots; SIGTERM answers every accepted request and exits 0; bundles that cannot run in-flight are refused or fall
+back as --batching says."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+
+pytest.importorskip("fastapi")
+import httpx  # noqa: E402
+from click.testing import CliRunner  # noqa: E402
+
+from runtime.bundle import load_bundle  # noqa: E402
+from runtime.generate import generate_ids  # noqa: E402
+from runtime.search import SearchOptions  # noqa: E402
+from toolkit.serve.app import ServeError, ServeSettings, Service  # noqa: E402
+from toolkit.serve.inflight import InflightScheduler  # noqa: E402
+from toolkit.serve.scheduler import Job, Scheduler  # noqa: E402
+from toolkit.tasks.toy import toy_inputs  # noqa: E402
+
+from test_serve import assert_same, bundles, metric, start_server  # noqa: E402,F401 (bundles: a fixture)
+
+
+@pytest.fixture(scope="module")
+def engine(bundles):
+    return load_bundle(bundles["static"], provider="cpu").engine
+
+
+def test_requests_joining_the_running_batch_get_their_unbatched_outputs(engine, toy_model_factory):
+    config = toy_model_factory().config
+    rng = np.random.default_rng(8)
+    seqs = toy_inputs(config, 48, min_len=1, max_len=12, seed=21)
+    scheduler = InflightScheduler(engine, max_batch=6, max_queue=64)
+    scheduler.start()
+    jobs = []
+    for i in range(0, 48, 2):                       # 1-2 inputs a request, mixed lengths, some ignore EOS, a few beams
+        beam = 3 if i % 16 == 8 else 1
+        opts = SearchOptions(max_new_tokens=int(rng.integers(0, 24)) if beam == 1 else 10, beam=beam,
+                             num_return=1 if beam == 1 else 2, ignore_eos=bool(i % 6 == 0))
+        jobs.append(Job(seqs[i:i + 1 + (i % 4 == 0)], opts))
+        scheduler.submit(jobs[-1])
+        time.sleep(float(rng.uniform(0, 0.01)))     # arrivals spread over the batch's steps
+    results = [job.future.result(timeout=120) for job in jobs]
+    scheduler.stop()
+    outputs = set()
+    for job, got in zip(jobs, results):
+        assert_same(generate_ids(engine, job.sequences, job.opts), got)
+        outputs.update(tuple(h.tokens) for per in got for h in per)
+    assert len(outputs) > 20, "the model's outputs do not vary: equality would prove nothing"
+    assert scheduler.batch.joined > 0 and scheduler.steps < sum(j.opts.max_new_tokens * len(j.sequences)
+                                                                for j in jobs if j.opts.beam == 1)
+
+
+class Slow:
+    """The engine, its decoder steps 5 ms longer: a request stays in the batch long enough to be cancelled there."""
+
+    def __init__(self, engine):
+        self.inner = engine
+        self.decoder = self
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def io_binding(self):
+        return self.inner.decoder.io_binding()
+
+    def run_with_iobinding(self, binding):
+        time.sleep(0.005)
+        return self.inner.decoder.run_with_iobinding(binding)
+
+
+def test_a_cancelled_request_frees_its_slots_at_the_next_step(engine, toy_model_factory):
+    config = toy_model_factory().config
+    seqs = toy_inputs(config, 3, min_len=3, max_len=8, seed=22)
+    scheduler = InflightScheduler(Slow(engine), max_batch=2, max_queue=8)
+    scheduler.start()
+    long = Job([seqs[0], seqs[1]], SearchOptions(max_new_tokens=60, ignore_eos=True))   # takes both slots
+    waiting = Job([seqs[2]], SearchOptions(max_new_tokens=5, ignore_eos=True))
+    scheduler.submit(long)
+    deadline = time.monotonic() + 30
+    while scheduler.batch.live < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    scheduler.submit(waiting)
+    scheduler.cancel(long)
+    got = waiting.future.result(timeout=60)
+    assert_same(generate_ids(engine, waiting.sequences, waiting.opts), got)
+    partial = long.future.result(timeout=60)                     # resolved once, with what it had
+    assert all(len(per[0].tokens) < 60 for per in partial)
+    scheduler.stop()
+    assert scheduler.batch.live == 0 and not scheduler._rows and not scheduler._running
+
+
+def test_batching_setting_chooses_and_refuses(bundles):
+    static = Service.load(bundles["static"], ServeSettings(provider="cpu", batching="auto"))
+    assert isinstance(static.scheduler, InflightScheduler) and static.model_info()["scheduler"]["kind"] == "in-flight"
+    dynamic = Service.load(bundles["dynamic"], ServeSettings(provider="cpu", batching="auto"))   # auto falls back
+    assert type(dynamic.scheduler) is Scheduler
+    default = Service.load(bundles["static"], ServeSettings(provider="cpu"))               # request-level
+    assert type(default.scheduler) is Scheduler
+    with pytest.raises(ServeError, match="--batching inflight: .*static-cache decoder.*--kv-cache static"):
+        Service.load(bundles["dynamic"], ServeSettings(provider="cpu", batching="inflight"))
+    from toolkit.cli import main
+
+    result = CliRunner().invoke(main, ["serve", str(bundles["dynamic"]), "--port", "0", "--batching", "inflight"])
+    assert result.exit_code == 2 and "--kv-cache static" in result.stderr and "Traceback" not in result.output
+
+
+def test_sigterm_answers_every_in_flight_request_and_exits_0(bundles):
+    """SIGTERM while one request decodes and others wait for its slot: every accepted request gets its full answer
+    (a client still connecting when the listener closes is refused, never accepted and dropped)."""
+    n = 32
+    proc, url = start_server(bundles["static"], "--max-batch", "1", "--batching", "inflight")
+    try:
+        assert httpx.get(url + "/v1/model").json()["scheduler"]["kind"] == "in-flight"
+        answers: list = [None] * n
+
+        def send(i):
+            try:
+                answers[i] = httpx.post(url + "/v1/generate", json={"ids": [[5 + i % 20, 6, 7]], "max_new_tokens": 60,
+                                                                    "ignore_eos": True}, timeout=120)
+            except httpx.ConnectError:
+                answers[i] = "refused"
+
+        threads = [threading.Thread(target=send, args=(i,)) for i in range(n)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 30
+        while metric(url, "onnxformer_active_rows") < 1 or metric(url, "onnxformer_queue_depth") < 4:
+            assert time.monotonic() < deadline, "never saw one request decoding and others waiting"
+            time.sleep(0.002)
+        proc.send_signal(signal.SIGTERM)
+        for t in threads:
+            t.join(120)
+        answered = [a for a in answers if a != "refused"]
+        assert len(answered) >= 5 and all(a.status_code == 200 for a in answered)
+        assert all(len(a.json()["outputs"][0]["ids"]) == 60 for a in answered)
+        assert proc.wait(30) == 0
+        tail = proc.stderr.read()
+        assert f"stopped: {len(answered)} requests answered" in tail and "Traceback" not in tail, tail
+    finally:
+        if proc.poll() is None:
+            proc.kill()

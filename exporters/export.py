@@ -24,6 +24,7 @@ from torch.export import Dim
 import runtime.spec as S
 from exporters.bundle import build_manifest, check_destination, copy_tokenizer, graph_entry, stage_bundle, write_manifest
 from exporters.logs import quiet_loggers
+from exporters.shared_weights import share_weights, shared_bytes
 from exporters.validate import check_graph
 from toolkit.errors import ConfigError
 from toolkit.parity import ParityError
@@ -186,9 +187,15 @@ def export_model(model: Transformer, out_dir: str | Path, opset: int = DEFAULT_O
             if not report.ok:
                 raise ParityError(f"{report.summary()}; nothing was written to {out_dir}", report)
             parity = report.to_dict()
+        shared = share_weights(paths)      # weights.data: the embedding once for both graphs (same bytes: parity holds)
+        if shared is not None:
+            progress(f"weights in {shared['file']} ({shared['bytes'] / 1e6:.1f} MB), "
+                     f"{shared_bytes(shared) / 1e6:.1f} MB of them stored once for both graphs")
         manifest = build_manifest(
             model.config.to_dict(), {name: graph_entry(path, checked) for name, (path, checked) in graphs.items()},
             precision="fp32", target="any", opset=opset, parity=parity, tokenizer=copy_tokenizer(tokenizer, tmp))
+        if shared is not None:
+            manifest["shared_weights"] = shared
         write_manifest(tmp, manifest)
         progress(f"wrote manifest.json; moving bundle into place at {out_dir}")
     return Path(out_dir)

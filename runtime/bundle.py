@@ -29,7 +29,8 @@ from runtime.spec import GraphSpec, graph_specs, source_vocab_size, takes_row_in
 from runtime.tokenizer import CharTokenizer, load_tokenizer
 
 _LOAD_ERRORS = (ort_errors.Fail, ort_errors.InvalidGraph, ort_errors.InvalidProtobuf, ort_errors.NotImplemented,
-                ort_errors.RuntimeException, ort_errors.InvalidArgument, ort_errors.NoSuchFile)
+                ort_errors.RuntimeException, ort_errors.InvalidArgument, ort_errors.NoSuchFile,
+                UnicodeDecodeError)          # onnxruntime's message quoting a corrupted external-data path
 _MODEL_KEYS = ("vocab_size", "d_model", "n_heads", "n_decoder_layers", "max_len", "pad_id", "bos_id", "eos_id")
 _ORT_TYPES = {"tensor(int64)": "int64", "tensor(int32)": "int32", "tensor(float)": "float32",
               "tensor(float16)": "float16"}
@@ -126,26 +127,37 @@ def shared_initializers(path: Path, manifest: dict) -> dict[str, ort.OrtValue]:
     opus-mt vocabulary). Sizes, offsets and dtypes come from the manifest's shared_weights record (the file's hash
     was verified before); a record that does not fit the file is a BundleError."""
     record = manifest.get("shared_weights")
-    if not isinstance(record, dict) or not isinstance(record.get("tensors"), list):
-        return {}
+    if not isinstance(record, dict) or not isinstance(record.get("tensors"), list) or not isinstance(record.get("file"), str):
+        return {}                                   # (a named file is listed, hashed and verified by read_manifest)
     file = path / record["file"]
-    wanted = [t for t in record["tensors"] if isinstance(t, dict) and len(t.get("graphs") or ()) > 1]
+    wanted = [t for t in record["tensors"] if isinstance(t, dict) and isinstance(t.get("graphs"), list)
+              and len(t["graphs"]) > 1]
     if not wanted:
         return {}
-    with open(file, "rb") as f:
-        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    try:
+        with open(file, "rb") as f:
+            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    except (OSError, ValueError) as exc:
+        raise BundleError(f"bundle {path}: cannot map {record['file']} ({exc}); copy the bundle again") from None
     values = {}
     for t in wanted:
         try:
+            if not isinstance(t.get("name"), str) or not t["name"] or not isinstance(t.get("dtype"), str):
+                raise ValueError("no tensor name or dtype")
+            if not isinstance(t.get("length"), int) or not isinstance(t.get("shape"), list):
+                raise ValueError("no length or shape")
             dtype, shape, offset = np.dtype(t["dtype"]), tuple(int(d) for d in t["shape"]), int(t["offset"])
+            if dtype.kind not in "fiub" or any(d < 0 for d in shape):
+                raise ValueError(f"not a numeric tensor: {t['dtype']} {list(shape)}")
             count = int(np.prod(shape, dtype=np.int64))
             if t["length"] != count * dtype.itemsize or offset < 0 or offset + t["length"] > len(mapped):
                 raise ValueError("offset or length outside the file")
             array = np.frombuffer(mapped, dtype=dtype, count=count, offset=offset).reshape(shape)
-        except (KeyError, TypeError, ValueError) as exc:
+            values[t["name"]] = ort.OrtValue.ortvalue_from_numpy(array)
+        except (KeyError, TypeError, ValueError, RuntimeError, OverflowError) as exc:
             raise BundleError(f"bundle {path}: the manifest's shared_weights entry {t.get('name')!r} does not describe "
-                              f"a tensor of {record['file']} ({exc}); re-optimize the bundle") from None
-        values[t["name"]] = ort.OrtValue.ortvalue_from_numpy(array)
+                              f"a tensor of {record['file']} ({(str(exc).splitlines() or [type(exc).__name__])[0]}); "
+                              f"re-export or re-optimize the bundle") from None
     return values
 
 

@@ -68,6 +68,7 @@ def cli_variant(tmp_path_factory) -> tuple[Path, Path, str]:
 def copy_tiny_graphs(tiny_bundle, monkeypatch):
     """Replace the (slow) graph export by a copy of tiny_bundle's graphs; parity still runs for real."""
     def fake_export_graphs(model, out_dir, opset=20, progress=None):
+        shutil.copy(tiny_bundle / "weights.data", Path(out_dir) / "weights.data")    # the graphs' external data
         paths = {name: Path(shutil.copy(tiny_bundle / f"{name}.onnx", Path(out_dir) / f"{name}.onnx"))
                  for name in ("encoder", "decoder")}
         return {name: (path, onnx.load(str(path))) for name, path in paths.items()}
@@ -95,7 +96,10 @@ def test_tolerance_limits_logits_absolutely_and_states_by_their_magnitude():
 
 def test_bundle_is_complete_and_verified(tiny_bundle, toy_model):
     manifest = read_manifest(tiny_bundle)
-    assert sorted(p.name for p in tiny_bundle.iterdir()) == ["decoder.onnx", "encoder.onnx", "manifest.json"]
+    assert sorted(p.name for p in tiny_bundle.iterdir()) == ["decoder.onnx", "encoder.onnx", "manifest.json",
+                                                             "weights.data"]
+    shared = {t["name"]: t for t in manifest["shared_weights"]["tensors"]}     # the embedding once, for both graphs
+    assert shared["model.embed.lut.weight"]["graphs"] == ["encoder", "decoder"]
     assert manifest["precision"] == "fp32" and manifest["opset"] == 20 and manifest["tokenizer"] is None
     assert manifest["model"] == toy_model.config.to_dict()
     assert manifest["parity"]["verified"] is True and manifest["parity"]["max_abs"] <= 1e-4
@@ -333,7 +337,7 @@ def test_cli_force_replaces_a_bundle_and_copies_tokenizer(tmp_path, toy_model, c
     forced = CliRunner().invoke(main, ["export", str(ckpt), "--out", str(out), "--force"])
     assert forced.exit_code == 0, forced.output
     assert read_manifest(out)["parity"]["verified"] and sorted(p.name for p in out.iterdir()) == [
-        "decoder.onnx", "encoder.onnx", "manifest.json", "tokenizer.json"]
+        "decoder.onnx", "encoder.onnx", "manifest.json", "tokenizer.json", "weights.data"]
     assert leftovers(tmp_path) == []
 
 

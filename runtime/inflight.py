@@ -37,7 +37,7 @@ import onnxruntime as ort
 
 from runtime.errors import InputError
 from runtime.generate import check_request, pad_batch
-from runtime.search import Hypothesis, SearchOptions, chosen_logprob, suppress
+from runtime.search import Hypothesis, SearchOptions, greedy_pick
 from runtime.spec import DECODER_ATTENTION_MASK, INPUT_IDS, PAST_SEQUENCE_LENGTH, POSITION_IDS
 
 ROW_BUCKET = 2          # rows bound per step: the live rows rounded up to a multiple (few shapes, few rebinds)
@@ -195,8 +195,7 @@ class InflightBatch:
         self.steps += 1
         no_eos = [i for i, r in enumerate(self.rows) if r.ignore_eos] if not self.opts.ignore_eos else slice(None)
         logits[no_eos, self.e.eos_id] = -np.inf
-        nxt = suppress(logits.copy(), self.suppress).argmax(axis=-1) if self.suppress else logits.argmax(axis=-1)
-        scores = chosen_logprob(logits, nxt)
+        nxt, scores = greedy_pick(logits, self.suppress)
         for r, token, score in zip(self.rows, nxt, scores):
             r.tokens.append(int(token))
             r.score += float(score)

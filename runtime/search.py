@@ -92,8 +92,8 @@ def greedy(state: DecodeState, batch: int, bos: int, eos: int, opts: SearchOptio
         logits = state.step(last, keep)             # [live, V]
         if opts.ignore_eos:
             logits[:, eos] = -np.inf
-        nxt = suppress(logits.copy(), opts.suppress).argmax(axis=-1) if opts.suppress else logits.argmax(axis=-1)
-        scores[live] += chosen_logprob(logits, nxt)
+        nxt, logprob = greedy_pick(logits, opts.suppress)
+        scores[live] += logprob
         for row, item in enumerate(live):
             tokens[item].append(int(nxt[row]))
             done[item] = bool(nxt[row] == eos)
@@ -101,6 +101,14 @@ def greedy(state: DecodeState, batch: int, bos: int, eos: int, opts: SearchOptio
         keep = None if len(alive) == len(live) else alive
         live, last = live[alive], nxt[alive].astype(np.int64)
     return [[Hypothesis(tokens[i], float(scores[i]), done[i])] for i in range(batch)]
+
+
+def greedy_pick(logits: np.ndarray, suppressed: tuple[int, ...] = ()) -> tuple[np.ndarray, np.ndarray]:
+    """Greedy's choice for each row [N] and its log-probability [N]: the best token that is not suppressed, scored
+    on the unmasked log-softmax (as transformers scores it). One rule for every greedy decoder (this module's
+    `greedy`, runtime.inflight's rows)."""
+    nxt = suppress(logits.copy(), suppressed).argmax(axis=-1) if suppressed else logits.argmax(axis=-1)
+    return nxt, chosen_logprob(logits, nxt)
 
 
 def suppress(logits: np.ndarray, ids: tuple[int, ...]) -> np.ndarray:

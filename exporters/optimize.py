@@ -26,14 +26,14 @@ import onnxruntime as ort
 from exporters.bundle import build_manifest, copy_tokenizer, graph_entry, op_counts, stage_bundle, write_manifest
 from exporters.fusions import attention_rules, fusion_passes, quantization_prepasses
 from exporters.logs import quiet_loggers
-from exporters.optimize_options import (ATTENTION_OPS, STATIC_ATTENTION_OP, TARGETS, OptimizeError, check_options,
+from exporters.optimize_options import (ATTENTION_OPS, STATIC_ATTENTION_OPS, TARGETS, OptimizeError, check_options,
                                         check_source, resolve_kv_cache)
 from exporters.ort_format import add_ort_format, check_convertible
 from exporters.passes import explain_misses, run_passes
 from exporters.precision import precision_pass
 from exporters.row_activations import RowActivationsPass
 from exporters.shared_weights import inline_external, share_weights, shared_bytes
-from exporters.static_cache import StaticCachePass, StaticCacheError
+from exporters.static_cache import StaticCachePass, StaticCacheError, per_row_for
 from runtime.manifest import GRAPHS, PRECISIONS, read_manifest, verify_hashes
 from toolkit.parity import ParityError
 from toolkit.parity.gate import bundle_gate
@@ -167,8 +167,10 @@ def optimize_bundle(bundle_dir: str | Path, out_dir: str | Path, target: str = "
     tokenizer, ORT-format graphs).
 
     kv_cache: "static" rewrites the decoder for a preallocated cache updated in place (exporters/static_cache);
-    "auto" chooses it for CPU targets with fused attention (DecoderMaskedMultiHeadAttention has no float16 CPU
-    kernel, and CUDA keeps the dynamic cache until it is measured on a GPU).
+    "auto" chooses it for CPU targets with fused attention (the static attention ops have no float16 CPU kernel,
+    and CUDA keeps the dynamic cache until it is measured on a GPU). On CPU the cache is per row
+    (GroupQueryAttention: each row at its own length, as in-flight batching needs); --target cuda --kv-cache static
+    gets the shared-slot layout (DecoderMaskedMultiHeadAttention).
 
     per_channel (int8): None chooses per tensor, which is faster, unless its greedy tokens miss the tolerance
     table's int8 row and per-channel scales do better; True/False force one.
@@ -229,7 +231,7 @@ def transform(job: _Job) -> dict[str, ir.Model]:
         t0 = time.perf_counter()
         models[g], report.fusions[g], applied = _fuse_graph(
             job.source(g), job.fuse, job.attention, job.precision, entry.get("opset") or job.manifest.get("opset"),
-            job.kv_cache == "static" and g == "decoder")
+            job.kv_cache == "static" and g == "decoder", per_row_for(job.target), report.notes)
         report.passes = sorted(set(report.passes) | set(applied), key=_pass_rank)
         _check_fused(g, models[g], job.manifest["model"], job.fuse, job.attention, report)
         job.progress(f"{g}: {sum(report.fusions[g].values())} rewrites in {time.perf_counter() - t0:.1f} s")
@@ -331,7 +333,8 @@ def _choose(tried: list, report: OptimizeReport) -> tuple:
 
 
 def _fuse_graph(path: Path, fuse: bool, attention: str, precision: str, opset: int | None,
-                static_cache: bool = False) -> tuple[ir.Model, dict[str, int], list[str]]:
+                static_cache: bool = False, per_row: bool = True,
+                notes: list[str] | None = None) -> tuple[ir.Model, dict[str, int], list[str]]:
     """Load one graph and run the fusion passes until nothing changes (then the static cache and int8 passes)."""
     model = ir.load(path)
     inline_external(model)                      # a source with weights.data: its graphs are written anew
@@ -341,13 +344,15 @@ def _fuse_graph(path: Path, fuse: bool, attention: str, precision: str, opset: i
         model, applied = run.model, run.applied
         counts.update(run.counts)
     if static_cache:                                  # called directly: the manager would wrap its error
-        static = StaticCachePass()
+        static = StaticCachePass(per_row)
         try:
             static(model)
         except StaticCacheError as exc:
             raise OptimizeError(str(exc)) from None
         counts.update(static.counts)
         applied += [static.name] if static.changed else []
+        if static.note and notes is not None:
+            notes.append(static.note)
     if precision in ("int8", "int4"):
         run = run_passes(quantization_prepasses(), model, steps=2)
         model = run.model
@@ -372,7 +377,7 @@ def _check_fused(graph: str, model: ir.Model, config: dict, fuse: bool, attentio
     if not fuse:
         return
     expected = config["n_encoder_layers"] if graph == "encoder" else 2 * config["n_decoder_layers"]
-    op_types = {ATTENTION_OPS[attention].rsplit(".", 1)[-1], STATIC_ATTENTION_OP}
+    op_types = {ATTENTION_OPS[attention].rsplit(".", 1)[-1], *STATIC_ATTENTION_OPS}
     found = sum(1 for n in model.graph if n.op_type in op_types)
     left = sum(1 for n in model.graph if n.op_type == "Softmax")
     if found != expected or left:

@@ -12,7 +12,8 @@ from runtime.spec import KV_CACHES
 
 TARGETS = ("cpu", "cuda")                        # bundle targets optimize writes (the manifest also knows "any")
 ATTENTION_OPS = {"ort": "com.microsoft.MultiHeadAttention", "onnx": "Attention"}
-STATIC_ATTENTION_OP = "DecoderMaskedMultiHeadAttention"   # the static cache's decoder self-attention
+STATIC_ATTENTION_OPS = ("GroupQueryAttention", "DecoderMaskedMultiHeadAttention")  # the static cache's self-attention
+                                                           # (per row on CPU, shared slot on CUDA: exporters/static_cache)
 
 
 class OptimizeError(OnnxformerError):
@@ -72,7 +73,7 @@ def resolve_kv_cache(kv_cache: str, target: str, fuse: bool, attention: str, man
 def attention_state(manifest: dict) -> str | None:
     """Which attention op the bundle's graphs already hold: 'ort', 'onnx' or None (decomposed)."""
     ops = {op for g in GRAPHS for op in manifest["graphs"][g].get("op_counts", {})}
-    if f"com.microsoft.{STATIC_ATTENTION_OP}" in ops or STATIC_ATTENTION_OP in ops:
+    if any(f"com.microsoft.{op}" in ops or op in ops for op in STATIC_ATTENTION_OPS):
         return "ort"
     for name, op in ATTENTION_OPS.items():
         if op in ops:
@@ -96,5 +97,5 @@ def check_source(bundle_dir: Path, out_dir: Path, manifest: dict, precision: str
                             f"--attention {fused} (or --no-fuse) to only convert its precision")
 
 
-__all__ = ["TARGETS", "ATTENTION_OPS", "STATIC_ATTENTION_OP", "OptimizeError", "check_options", "resolve_kv_cache",
+__all__ = ["TARGETS", "ATTENTION_OPS", "STATIC_ATTENTION_OPS", "OptimizeError", "check_options", "resolve_kv_cache",
            "attention_state", "check_source"]

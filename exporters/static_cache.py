@@ -3,13 +3,24 @@
     dynamic (the export's contract)            static (this pass)
     past   [B, H, past_len, Dh]     in         past   [B, H, cache_len, Dh]   in  (the buffer)
     present [B, H, past_len+new, Dh] out       present [B, H, cache_len, Dh]  out (the same buffer, bound twice)
-    input_ids [B, new_len]                     input_ids [B, 1], past_sequence_length int32 [1] in
+    input_ids [B, new_len]                     input_ids [B, 1], past_sequence_length int32 in
 
 With the dynamic contract onnxruntime's MultiHeadAttention concatenates past and new key/value into a new
 tensor every step, so a step copies the whole cache and grows with past_len. This pass turns each decoder
-self-attention into com.microsoft.DecoderMaskedMultiHeadAttention with past_present_share_buffer=1: it writes
-the new key/value at row past_sequence_length of the buffer and attends over rows 0..past_sequence_length;
-the runtime binds one buffer as both past and present, so nothing is copied (runtime/static_cache.py).
+self-attention into an attention op that writes the new key/value into the buffer in place and attends over
+its filled part; the runtime binds one buffer as both past and present, so nothing is copied
+(runtime/static_cache.py). Two layouts, by target:
+
+- per row (CPU, the default): com.microsoft.GroupQueryAttention (kv_num_heads = num_heads). past_sequence_length
+  is int32 [B], each row's own filled length: row b writes its new key/value at slot past_sequence_length[b] of
+  its buffer row and attends over slots 0..past_sequence_length[b]. Every slot a row attends holds its own
+  token, so there is no key mask (`decoder_attention_mask` leaves the interface), rows of one batch may sit at
+  different positions (in-flight batching, runtime/inflight.py), and each row pays only for its own length.
+  onnxruntime's GroupQueryAttention takes head sizes that are multiples of 8 only: other models get the shared
+  slot on CPU too (optimize says so in its notes).
+- shared slot (CUDA): com.microsoft.DecoderMaskedMultiHeadAttention with past_present_share_buffer=1 (CUDA's
+  GroupQueryAttention takes float16/bfloat16 only, and static caches are float32). past_sequence_length is one
+  int32 [1] for all rows; the per-row key mask reaches its mask_index.
 
 Two rewriter rules, like the fusions (pattern, check, replacement, count):
 
@@ -21,11 +32,12 @@ Two rewriter rules, like the fusions (pattern, check, replacement, count):
     past (a decoder self-attention past) -> Shape[start:end]   =>   the same dims, dim 2 = past_sequence_length
 
 - positions: the graph read past_len from the past's shape (Shape(past)[2]); that now comes from the new
-  `past_sequence_length` input;
+  `past_sequence_length` input (per row: its largest entry);
 - the causal attention bias is dropped: with one new token every cached position is visible, which is what
-  the bias said (DecoderMaskedMultiHeadAttention takes exactly one token a step); the per-row key mask
-  (`decoder_attention_mask` [B, cache_len], 1 where a slot holds a real token of the row) goes to its mask_index
-  instead, cut to the filled slots plus this step's (int32 [B, past_sequence_length + 1], as onnxruntime wants);
+  the bias said (the static graph takes exactly one token a step); shared slot: the per-row key mask
+  (`decoder_attention_mask` [B, cache_len], 1 where a slot holds a real token of the row) goes to
+  DecoderMaskedMultiHeadAttention's mask_index instead, cut to the filled slots plus this step's (int32
+  [B, past_sequence_length + 1], as onnxruntime wants); per row: the mask is dropped (nothing to mask);
   the per-row `position_ids` [B, 1] stay as exported (the positional table is read at them);
 - the caches' length axis becomes `cache_len`: the runtime sizes the buffer per request (the tokens it may
   generate, at most the model's max_len).
@@ -41,7 +53,7 @@ from onnxscript.rewriter import pattern
 
 from exporters.passes import Reporting, RewritePass
 from runtime.errors import OnnxformerError
-from runtime.spec import (CACHE_LEN, DECODER_ATTENTION_MASK, INPUT_IDS, PAST, PAST_SEQUENCE_LENGTH, POSITION_IDS, PRESENT,
+from runtime.spec import (BATCH, CACHE_LEN, DECODER_ATTENTION_MASK, INPUT_IDS, PAST, PAST_SEQUENCE_LENGTH, POSITION_IDS, PRESENT,
                           SELF, is_cache)
 
 MS = "com.microsoft"
@@ -95,6 +107,24 @@ class StaticAttention(pattern.RewriteRuleClassBase):
                                                   past_key, past_value, filled, **attributes, _domain=MS, _outputs=3)
 
 
+class PerRowStaticAttention(StaticAttention):
+    """Fused decoder self-attention with past/present -> GroupQueryAttention: each row writes and attends at its own
+    length (past_sequence_length [B]; GroupQueryAttention's seqlens_k is that length, the new token's slot)."""
+
+    def rewrite(self, op, query, key, value, past_key, past_value, attention, **_):
+        fused = attention.producer()
+        heads = fused.attributes.get_int("num_heads")
+        attributes = {"num_heads": heads, "kv_num_heads": heads}
+        scale = fused.attributes.get_float("scale", None)
+        if scale is not None:
+            attributes["scale"] = scale
+        lengths = _past_sequence_length(past_key)                                   # int32 [B]
+        one = op.Constant(value=ir.tensor(np.array([1], dtype=np.int32)))
+        total = op.Add(op.ReduceMax(lengths, keepdims=1), one)                     # the longest row + this step
+        return op.GroupQueryAttention(query, key, value, past_key, past_value, lengths, total, **attributes,
+                                      _domain=MS, _outputs=3)
+
+
 def _key_mask(op, graph: ir.Graph, filled: ir.Value) -> ir.Value | None:
     """DecoderMaskedMultiHeadAttention's mask_index, int32 [B, past_sequence_length + 1]: the decoder_attention_mask's
     filled slots, then 1 for this step's token (onnxruntime checks that length; a mask over the whole buffer is
@@ -128,20 +158,39 @@ class PastLengthFromInput(pattern.RewriteRuleClassBase):
         if start < min(end, 2):
             parts.append(op.Shape(past, start=start, end=min(end, 2)))
         if start <= 2 < end:
-            parts.append(op.Cast(_past_sequence_length(past), to=ir.DataType.INT64))
+            filled = _past_sequence_length(past)
+            if filled.shape is not None and filled.shape[0] != 1:                 # per row: the longest row
+                filled = op.ReduceMax(filled, keepdims=1)
+            parts.append(op.Cast(filled, to=ir.DataType.INT64))
         if max(start, 3) < end:
             parts.append(op.Shape(past, start=max(start, 3), end=end))
         return parts[0] if len(parts) == 1 else op.Concat(*parts, axis=0)
 
 
-def static_cache_rules() -> list[pattern.RewriteRule]:
-    return [StaticAttention().rule(), PastLengthFromInput().rule()]
+def static_cache_rules(per_row: bool = True) -> list[pattern.RewriteRule]:
+    attention = PerRowStaticAttention() if per_row else StaticAttention()
+    return [attention.rule(), PastLengthFromInput().rule()]
+
+
+STATIC_ATTENTION_OPS = {True: "GroupQueryAttention", False: "DecoderMaskedMultiHeadAttention"}   # by per_row
+GQA_HEAD_MULTIPLE = 8                                 # onnxruntime's GroupQueryAttention takes head sizes of 8k only
+
+
+def per_row_for(target: str) -> bool:
+    """Which layout a target's static cache gets: per row on CPU, the shared slot on CUDA (see the module doc)."""
+    return target != "cuda"
 
 
 class StaticCachePass(Reporting, ir.passes.InPlacePass):
-    """The static-cache interface (past_sequence_length in, cache_len axes, one-token input_ids) and its rules."""
+    """The static-cache interface (past_sequence_length in, cache_len axes, one-token input_ids) and its rules.
+    per_row: GroupQueryAttention with past_sequence_length [B] and no key mask; else the shared slot."""
 
     name = "static_kv_cache"
+
+    def __init__(self, per_row: bool = True):
+        super().__init__()
+        self.per_row = self.asked_per_row = per_row
+        self.note = None                                               # why the layout asked for was not given
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
@@ -149,10 +198,17 @@ class StaticCachePass(Reporting, ir.passes.InPlacePass):
         if not pasts or any(v.name == PAST_SEQUENCE_LENGTH for v in graph.inputs):
             return ir.passes.PassResult(model, False)                  # an encoder, or already static
         _refuse_unfused(pasts)
+        head_size = pasts[0].shape[3] if pasts[0].shape is not None else None
+        if self.per_row and not (isinstance(head_size, int) and head_size % GQA_HEAD_MULTIPLE == 0):
+            self.per_row = False                                       # GroupQueryAttention refuses the head size
+            self.note = (f"static KV cache: head size {head_size} is not a multiple of {GQA_HEAD_MULTIPLE} "
+                         f"(GroupQueryAttention's requirement), so the cache keeps one shared length for all rows "
+                         f"(DecoderMaskedMultiHeadAttention): requests batch request-level, not in-flight")
         model.opset_imports.setdefault(MS, 1)
+        batch = pasts[0].shape[0] if pasts[0].shape is not None else BATCH
         graph.inputs.insert(2, ir.Value(name=PAST_SEQUENCE_LENGTH, type=ir.TensorType(ir.DataType.INT32),
-                                        shape=ir.Shape([1])))          # after input_ids, encoder_attention_mask
-        rules = RewritePass(self.name, static_cache_rules())
+                                        shape=ir.Shape([batch if self.per_row else 1])))  # after input_ids, the mask
+        rules = RewritePass(self.name, static_cache_rules(self.per_row))
         rules(model)
         self.counts[self.name] += rules.counts["static_kv_cache"]
         _refuse_leftovers(pasts)
@@ -171,6 +227,10 @@ class StaticCachePass(Reporting, ir.passes.InPlacePass):
                 ids.shape = ir.Shape([ids.shape[0], 1])
         CommonSubexpressionEliminationPass()(model)                    # one Cast of past_sequence_length
         RemoveUnusedNodesPass()(model)                                 # the causal-bias subgraph is dead now
+        if self.per_row:                                               # nothing reads the key mask any more
+            mask = next((v for v in graph.inputs if v.name == DECODER_ATTENTION_MASK), None)
+            if mask is not None and not mask.uses():
+                graph.inputs.remove(mask)
         TopologicalSortPass()(model)
         return ir.passes.PassResult(model, True)
 
@@ -194,7 +254,7 @@ def _refuse_leftovers(pasts: list[ir.Value]) -> None:
     """After the rules: a past still read by anything but the new attention did not match (extra inputs)."""
     for v in pasts:
         for use in v.uses():
-            if use.node.op_type != "DecoderMaskedMultiHeadAttention":
+            if use.node.op_type not in STATIC_ATTENTION_OPS.values():
                 raise StaticCacheError(f"self-attention {use.node.name} ({use.node.op_type}) uses a projection bias, "
                                        f"a key padding mask or extra inputs/outputs that the static cache does not carry; pass "
                                        f"--kv-cache dynamic")
@@ -209,4 +269,5 @@ def _with_len(shape: ir.Shape | None, length: str) -> ir.Shape | None:
     return ir.Shape(dims)
 
 
-__all__ = ["StaticCachePass", "StaticCacheError", "StaticAttention", "PastLengthFromInput", "static_cache_rules"]
+__all__ = ["StaticCachePass", "StaticCacheError", "StaticAttention", "PerRowStaticAttention", "PastLengthFromInput",
+           "static_cache_rules", "STATIC_ATTENTION_OPS", "per_row_for"]

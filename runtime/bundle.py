@@ -25,7 +25,8 @@ from runtime.manifest import GRAPHS, manifest_specs, read_manifest, verify_hashe
 from runtime.ort_engine import OrtEngine
 from runtime.session import (Arg, OnDemandSession, SessionConfig, choose_provider, installed_onnxruntime,
                              make_session)
-from runtime.spec import GraphSpec, graph_specs, source_vocab_size, takes_row_inputs, without_row_inputs
+from runtime.spec import (PAST_SEQUENCE_LENGTH, GraphSpec, graph_specs, per_row_lengths, source_vocab_size,
+                          takes_row_inputs, without_row_inputs)
 from runtime.tokenizer import CharTokenizer, load_tokenizer
 
 _LOAD_ERRORS = (ort_errors.Fail, ort_errors.InvalidGraph, ort_errors.InvalidProtobuf, ort_errors.NotImplemented,
@@ -83,8 +84,9 @@ def _sessions(path: Path, manifest: dict, provider: str, config: SessionConfig,
               on_demand: bool = False) -> tuple[dict, dict]:
     """Both graphs' sessions, each checked against the manifest and against the interface the engine feeds
     (on_demand: OnDemandSessions that release each other, each checked when made)."""
-    expected = graph_specs(manifest["model"], kv_cache=manifest.get("kv_cache", "dynamic"))
     recorded = manifest_specs(manifest)
+    expected = graph_specs(manifest["model"], kv_cache=manifest.get("kv_cache", "dynamic"),
+                           per_row=_per_row(recorded["decoder"]))
     sessions, files = {}, {}
     shared = shared_initializers(path, manifest) if provider == "cpu" else {}
     for name in GRAPHS:
@@ -169,6 +171,13 @@ def _session(file: Path, provider: str, config: SessionConfig,
         first = str(exc).strip().splitlines()[0][:300]
         raise BundleError(f"{file} cannot be loaded by {installed_onnxruntime()} on {provider} ({first}); re-export "
                           f"or re-optimize the bundle for this provider (e.g. --target {provider})") from None
+
+
+def _per_row(decoder: GraphSpec) -> bool:
+    """Whether a static decoder's recorded past_sequence_length is per row (CPU bundles since GroupQueryAttention);
+    [1]: the shared slot (CUDA bundles, and CPU bundles before it)."""
+    psl = next((t for t in decoder.inputs if t.name == PAST_SEQUENCE_LENGTH), None)
+    return psl is not None and per_row_lengths(psl.shape)
 
 
 def _check_recorded(path: Path, name: str, recorded: GraphSpec, expected: GraphSpec) -> None:

@@ -1,28 +1,28 @@
 """In-flight (continuous) batching: greedy rows join a running batch at any decoding step and leave at once.
 
-    batch = InflightBatch(engine, slots=32)            # an OrtEngine over a static-cache decoder
+    batch = InflightBatch(engine, slots=32)            # an OrtEngine over a per-row static-cache decoder
     rows = batch.join([[5, 6, 7], [8, 9]], limits=[16, 64])   # the encoder runs for these rows only
     while batch.live:
         for row in batch.step():                       # one decoder step for every live row
             print(row.key, row.hypothesis())           # rows that finished (EOS, their limit, or stopped)
 
-Rows sit at different positions of one static KV buffer [slots, H, capacity, Dh] per cache tensor. All rows
-write a step's key/value at one shared slot (`past_sequence_length`, here `length`); a row that joined when
-the batch stood at slot s has its tokens in slots s..length, so the decoder gets per row
-- `position_ids` = length - s (the row's own position: 0 for its start token), and
-- `decoder_attention_mask`, 1 on slots >= s (the slots before hold another row's keys, or nothing).
+Each row has its own row of one static KV buffer [slots, H, capacity, Dh] per cache tensor and its own length:
+the decoder's per-row static cache (exporters/static_cache.py, GroupQueryAttention) takes
+`past_sequence_length` [rows], so a row writes its new key/value at slot `length` of its buffer row and attends
+over its own slots 0..length only, and `position_ids` [rows, 1] = length (its start token sits at position 0).
+A row that joins starts at slot 0 of a free buffer row, whatever the other rows' lengths; a step costs each row
+its own length (no shared write slot, no key mask, no compaction).
+
 A finished row leaves before the next step: the last live rows move into the freed places (their filled slots,
-cross K/V and masks), so the buffer's leading rows are always the live ones and the next joiner takes the row
-after them. A step binds the live rows rounded up to a multiple of ROW_BUCKET (the rows past them compute
-nothing anyone reads), so the bound shapes, and the binding, change rarely. When the oldest live row starts
-COMPACT_AT slots in, or the shared slot reaches the buffer's end, every row shifts left by that row's start
-(compaction: attention then spans only the oldest live row's tokens).
+cross K/V, source mask, length), so the buffer's leading rows are always the live ones and the next joiner takes
+the row after them. A step binds the live rows rounded up to a multiple of ROW_BUCKET (the rows past them, at
+length 0, compute nothing anyone reads), so the bound shapes, and the binding, change rarely.
 
 Cross-attention K/V live in [slots, H, width, Dh] buffers as wide as the longest source seen, each row padded
 with encoder_attention_mask 0 (as a request-level batch pads them). A join writes only the joiners' rows; a
-leave moves only as many rows as left (the last live rows into the freed places). Each row's tokens, finished flag
-and score are computed as runtime.search.greedy computes them for that row alone (fp32: the same tokens; the
-score within float rounding: tests/test_inflight.py).
+leave moves only as many rows as left. Each row's tokens, finished flag and score are computed as
+runtime.search.greedy computes them for that row alone (fp32: the same tokens; the score within float rounding:
+tests/test_inflight.py).
 
 CPU only for now: the buffers are numpy arrays bound without a copy (runtime/static_cache.py's host path).
 """
@@ -38,17 +38,18 @@ import onnxruntime as ort
 from runtime.errors import InputError
 from runtime.generate import check_request, pad_batch
 from runtime.search import Hypothesis, SearchOptions, greedy_pick
-from runtime.spec import DECODER_ATTENTION_MASK, INPUT_IDS, PAST_SEQUENCE_LENGTH, POSITION_IDS
+from runtime.spec import INPUT_IDS, PAST_SEQUENCE_LENGTH, POSITION_IDS
 
 ROW_BUCKET = 2          # rows bound per step: the live rows rounded up to a multiple (few shapes, few rebinds)
-COMPACT_AT = 32         # shift the rows left once the oldest live row starts this far in (shorter attention)
 REEXPORT = ("re-export the model (onnxformer export) and optimize it again: in-flight batching needs a decoder "
-            "with position_ids and decoder_attention_mask inputs; or serve with --batching request")
+            "with position_ids inputs; or serve with --batching request")
+REOPTIMIZE = ("optimize the exported bundle again for --target cpu (its static cache then keeps a length per row), "
+              "or serve with --batching request")
 
 
 def check_engine(engine) -> None:
     """Refuse engines in-flight batching cannot drive, with the fix (InputError, one line)."""
-    if not getattr(engine, "row_inputs", False):
+    if not getattr(engine, "row_inputs", ()):
         raise InputError(f"this bundle's decoder takes no per-row positions (it was exported before in-flight "
                          f"batching); {REEXPORT}")
     if not getattr(engine, "static_cache", False):
@@ -57,6 +58,10 @@ def check_engine(engine) -> None:
     if engine.provider != "cpu":
         raise InputError(f"in-flight batching runs on the CPU provider only so far, not {engine.provider}; "
                          f"serve with --provider cpu or --batching request")
+    if not getattr(engine, "per_row_cache", False):
+        raise InputError(f"this bundle's static cache has one shared length for all rows (a CUDA bundle, a model "
+                         f"whose head size is not a multiple of 8, or a bundle optimized before per-row cache "
+                         f"lengths); {REOPTIMIZE}")
 
 
 @dataclass(eq=False)
@@ -65,7 +70,7 @@ class Row:
 
     key: Any                        # the caller's handle (e.g. (job, input index))
     limit: int                      # most new tokens
-    start: int = 0                  # the buffer slot its first token was written to
+    length: int = 0                 # filled slots of its buffer row (= the position of the token it feeds next)
     src_len: int = 0
     tokens: list[int] = field(default_factory=list)
     score: float = 0.0
@@ -92,14 +97,12 @@ class InflightBatch:
         self.capacity = capacity or engine.max_len                    # buffer positions (>= any row's limit)
         shape = (slots, engine.n_heads, self.capacity, engine.head_dim)
         self.buffers = [np.zeros(shape, dtype=np.float32) for _ in engine.past_names]
-        self.key_mask = np.zeros((slots, self.capacity), dtype=np.int64)
         self.rows: list[Row] = []                                     # buffer row i holds rows[i]
         self.cross: list[np.ndarray] = []                             # [slots, H, width, Dh] per tensor
         self.src_mask = np.zeros((slots, 0), dtype=np.int64)         # [slots, width]; 0 past a row's source
         self.bound = 0                                                # rows the binding covers (>= live rows)
-        self.length = 0                                               # the shared write slot (past_sequence_length)
         self._binding = None
-        self.steps = self.compactions = self.joined = 0
+        self.steps = self.joined = 0
 
     @property
     def live(self) -> int:
@@ -126,10 +129,6 @@ class InflightBatch:
         joining = [i for i, r in enumerate(rows) if r.limit > 0]
         if not joining:
             return rows
-        if not self.rows:
-            self.length = 0                                           # an empty batch starts at slot 0 again
-        if self.length >= self.capacity:
-            self._compact()
         ids, mask = pad_batch([sequences[i] for i in joining], self.e.src_pad_id)
         cross = self.e.encoder.run(self.e.cross_names, {INPUT_IDS: ids, "attention_mask": mask})
         n, k, width = len(self.rows), len(joining), mask.shape[1]
@@ -139,9 +138,7 @@ class InflightBatch:
             buf[n:n + k, :, width:] = 0
         self.src_mask[n:n + k] = 0
         self.src_mask[n:n + k, :width] = mask
-        for j, i in enumerate(joining):
-            rows[i].start = self.length
-            self.key_mask[n + j] = np.arange(self.capacity) >= self.length
+        for i in joining:                                             # each from slot 0 of its buffer row
             self.rows.append(rows[i])
         self.joined += len(joining)
         return rows
@@ -175,28 +172,26 @@ class InflightBatch:
             self._leave()
         if not self.rows:
             return gone
-        if self.length >= self.capacity or min(r.start for r in self.rows) >= COMPACT_AT:
-            self._compact()
         n = len(self.rows)
         bound = min(self.slots, -(-n // ROW_BUCKET) * ROW_BUCKET)
         if self._binding is None or bound != self.bound:
             self._binding, self.bound = self._bind(bound), bound
         binding = self._binding
         tokens = np.full((bound, 1), self.e.bos_id, dtype=np.int64)   # rows past n: not live, results unused
-        positions = np.zeros((bound, 1), dtype=np.int64)
+        lengths = np.zeros(bound, dtype=np.int32)                     # ... at length 0 (slot 0 of a free row)
         tokens[:n, 0] = [r.last for r in self.rows]
-        positions[:n, 0] = [self.length - r.start for r in self.rows]
+        lengths[:n] = [r.length for r in self.rows]
         binding.bind_cpu_input(INPUT_IDS, tokens)
-        binding.bind_cpu_input(PAST_SEQUENCE_LENGTH, np.array([self.length], dtype=np.int32))
-        binding.bind_cpu_input(POSITION_IDS, positions)
+        binding.bind_cpu_input(PAST_SEQUENCE_LENGTH, lengths)
+        binding.bind_cpu_input(POSITION_IDS, lengths.astype(np.int64)[:, None])
         self.e.decoder.run_with_iobinding(binding)
         logits = binding.get_outputs()[0].numpy()[:n, -1].copy()     # [n, V]; ORT reuses the output's memory
-        self.length += 1
         self.steps += 1
         no_eos = [i for i, r in enumerate(self.rows) if r.ignore_eos] if not self.opts.ignore_eos else slice(None)
         logits[no_eos, self.e.eos_id] = -np.inf
         nxt, scores = greedy_pick(logits, self.suppress)
         for r, token, score in zip(self.rows, nxt, scores):
+            r.length += 1
             r.tokens.append(int(token))
             r.score += float(score)
             r.finished = bool(token == self.e.eos_id)
@@ -209,11 +204,11 @@ class InflightBatch:
         assert n >= len(self.rows)
         return gone + left
 
-    # --- rows out, compaction ---
+    # --- rows out ---
 
     def _leave(self) -> None:
         """Drop stopped rows: the last staying rows move into their places, so the live rows stay the leading
-        buffer rows and only as many rows move as left (their filled slots, cross K/V, masks)."""
+        buffer rows and only as many rows move as left (their filled slots, cross K/V, source masks)."""
         stay = [i for i, r in enumerate(self.rows) if not r.stopped]
         n = len(stay)
         holes = [i for i in range(n) if self.rows[i].stopped]      # places below n that are freed
@@ -224,39 +219,23 @@ class InflightBatch:
         for hole, mover in zip(holes, movers):
             order[hole] = mover
         if holes:
-            filled = self.length
+            filled = max(self.rows[i].length for i in movers)         # the movers' slots; the rest is never read
             for buf in self.buffers:
                 buf[holes, :, :filled] = buf[movers, :, :filled]
             for buf in self.cross:
                 buf[holes] = buf[movers]
-            self.key_mask[holes] = self.key_mask[movers]
             self.src_mask[holes] = self.src_mask[movers]
         self.rows = [self.rows[i] for i in order]
 
-    def _compact(self) -> None:
-        """The shared slot reached the buffer's end: shift every row left by the oldest live row's start."""
-        shift = min((r.start for r in self.rows), default=self.length)
-        if shift == 0:                                               # a row filled the buffer: it is at its limit
-            raise InputError(f"the in-flight KV cache of {self.capacity} positions is full")
-        keep = self.length - shift
-        for buf in self.buffers:
-            buf[:len(self.rows), :, :keep] = buf[:len(self.rows), :, shift:self.length].copy()
-        for i, r in enumerate(self.rows):
-            r.start -= shift
-            self.key_mask[i] = np.arange(self.capacity) >= r.start
-        self.length = keep
-        self.compactions += 1
-
     def _bind(self, n: int):
-        """The decoder's binding for the leading n buffer rows: buffers (past and present in one), cross K/V, masks.
-        Views of the slot arrays, no copies: joins, leaves and compaction change their contents in place, so the
-        binding lives until n changes or the cross buffers widen."""
+        """The decoder's binding for the leading n buffer rows: buffers (past and present in one), cross K/V, source
+        mask. Views of the slot arrays, no copies: joins and leaves change their contents in place, so the binding
+        lives until n changes or the cross buffers widen."""
         e = self.e
         binding = e.decoder.io_binding()
         binding.bind_ortvalue_input("encoder_attention_mask", ort.OrtValue.ortvalue_from_numpy(self.src_mask[:n]))
         for name, buf in zip(e.cross_in_names, self.cross):           # leading rows: contiguous views, no copy
             binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(buf[:n]))
-        binding.bind_ortvalue_input(DECODER_ATTENTION_MASK, ort.OrtValue.ortvalue_from_numpy(self.key_mask[:n]))
         binding.bind_output("logits", "cpu")
         for past, present, buf in zip(e.past_names, e.present_names, self.buffers):
             value = ort.OrtValue.ortvalue_from_numpy(buf[:n])          # leading rows: contiguous, no copy
@@ -265,4 +244,4 @@ class InflightBatch:
         return binding
 
 
-__all__ = ["InflightBatch", "Row", "check_engine", "REEXPORT"]
+__all__ = ["InflightBatch", "Row", "check_engine", "REEXPORT", "REOPTIMIZE"]

@@ -24,9 +24,9 @@ import numpy as np
 import onnxruntime as ort
 
 from runtime.session import FLOAT, SessionConfig, device_of, gather_model, make_session
-from runtime.spec import (CROSS, PAST, PRESENT, SELF, cache_names, default_row_inputs, empty_past, source_pad_id,
-                          source_vocab_size, suppressed_ids, takes_row_inputs)
-from runtime.static_cache import StaticPath, is_static
+from runtime.spec import (CROSS, PAST, PRESENT, SELF, cache_names, default_row_inputs, empty_past, row_inputs_of,
+                          source_pad_id, source_vocab_size, suppressed_ids)
+from runtime.static_cache import StaticPath, is_static, per_row_cache
 
 
 class HostPath:
@@ -53,7 +53,7 @@ class HostPath:
         feeds = {"input_ids": tokens, "encoder_attention_mask": mask,
                  **dict(zip(self.e.past_names, past)), **dict(zip(self.e.cross_in_names, cross))}
         if self.e.row_inputs:                                          # every row alone: default positions, mask
-            feeds.update(default_row_inputs(len(tokens), past[0].shape[2], tokens.shape[1]))
+            feeds.update(default_row_inputs(len(tokens), past[0].shape[2], tokens.shape[1], names=self.e.row_inputs))
         logits, *presents = self.e.decoder.run(self.e.decoder_out_names, feeds)
         return logits, presents
 
@@ -111,7 +111,8 @@ class BoundPath:
         binding.bind_cpu_input("input_ids", tokens)
         binding.bind_ortvalue_input("encoder_attention_mask", mask)
         if self.e.row_inputs:                                          # every row alone: default positions, mask
-            for name, value in default_row_inputs(len(tokens), past[0].shape()[2], tokens.shape[1]).items():
+            for name, value in default_row_inputs(len(tokens), past[0].shape()[2], tokens.shape[1],
+                                                  names=self.e.row_inputs).items():
                 binding.bind_cpu_input(name, value)
         for name, value in zip(self.e.past_names, past):
             binding.bind_ortvalue_input(name, value)
@@ -166,7 +167,8 @@ class OrtEngine:
         self.present_names = cache_names(layers, PRESENT, SELF)
         self.decoder_out_names = ["logits"] + self.present_names
         self.static_cache = is_static(decoder)
-        self.row_inputs = takes_row_inputs(i.name for i in decoder.get_inputs())  # per-row positions and key mask
+        self.row_inputs = row_inputs_of(i.name for i in decoder.get_inputs())   # per-row positions (and key mask)
+        self.per_row_cache = per_row_cache(decoder)                    # static: each row at its own length
         if self.static_cache:                                          # one buffer per cache, bound as past and present
             self.io_binding = True
             self.path = StaticPath(self, HostPath(self) if provider == "cpu" else BoundPath(self), device_of(provider))

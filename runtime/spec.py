@@ -20,11 +20,12 @@ import numpy as np
 # symbolic dimension names
 BATCH, SRC_LEN, NEW_LEN, PAST_LEN, TOTAL_LEN = "batch", "src_len", "new_len", "past_len", "total_len"
 INPUT_IDS = "input_ids"                          # both graphs: token ids (the embedding lookup reads it)
-PAST_SEQUENCE_LENGTH = "past_sequence_length"   # static-cache decoders: how many buffer rows are filled
+PAST_SEQUENCE_LENGTH = "past_sequence_length"   # static-cache decoders: how many buffer slots are filled (per row on CPU)
 CACHE_LEN = "cache_len"                          # static-cache decoders: buffer length (<= max_len, chosen per request)
 POSITION_IDS = "position_ids"                    # decoders: each new token's position in its own target sequence
 DECODER_ATTENTION_MASK = "decoder_attention_mask"  # decoders: 1 where a cached self-attention key is a real token
-ROW_INPUTS = (POSITION_IDS, DECODER_ATTENTION_MASK)  # the per-row inputs in-flight batching needs (bundles since i15)
+ROW_INPUTS = (POSITION_IDS, DECODER_ATTENTION_MASK)  # per-row inputs of decoders exported since in-flight batching
+                                                     # (a per-row static cache keeps only position_ids)
 KV_CACHES = ("dynamic", "static")
 
 
@@ -141,13 +142,16 @@ def encoder_spec(n_decoder_layers: int, n_heads: int, d_model: int, float_type: 
 
 
 def decoder_spec(n_decoder_layers: int, n_heads: int, d_model: int, vocab_size: int,
-                 float_type: str = "float32", static_cache: bool = False) -> GraphSpec:
+                 float_type: str = "float32", static_cache: bool = False, per_row: bool = True) -> GraphSpec:
     """decoder.onnx: one cached step. Per layer, past self K/V and cross K/V in; logits and present self K/V out.
 
     The dynamic cache: present = past + new rows, a new tensor each step. The static cache
     (exporters/static_cache.py): past and present are one [B, H, cache_len, Dh] buffer the runtime allocates per
     request (cache_len = the tokens it may generate, at most max_len) and binds twice; `past_sequence_length` says
-    how many rows are filled, and a step takes exactly one token.
+    how many slots are filled, and a step takes exactly one token. Per row (`per_row`, CPU bundles): int32 [B], each
+    row's own filled length, the slot its new key/value is written at; every slot below it is the row's own token,
+    so the static cache takes no `decoder_attention_mask`. Shared slot (CUDA bundles): int32 [1] for all rows, with
+    the key mask.
 
     Per-row inputs (rows of one batch may sit at different positions, as in in-flight batching):
     `position_ids` [B, new_len], each new token's position in its own target sequence (one request alone:
@@ -162,9 +166,10 @@ def decoder_spec(n_decoder_layers: int, n_heads: int, d_model: int, vocab_size: 
     inputs = [TensorSpec(INPUT_IDS, "int64", (BATCH, new_len)),
               TensorSpec("encoder_attention_mask", "int64", (BATCH, SRC_LEN))]
     if static_cache:
-        inputs.append(TensorSpec(PAST_SEQUENCE_LENGTH, "int32", (1,)))
-    inputs += [TensorSpec(POSITION_IDS, "int64", (BATCH, new_len)),
-               TensorSpec(DECODER_ATTENTION_MASK, "int64", (BATCH, past_len))]
+        inputs.append(TensorSpec(PAST_SEQUENCE_LENGTH, "int32", (BATCH,) if per_row else (1,)))
+    inputs.append(TensorSpec(POSITION_IDS, "int64", (BATCH, new_len)))
+    if not (static_cache and per_row):
+        inputs.append(TensorSpec(DECODER_ATTENTION_MASK, "int64", (BATCH, past_len)))
     outputs = [TensorSpec("logits", float_type, (BATCH, new_len, vocab_size))]
     for i in range(n_decoder_layers):
         inputs += [TensorSpec(cache_name(PAST, i, SELF, kv), float_type, (BATCH, n_heads, past_len, head_dim))
@@ -177,9 +182,21 @@ def decoder_spec(n_decoder_layers: int, n_heads: int, d_model: int, vocab_size: 
 
 
 def takes_row_inputs(input_names) -> bool:
-    """Whether a decoder takes per-row positions and a self-attention key mask (exported since in-flight batching)."""
+    """Whether a decoder takes per-row positions (exported since in-flight batching)."""
+    return POSITION_IDS in set(input_names)
+
+
+def row_inputs_of(input_names) -> tuple[str, ...]:
+    """The per-row inputs a decoder takes, of ROW_INPUTS (none: exported before them; position_ids alone: a per-row
+    static cache)."""
     names = set(input_names)
-    return all(name in names for name in ROW_INPUTS)
+    return tuple(name for name in ROW_INPUTS if name in names)
+
+
+def per_row_lengths(shape) -> bool:
+    """Whether a static decoder's past_sequence_length (given its shape) holds one length per row ([batch]) rather
+    than one for all rows ([1])."""
+    return len(shape) == 1 and not isinstance(shape[0], int)
 
 
 def without_row_inputs(spec: GraphSpec) -> GraphSpec:
@@ -187,13 +204,15 @@ def without_row_inputs(spec: GraphSpec) -> GraphSpec:
     return GraphSpec(spec.name, tuple(t for t in spec.inputs if t.name not in ROW_INPUTS), spec.outputs)
 
 
-def default_row_inputs(batch: int, past_len: int, new_len: int = 1, mask_len: int | None = None) -> dict:
+def default_row_inputs(batch: int, past_len: int, new_len: int = 1, mask_len: int | None = None,
+                       names: tuple[str, ...] = ROW_INPUTS) -> dict:
     """position_ids and decoder_attention_mask of rows that all start at position 0 with every slot filled: what
     the graph computed before it took them (position past_len + i; every cached key real). mask_len: the mask's
-    length when it differs from past_len (a static cache's cache_len)."""
+    length when it differs from past_len (a static cache's cache_len); names: the row inputs the graph takes."""
     positions = np.arange(past_len, past_len + new_len, dtype=np.int64)
-    return {POSITION_IDS: np.ascontiguousarray(np.broadcast_to(positions, (batch, new_len))),
-            DECODER_ATTENTION_MASK: np.ones((batch, past_len if mask_len is None else mask_len), dtype=np.int64)}
+    feeds = {POSITION_IDS: np.ascontiguousarray(np.broadcast_to(positions, (batch, new_len))),
+             DECODER_ATTENTION_MASK: np.ones((batch, past_len if mask_len is None else mask_len), dtype=np.int64)}
+    return {name: feeds[name] for name in names}
 
 
 def source_vocab_size(config: dict) -> int:
@@ -212,17 +231,19 @@ def suppressed_ids(config: dict) -> tuple[int, ...]:
     return (config["pad_id"],) if config.get("suppress_pad") else ()
 
 
-def graph_specs(config: dict, float_type: str = "float32", kv_cache: str = "dynamic") -> dict[str, GraphSpec]:
-    """Both graphs' specs from a model config given as a dict (as stored in config.json and the manifest)."""
+def graph_specs(config: dict, float_type: str = "float32", kv_cache: str = "dynamic",
+                per_row: bool = True) -> dict[str, GraphSpec]:
+    """Both graphs' specs from a model config given as a dict (as stored in config.json and the manifest);
+    per_row: a static cache's layout (per-row lengths, or the shared slot of CUDA bundles)."""
     if kv_cache not in KV_CACHES:
         raise ValueError(f"unknown kv_cache {kv_cache!r}; one of {KV_CACHES}")
     L, H, D, V = config["n_decoder_layers"], config["n_heads"], config["d_model"], config["vocab_size"]
     static = kv_cache == "static"
-    return {"encoder": encoder_spec(L, H, D, float_type), "decoder": decoder_spec(L, H, D, V, float_type, static)}
+    return {"encoder": encoder_spec(L, H, D, float_type), "decoder": decoder_spec(L, H, D, V, float_type, static, per_row)}
 
 
 __all__ = ["TensorSpec", "GraphSpec", "PAST_SEQUENCE_LENGTH", "CACHE_LEN", "POSITION_IDS", "DECODER_ATTENTION_MASK",
-           "ROW_INPUTS", "takes_row_inputs", "without_row_inputs", "default_row_inputs", "KV_CACHES", "PAST", "PRESENT", "SELF",
+           "ROW_INPUTS", "takes_row_inputs", "row_inputs_of", "per_row_lengths", "without_row_inputs", "default_row_inputs", "KV_CACHES", "PAST", "PRESENT", "SELF",
            "CROSS", "KV", "cache_name", "cache_names", "parse_cache_name", "is_cache", "past_of", "present_of",
            "empty_past", "first_step_cache", "encoder_spec", "decoder_spec", "graph_specs", "source_vocab_size",
            "source_pad_id", "suppressed_ids"]

@@ -1,11 +1,12 @@
 """Running decoders with a static KV cache (exporters/static_cache.py writes them; `optimize --kv-cache static`).
 
 A static decoder takes its self-attention cache as one preallocated buffer per layer and tensor,
-[rows, heads, cache_len, head_dim], plus `past_sequence_length` (how many positions are filled). The runtime
-sizes cache_len per request: the most tokens it may generate (at most the model's max_len). Its
-DecoderMaskedMultiHeadAttention nodes write the new key/value at that position and attend over the filled
-part. The runtime binds the same buffer as past input and present output, so a step copies nothing: the
-step time no longer grows with a copy of the whole cache.
+[rows, heads, cache_len, head_dim], plus `past_sequence_length` (how many positions are filled: per row,
+int32 [rows], on CPU bundles, whose GroupQueryAttention nodes let rows sit at different lengths; one int32 [1]
+for all rows on CUDA bundles, DecoderMaskedMultiHeadAttention). The runtime sizes cache_len per request: the
+most tokens it may generate (at most the model's max_len). The attention nodes write the new key/value at that
+position and attend over the filled part. The runtime binds the same buffer as past input and present output,
+so a step copies nothing: the step time no longer grows with a copy of the whole cache.
 
     StaticPath        the OrtEngine data path for such decoders (IO binding; buffers in host memory on CPU,
                       on the device on CUDA)
@@ -21,12 +22,28 @@ import onnxruntime as ort
 
 from runtime.errors import InputError
 from runtime.spec import (DECODER_ATTENTION_MASK, INPUT_IDS, PAST, PAST_SEQUENCE_LENGTH, POSITION_IDS, SELF, is_cache,
-                          present_of)
+                          per_row_lengths, present_of)
 
 
 def is_static(session: ort.InferenceSession) -> bool:
     """Whether a decoder session takes the static cache (it has a past_sequence_length input)."""
     return any(i.name == PAST_SEQUENCE_LENGTH for i in session.get_inputs())
+
+
+def per_row_cache(session: ort.InferenceSession) -> bool:
+    """Whether a static decoder takes one filled length per row (past_sequence_length [batch])."""
+    return any(i.name == PAST_SEQUENCE_LENGTH and per_row_lengths(i.shape) for i in session.get_inputs())
+
+
+def filled_lengths(lengths, per_row: bool) -> np.ndarray:
+    """past_sequence_length's feed: int32 [rows] (per row) or the one shared length as int32 [1]."""
+    lengths = np.asarray(lengths, dtype=np.int32).reshape(-1)
+    if per_row:
+        return np.ascontiguousarray(lengths)
+    if lengths.size and not (lengths == lengths[0]).all():
+        raise ValueError("this decoder's static cache has one shared length (a CUDA bundle): its rows cannot sit at "
+                         "different positions")
+    return lengths[:1].copy() if lengths.size else np.zeros(1, dtype=np.int32)
 
 
 class StaticCache:
@@ -84,7 +101,8 @@ class StaticPath:
             cache.binding = self._bind(mask, cache, cross)
         binding = cache.binding
         binding.bind_cpu_input("input_ids", tokens)
-        binding.bind_cpu_input(PAST_SEQUENCE_LENGTH, np.array([cache.length], dtype=np.int32))
+        binding.bind_cpu_input(PAST_SEQUENCE_LENGTH, filled_lengths(np.full(cache.rows, cache.length),
+                                                                    self.e.per_row_cache))
         if self.e.row_inputs:                                        # every row alone: all at position `length`
             binding.bind_cpu_input(POSITION_IDS, np.full((cache.rows, 1), cache.length, dtype=np.int64))
         self.e.decoder.run_with_iobinding(binding)
@@ -102,7 +120,7 @@ class StaticPath:
             binding.bind_ortvalue_input("encoder_attention_mask", mask)
             for name, value in zip(self.e.cross_in_names, cross):
                 binding.bind_ortvalue_input(name, value)
-        if self.e.row_inputs:                                        # every slot below `length` is a real token
+        if DECODER_ATTENTION_MASK in self.e.row_inputs:              # every slot below `length` is a real token
             cache.key_mask = np.ones((cache.rows, cache.capacity), dtype=np.int64)
             binding.bind_cpu_input(DECODER_ATTENTION_MASK, cache.key_mask)
         binding.bind_output("logits", "cpu")                         # the one tensor the search reads on the host
@@ -121,6 +139,8 @@ class DynamicView:
     def __init__(self, session: ort.InferenceSession):
         self.session = session
         self.pasts = [i.name for i in session.get_inputs() if is_cache(i.name, PAST, SELF)]
+        self.per_row = per_row_cache(session)
+        self.takes_mask = any(i.name == DECODER_ATTENTION_MASK for i in session.get_inputs())
 
     def run(self, names: list[str] | None, feeds: dict) -> list[np.ndarray]:
         out_names = [o.name for o in self.session.get_outputs()]
@@ -135,13 +155,16 @@ class DynamicView:
         per_token = (INPUT_IDS, POSITION_IDS, DECODER_ATTENTION_MASK)
         fixed = {k: v for k, v in feeds.items() if k not in buffers and k not in per_token}
         mask = None
-        if DECODER_ATTENTION_MASK in feeds:                              # [B, P] -> the buffer's [B, P + T]
+        if DECODER_ATTENTION_MASK in feeds and not self.takes_mask and not (feeds[DECODER_ATTENTION_MASK] == 1).all():
+            raise ValueError("this static decoder keeps each row's own tokens in its slots and takes no "
+                             "decoder_attention_mask: every past slot given must be a real token (mask all ones)")
+        if DECODER_ATTENTION_MASK in feeds and self.takes_mask:          # [B, P] -> the buffer's [B, P + T]
             mask = np.ones((len(tokens), filled + tokens.shape[1]), dtype=np.int64)
             mask[:, :filled] = feeds[DECODER_ATTENTION_MASK]            # this call's earlier tokens are real
         logits = []
         for t in range(tokens.shape[1]):
             step = {INPUT_IDS: np.ascontiguousarray(tokens[:, t:t + 1]),
-                    PAST_SEQUENCE_LENGTH: np.array([filled + t], dtype=np.int32)}
+                    PAST_SEQUENCE_LENGTH: filled_lengths(np.full(len(tokens), filled + t), self.per_row)}
             if mask is not None:
                 step[DECODER_ATTENTION_MASK] = mask
             if POSITION_IDS in feeds:
@@ -159,4 +182,4 @@ def dynamic_view(session: ort.InferenceSession):
     return DynamicView(session) if is_static(session) else session
 
 
-__all__ = ["StaticPath", "StaticCache", "DynamicView", "dynamic_view", "is_static"]
+__all__ = ["StaticPath", "StaticCache", "DynamicView", "dynamic_view", "is_static", "per_row_cache", "filled_lengths"]

@@ -1,6 +1,6 @@
 """In-flight batching (runtime/inflight.py): rows join a running batch and leave at once; every row's tokens,
 finished flag and score equal its unbatched greedy generate_ids result (fp32, varied outputs), across staggered
-joins, rows leaving mid-batch, stopped rows and compaction of the shared write slot."""
+joins, rows at different lengths in one step, rows leaving mid-batch, stopped rows and reused buffer rows."""
 
 from __future__ import annotations
 
@@ -31,11 +31,24 @@ def engine(bundles):
     return load_bundle(bundles["static"], provider="cpu").engine
 
 
-def drive(batch: InflightBatch, seqs, limits, per_join: int = 2, every: int = 1, stop_after: dict | None = None):
-    """Join up to `per_join` waiting rows every `every` steps while slots are free; {row index: hypothesis}."""
+def poison(batch: InflightBatch) -> None:
+    """NaN in every cache slot no live row has filled (beyond each row's length; free rows entirely): a row that
+    read another row's slots, or stale ones, would get NaN logits."""
+    for buf in batch.buffers:
+        for i, row in enumerate(batch.rows):
+            buf[i, :, row.length:] = np.nan
+        buf[batch.live:] = np.nan
+
+
+def drive(batch: InflightBatch, seqs, limits, per_join: int = 2, every: int = 1, stop_after: dict | None = None,
+          check=None):
+    """Join up to `per_join` waiting rows every `every` steps while slots are free; {row index: hypothesis}.
+    check(batch): called before every step (e.g. poison)."""
     waiting, done, step = list(range(len(seqs))), {}, 0
     rows = {}
     while waiting or batch.live:
+        if check is not None:
+            check(batch)
         if waiting and step % every == 0 and batch.free:
             take = waiting[:min(per_join, batch.free)]
             waiting = waiting[len(take):]
@@ -65,23 +78,25 @@ def test_rows_joining_and_leaving_get_their_unbatched_outputs(engine, toy_model_
     seqs = toy_inputs(config, 40, min_len=1, max_len=12, seed=11)
     limits = np.random.default_rng(4).integers(0, 21, size=len(seqs))
     batch = InflightBatch(engine, slots=6)
-    got = drive(batch, seqs, limits, per_join=2)
+    spreads = []
+    got = drive(batch, seqs, limits, per_join=2, check=lambda b: spreads.append(
+        max((r.length for r in b.rows), default=0) - min((r.length for r in b.rows), default=0)))
     assert batch.joined == int((limits > 0).sum()) and batch.steps < int(limits.sum())   # rows shared steps
-    assert batch.compactions >= 1                         # the oldest row's start passed COMPACT_AT: rows shifted
+    assert max(spreads) >= 10 and sum(s > 0 for s in spreads) > len(spreads) // 2    # rows at different lengths
     assert_alone(engine, seqs, limits, got)
     assert len({tuple(h.tokens) for h in got.values()}) > 20, "outputs do not vary: equality proves nothing"
     assert len({len(h.tokens) for h in got.values()}) > 5 and any(h.finished for h in got.values())
 
 
-def test_compaction_keeps_every_row_exact(engine, toy_model_factory):
-    """A 24-position buffer with rows of up to 20 tokens joining one at a time: the shared slot reaches the end
-    again and again, and the rows shift left."""
+def test_rows_read_only_their_own_slots(engine, toy_model_factory):
+    """A 20-position buffer of 4 rows that 24 rows of 8-20 tokens pass through, one joining every 3 steps: each
+    buffer row is reused 6 times, a joiner lands on a longer row's leftovers, the rows that move into freed places
+    carry their slots. Every slot no row has written is NaN before each step: the outputs are still exact."""
     config = toy_model_factory().config
     seqs = toy_inputs(config, 24, min_len=1, max_len=12, seed=12)
     limits = np.random.default_rng(5).integers(8, 21, size=len(seqs))
-    batch = InflightBatch(engine, slots=4, opts=SearchOptions(ignore_eos=True), capacity=24)
-    got = drive(batch, seqs, limits, per_join=1, every=3)
-    assert batch.compactions >= 3
+    batch = InflightBatch(engine, slots=4, opts=SearchOptions(ignore_eos=True), capacity=20)
+    got = drive(batch, seqs, limits, per_join=1, every=3, check=poison)
     for i, limit in enumerate(limits):
         alone = generate_ids(engine, [seqs[i]], SearchOptions(max_new_tokens=int(limit), ignore_eos=True))[0][0]
         assert got[i].tokens == alone.tokens and len(alone.tokens) == limit
@@ -107,9 +122,13 @@ def test_engines_in_flight_batching_cannot_drive_are_refused(bundles):
     dynamic = load_bundle(bundles["dynamic"], provider="cpu").engine
     with pytest.raises(InputError, match="static-cache decoder.*--kv-cache static"):
         InflightBatch(dynamic)
-    old = SimpleNamespace(row_inputs=False, static_cache=True, provider="cpu")     # a bundle exported before i15
+    old = SimpleNamespace(row_inputs=(), static_cache=True, provider="cpu")     # a bundle exported before i15
     with pytest.raises(InputError, match="exported before in-flight batching.*re-export"):
         check_engine(old)
+    shared = SimpleNamespace(row_inputs=("position_ids", "decoder_attention_mask"), static_cache=True,
+                             provider="cpu", per_row_cache=False)          # a CUDA bundle's shared-slot cache
+    with pytest.raises(InputError, match="one shared length for all rows.*--target cpu"):
+        check_engine(shared)
 
 
 def test_bundles_exported_before_per_row_inputs_still_load(toy_model_factory, tmp_path):
@@ -120,7 +139,7 @@ def test_bundles_exported_before_per_row_inputs_still_load(toy_model_factory, tm
     from runtime.spec import GraphSpec, graph_specs, without_row_inputs
 
     for kv in ("dynamic", "static"):
-        expected = graph_specs(toy_model_factory().config.to_dict(), kv_cache=kv)["decoder"]
+        expected = graph_specs(toy_model_factory().config.to_dict(), kv_cache=kv, per_row=False)["decoder"]  # DMMHA then
         old = without_row_inputs(expected)
         assert len(old.inputs) == len(expected.inputs) - 2
         _check_recorded(tmp_path, "decoder", old, expected)

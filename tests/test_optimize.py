@@ -47,14 +47,18 @@ def ops(bundle: Path, graph: str) -> dict:
 def assert_fused(bundle: Path, config, fusions: dict) -> None:
     """One fused attention per encoder layer, two per decoder layer, no decomposed attention left.
 
-    With the static KV cache (the CPU default) the decoder's self-attention is DecoderMaskedMultiHeadAttention
-    and the causal bias is gone; cross-attention stays MultiHeadAttention.
+    With the static KV cache (the CPU default) the decoder's self-attention is GroupQueryAttention (the per-row
+    layout; DecoderMaskedMultiHeadAttention for CUDA) and the causal bias is gone; cross-attention stays
+    MultiHeadAttention.
     """
     enc, dec = ops(bundle, "encoder"), ops(bundle, "decoder")
     static = read_manifest(bundle)["kv_cache"] == "static"
     assert enc.get("com.microsoft.MultiHeadAttention") == config.n_encoder_layers
     assert dec.get("com.microsoft.MultiHeadAttention") == (1 if static else 2) * config.n_decoder_layers
-    assert dec.get("com.microsoft.DecoderMaskedMultiHeadAttention", 0) == (config.n_decoder_layers if static else 0)
+    inputs = {i["name"]: i for i in read_manifest(bundle)["graphs"]["decoder"]["inputs"]}
+    per_row = inputs.get("past_sequence_length", {}).get("shape") == ["batch"]
+    self_op = "com.microsoft." + ("GroupQueryAttention" if per_row else "DecoderMaskedMultiHeadAttention")
+    assert dec.get(self_op, 0) == (config.n_decoder_layers if static else 0)
     assert fusions.get("static_kv_cache", 0) == (config.n_decoder_layers if static else 0)
     assert "Softmax" not in enc and "Softmax" not in dec
     # projections only, Q/K/V packed into one MatMul per layer and the cross K/V of all decoder layers into one
@@ -135,6 +139,9 @@ def test_variant_prenorm_gelu_untied_odd_head_dim(variant):
     assert report.totals["skip_layer_norm_bias_sum"] == (2 * c.n_encoder_layers - 1) + (3 * c.n_decoder_layers - 1)
     assert report.totals["skip_layer_norm_bias"] == 2
     assert ops(fused, "encoder")["com.microsoft.BiasGelu"] == c.n_encoder_layers
+    # head size 6: GroupQueryAttention takes multiples of 8 only, so the CPU static cache keeps the shared slot
+    assert c.head_dim % 8 and ops(fused, "decoder")["com.microsoft.DecoderMaskedMultiHeadAttention"] == c.n_decoder_layers
+    assert any("not a multiple of 8" in note and "request-level" in note for note in report.notes)
     record = graph_parity(model, fused, provider="cpu", precision="fp32")
     assert record.ok, record.summary()
 
@@ -170,7 +177,7 @@ def test_int8_on_fused_bundle_is_allowed_and_reports_token_agreement(toy, tmp_pa
     table = next(t for name, t in shared.items() if name.endswith(".int8_t"))
     assert table["dtype"] == "int8" and table["shape"] == [model.config.d_model, model.config.vocab_size]
     assert dec["com.microsoft.MultiHeadAttention"] == model.config.n_decoder_layers             # cross
-    assert dec["com.microsoft.DecoderMaskedMultiHeadAttention"] == model.config.n_decoder_layers  # self, static
+    assert dec["com.microsoft.GroupQueryAttention"] == model.config.n_decoder_layers  # self, static (per row)
     assert manifest["kv_cache"] == "static"
     parity = manifest["parity"]
     assert parity["precision"] == "int8" and parity["tolerance"] is None     # logits: report only

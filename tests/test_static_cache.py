@@ -12,6 +12,7 @@ import pytest
 from click.testing import CliRunner
 
 from exporters.optimize import OptimizeError, optimize_bundle, resolve_kv_cache
+from exporters.shared_weights import inline_external
 from exporters.static_cache import StaticCacheError, StaticCachePass
 from runtime.bundle import load_bundle
 from runtime.errors import BundleError, InputError
@@ -42,25 +43,49 @@ def bundles(toy_exported, tmp_path_factory):
     return load_checkpoint(checkpoint).model, Path(exported), dynamic, static
 
 
-def test_rewrite_gives_the_static_interface(bundles):
-    model, _, dynamic, _ = bundles
-    c = model.config
+LAYOUTS = {"per-row": True, "shared-slot": False}      # CPU bundles; CUDA bundles (exporters/static_cache.py)
+ATTENTION = {True: "GroupQueryAttention", False: "DecoderMaskedMultiHeadAttention"}
+
+
+def _static_graph(dynamic: Path, per_row: bool, folder: Path | None = None):
+    """The dynamic decoder rewritten for one static layout (and saved into folder when given)."""
     graph = ir.load(dynamic / "decoder.onnx")
-    static = StaticCachePass()
-    assert static(graph).modified and static.counts == {"static_kv_cache": c.n_decoder_layers}
-    assert not StaticCachePass()(graph).modified                    # already static: a no-op
+    inline_external(graph)                                           # its weights.data stays beside the source
+    static = StaticCachePass(per_row)
+    assert static(graph).modified
+    if folder is not None:
+        ir.save(graph, folder / "decoder.onnx")
+    return graph, static
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_rewrite_gives_the_static_interface(bundles, layout):
+    model, _, dynamic, _ = bundles
+    c, per_row = model.config, LAYOUTS[layout]
+    graph, static = _static_graph(dynamic, per_row)
+    assert static.counts == {"static_kv_cache": c.n_decoder_layers}
+    assert not StaticCachePass(per_row)(graph).modified             # already static: a no-op
     ops = [n.op_type for n in graph.graph]
-    assert ops.count("DecoderMaskedMultiHeadAttention") == ops.count("MultiHeadAttention") == c.n_decoder_layers
-    spec = graph_specs(c.to_dict(), kv_cache="static")["decoder"]
+    assert ops.count(ATTENTION[per_row]) == ops.count("MultiHeadAttention") == c.n_decoder_layers
+    assert ops.count(ATTENTION[not per_row]) == 0
+    spec = graph_specs(c.to_dict(), kv_cache="static", per_row=per_row)["decoder"]
     got = [(v.name, v.dtype.name, [d if isinstance(d, int) else "dyn" for d in v.shape]) for v in graph.graph.inputs]
     want = [(t.name, {"int64": "INT64", "int32": "INT32", "float32": "FLOAT"}[t.dtype],
              [d if isinstance(d, int) else "dyn" for d in t.shape]) for t in spec.inputs]
     assert got == want
     assert spec.inputs[2].name == PAST_SEQUENCE_LENGTH
+    assert (DECODER_ATTENTION_MASK in spec.input_names) == (not per_row)     # per row: nothing to mask
     assert [v.name for v in graph.graph.outputs] == spec.output_names
     for v in list(graph.graph.inputs)[3:] + list(graph.graph.outputs)[1:]:
         if ".decoder." in v.name:
             assert str(list(v.shape)[2]) == "cache_len"
+
+
+def test_cpu_bundles_get_the_per_row_layout(bundles):
+    _, _, _, static = bundles
+    inputs = {i["name"]: i for i in read_manifest(static)["graphs"]["decoder"]["inputs"]}
+    assert inputs[PAST_SEQUENCE_LENGTH]["shape"] == ["batch"] and DECODER_ATTENTION_MASK not in inputs
+    assert load_bundle(static, provider="cpu").engine.per_row_cache
 
 
 def test_rewrite_refuses_unfused_self_attention(bundles):
@@ -78,12 +103,14 @@ def _decoder_feeds(session, c, rng, batch=2, src=5):
     return cross, mask
 
 
-def test_static_step_writes_in_place_and_reads_only_filled_rows(bundles):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_static_step_writes_in_place_and_reads_only_filled_rows(bundles, layout, tmp_path):
     """Unfilled buffer rows hold NaN: the logits still equal the dynamic graph's, and the new keys land in the
     very numpy buffer that was bound (no copy)."""
-    model, _, dynamic, static = bundles
-    c = model.config
-    dyn, sta = make_session(dynamic / "decoder.onnx", "cpu"), make_session(static / "decoder.onnx", "cpu")
+    model, _, dynamic, _ = bundles
+    c, per_row = model.config, LAYOUTS[layout]
+    _static_graph(dynamic, per_row, tmp_path)
+    dyn, sta = make_session(dynamic / "decoder.onnx", "cpu"), make_session(tmp_path / "decoder.onnx", "cpu")
     assert is_static(sta) and not is_static(dyn)
     rng = np.random.default_rng(0)
     cross, mask = _decoder_feeds(dyn, c, rng)
@@ -100,9 +127,10 @@ def test_static_step_writes_in_place_and_reads_only_filled_rows(bundles):
         binding = sta.io_binding()
         binding.bind_cpu_input("input_ids", ids)
         binding.bind_cpu_input("encoder_attention_mask", mask)
-        binding.bind_cpu_input(PAST_SEQUENCE_LENGTH, np.array([step], np.int32))
+        binding.bind_cpu_input(PAST_SEQUENCE_LENGTH, np.array([step] * (2 if per_row else 1), np.int32))
         binding.bind_cpu_input(POSITION_IDS, rows[POSITION_IDS])
-        binding.bind_cpu_input(DECODER_ATTENTION_MASK, np.ones((2, c.max_len), np.int64))
+        if not per_row:
+            binding.bind_cpu_input(DECODER_ATTENTION_MASK, np.ones((2, c.max_len), np.int64))
         for name, value in cross.items():
             binding.bind_cpu_input(name, value)
         binding.bind_output("logits", "cpu")
@@ -119,10 +147,12 @@ def test_static_step_writes_in_place_and_reads_only_filled_rows(bundles):
             past[name] = present
 
 
-def test_dynamic_view_feeds_several_tokens_one_at_a_time(bundles):
-    model, _, dynamic, static = bundles
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_dynamic_view_feeds_several_tokens_one_at_a_time(bundles, layout, tmp_path):
+    model, _, dynamic, _ = bundles
     c = model.config
-    dyn, view = make_session(dynamic / "decoder.onnx", "cpu"), DynamicView(make_session(static / "decoder.onnx", "cpu"))
+    _static_graph(dynamic, LAYOUTS[layout], tmp_path)
+    dyn, view = make_session(dynamic / "decoder.onnx", "cpu"), DynamicView(make_session(tmp_path / "decoder.onnx", "cpu"))
     rng = np.random.default_rng(1)
     cross, mask = _decoder_feeds(dyn, c, rng)
     names = [o.name for o in dyn.get_outputs()]

@@ -66,10 +66,15 @@ def greedy(encoder, decoder, config: dict, sources: list[list[int]], max_new_tok
         #    Graphs exported since in-flight batching also take each row's position and which cached slots are
         #    real tokens (position_ids [N, 1], decoder_attention_mask [N, past_len or cache_len]): every row here
         #    sits at position `step` with all of its slots real
+        #    A CPU bundle's static cache keeps one filled length per row (past_sequence_length [N]) and needs no
+        #    key mask; a CUDA bundle's has one length for all rows ([1]) and the mask
+        names = {i.name: i for i in decoder.get_inputs()}
         if static:
-            feeds["past_sequence_length"] = np.array([step], dtype=np.int32)
-        if any(i.name == "position_ids" for i in decoder.get_inputs()):
+            per_row = not isinstance(names["past_sequence_length"].shape[0], int)
+            feeds["past_sequence_length"] = np.full(len(tokens) if per_row else 1, step, dtype=np.int32)
+        if "position_ids" in names:
             feeds["position_ids"] = np.full((len(tokens), 1), step, dtype=np.int64)
+        if "decoder_attention_mask" in names:
             feeds["decoder_attention_mask"] = np.ones((len(tokens), cache_len or step), dtype=np.int64)
         logits, *presents = decoder.run(out_names, {"input_ids": tokens[:, None],
                                                     "encoder_attention_mask": mask, **feeds})

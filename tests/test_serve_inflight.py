@@ -102,8 +102,10 @@ def test_batching_setting_chooses_and_refuses(bundles):
     assert isinstance(static.scheduler, InflightScheduler) and static.model_info()["scheduler"]["kind"] == "in-flight"
     dynamic = Service.load(bundles["dynamic"], ServeSettings(provider="cpu", batching="auto"))   # auto falls back
     assert type(dynamic.scheduler) is Scheduler
-    default = Service.load(bundles["static"], ServeSettings(provider="cpu"))               # request-level
-    assert type(default.scheduler) is Scheduler
+    default = Service.load(bundles["static"], ServeSettings(provider="cpu"))               # auto: in-flight
+    assert isinstance(default.scheduler, InflightScheduler)
+    request = Service.load(bundles["static"], ServeSettings(provider="cpu", batching="request"))
+    assert type(request.scheduler) is Scheduler
     with pytest.raises(ServeError, match="--batching inflight: .*static-cache decoder.*--kv-cache static"):
         Service.load(bundles["dynamic"], ServeSettings(provider="cpu", batching="inflight"))
     from toolkit.cli import main
@@ -147,3 +149,37 @@ def test_sigterm_answers_every_in_flight_request_and_exits_0(bundles):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_the_default_server_batches_in_flight_and_a_full_queue_gets_503(bundles):
+    """`onnxformer serve` without --batching on a CPU static-cache bundle batches in-flight; with one slot and a
+    queue of 2, a burst of 16 requests gets 503 + Retry-After for the overflow and a full answer for every accepted
+    request, and the metrics count each."""
+    from test_serve import label_metric
+
+    n = 16
+    proc, url = start_server(bundles["static"], "--max-batch", "1", "--max-queue", "2")
+    try:
+        assert httpx.get(url + "/v1/model").json()["scheduler"]["kind"] == "in-flight"
+        answers: list = [None] * n
+        ready = threading.Barrier(n)
+
+        def send(i):
+            ready.wait()
+            answers[i] = httpx.post(url + "/v1/generate", json={"ids": [[5 + i, 6, 7]], "max_new_tokens": 60,
+                                                                "ignore_eos": True}, timeout=120)
+
+        threads = [threading.Thread(target=send, args=(i,)) for i in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        codes = [a.status_code for a in answers]
+        assert set(codes) == {200, 503} and codes.count(200) >= 2, codes
+        assert all(a.headers.get("retry-after") == "1" for a in answers if a.status_code == 503)
+        assert all(len(a.json()["outputs"][0]["ids"]) == 60 for a in answers if a.status_code == 200)
+        assert label_metric(url, "onnxformer_errors_total", kind="queue_full") == codes.count(503)
+        assert label_metric(url, "onnxformer_requests_total", outcome="ok") == codes.count(200)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0

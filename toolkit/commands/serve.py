@@ -19,10 +19,10 @@ from toolkit.extras import require
 @click.option("--max-batch", default=32, show_default=True, help="inputs decoded together (and most per request)")
 @click.option("--max-wait-ms", default=5.0, show_default=True, help="how long a request waits for others to batch with")
 @click.option("--max-queue", default=256, show_default=True, help="requests waiting or decoding; more get 503")
-@click.option("--batching", type=click.Choice(["request", "inflight", "auto"]), default="request", show_default=True,
+@click.option("--batching", type=click.Choice(["request", "inflight", "auto"]), default="auto", show_default=True,
               help="request: requests arriving within --max-wait-ms decode as one batch; inflight: greedy requests "
-                   "join the running batch at the next step (static-cache bundles on the CPU); auto: inflight where "
-                   "the bundle allows it")
+                   "join the running batch at the next step (CPU bundles with the per-row static cache); auto: "
+                   "inflight where the bundle allows it, else request")
 @click.option("--max-beam", default=8, show_default=True, help="largest beam width a request may ask for")
 @click.option("--ray", "use_ray", is_flag=True, help="run the server in Ray Serve replicas (the ray extra)")
 @click.option("--replicas", default=1, show_default=True, help="with --ray: replicas, spread over the cluster's nodes")
@@ -32,9 +32,9 @@ def command(bundle, host, port, provider, threads, max_batch, max_wait_ms, max_q
             replicas, address):
     """Serve BUNDLE over HTTP: POST /v1/generate, GET /healthz, /v1/model, /metrics, /docs.
 
-    Requests that arrive within --max-wait-ms of each other decode as one batch. With --batching inflight
-    greedy requests instead join the running batch at the next decoding step and leave it when done (beam
-    requests still batch request-level). SIGTERM (or Ctrl-C) stops
+    Greedy requests join the running batch at the next decoding step and leave it when done (in-flight
+    batching, where the bundle allows it: --batching auto, the default); with --batching request, and for beam
+    requests, requests that arrive within --max-wait-ms of each other decode as one batch. SIGTERM (or Ctrl-C) stops
     accepting connections, answers every accepted request, and exits 0. With --ray the same app runs in
     --replicas Ray Serve replicas (each batching its own requests), on a local Ray instance or the cluster at
     --address.

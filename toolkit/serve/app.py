@@ -47,8 +47,9 @@ class ServeSettings:
     max_wait_ms: float = 5.0        # how long the oldest waiting request waits for others to join its batch
     max_queue: int = 256            # requests waiting or decoding; more get 503 + Retry-After
     max_beam: int = 8
-    batching: str = "request"       # request | inflight | auto (in-flight where the bundle allows it); request-level
-                                    # is the default: it measured faster on CPU (benchmarks/RESULTS.md, "Serving")
+    batching: str = "auto"          # request | inflight | auto (in-flight where the bundle allows it, else
+                                    # request-level): in-flight measured 1.2x request-level's throughput on CPU
+                                    # (benchmarks/RESULTS.md, "Serving")
 
     def check(self) -> None:
         for name, low in (("max_batch", 1), ("max_queue", 1), ("max_beam", 1), ("max_wait_ms", 0)):

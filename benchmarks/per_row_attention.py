@@ -2,13 +2,14 @@
 
     python benchmarks/per_row_attention.py --rows 32 --threads 2
 
-In-flight batching (runtime/inflight.py) keeps rows that joined at different steps in one static cache. Today every
-row writes at one shared slot (com.microsoft.DecoderMaskedMultiHeadAttention takes one past_sequence_length), so a
-step attends over the span since the oldest live row joined, masked or not. com.microsoft.GroupQueryAttention
-takes a per-row `seqlens_k` and writes each row's new key/value at its own position of a shared past/present
-buffer, so a row would pay for its own length only. One self-attention layer, both kernels, IO binding with past
-and present bound to one buffer (as the runtime's static cache does); also checks that both give the same output
-when every row has the same length.
+The study behind the per-row static cache (exporters/static_cache.py). In-flight batching (runtime/inflight.py)
+keeps rows that joined at different steps in one static cache. com.microsoft.DecoderMaskedMultiHeadAttention takes
+one past_sequence_length, so with it every row writes at one shared slot and a step attends over the span since
+the oldest live row joined, masked or not (the layout CUDA bundles keep). com.microsoft.GroupQueryAttention takes a
+per-row `seqlens_k` and writes each row's new key/value at its own position of a shared past/present buffer, so a
+row pays for its own length only: CPU bundles now use it. One self-attention layer, both kernels, IO binding with
+past and present bound to one buffer (as the runtime's static cache does); also checks that both give the same
+output when every row has the same length.
 """
 
 from __future__ import annotations

@@ -53,13 +53,22 @@ def test_generate_ray_refuses_checkpoints(ray_local, toy_exported):
     assert result.exit_code == 2 and "--ray generates with bundles only" in result.stderr, result.output
 
 
-def test_serve_on_ray_answers_like_serve(ray_local, toy_exported):
+@pytest.fixture(scope="module")
+def static_bundle(toy_exported, tmp_path_factory):
+    """The toy optimized for the CPU: per-row static cache, so the replicas batch in-flight (serve's default)."""
+    from exporters.optimize import optimize_bundle
+
+    return optimize_bundle(toy_exported[1], tmp_path_factory.mktemp("ray") / "static")[0]
+
+
+@pytest.mark.parametrize("kind", ["request-level", "in-flight"])
+def test_serve_on_ray_answers_like_serve(ray_local, toy_exported, static_bundle, kind):
     from fastapi.testclient import TestClient
 
     from toolkit.serve.app import Service, create_app
     from toolkit.serve.ray_serve import serve_on_ray
 
-    bundle = toy_exported[1]
+    bundle = toy_exported[1] if kind == "request-level" else static_bundle   # auto batching: the bundle decides
     free = bind("127.0.0.1", 0)
     port = free.getsockname()[1]
     free.close()
@@ -84,6 +93,7 @@ def test_serve_on_ray_answers_like_serve(ray_local, toy_exported):
         bad = httpx.post(url + "/v1/generate", json={"inputs": ["abc"], "beam": 0}, timeout=30)
         assert bad.status_code == 422 and "beam must be between" in bad.json()["error"]
         assert httpx.get(url + "/healthz", timeout=30).json() == {"status": "ready"}
+        assert httpx.get(url + "/v1/model", timeout=30).json()["scheduler"]["kind"] == kind
         assert "onnxformer_requests_total" in httpx.get(url + "/metrics", timeout=30).text
     finally:
         stop.set()

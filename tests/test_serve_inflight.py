@@ -102,6 +102,8 @@ def test_batching_setting_chooses_and_refuses(bundles):
     assert isinstance(static.scheduler, InflightScheduler) and static.model_info()["scheduler"]["kind"] == "in-flight"
     dynamic = Service.load(bundles["dynamic"], ServeSettings(provider="cpu", batching="auto"))   # auto falls back
     assert type(dynamic.scheduler) is Scheduler
+    assert "--kv-cache static" in dynamic.model_info()["scheduler"]["not_inflight"]       # and says why
+    assert "not_inflight" not in static.model_info()["scheduler"]
     default = Service.load(bundles["static"], ServeSettings(provider="cpu"))               # auto: in-flight
     assert isinstance(default.scheduler, InflightScheduler)
     request = Service.load(bundles["static"], ServeSettings(provider="cpu", batching="request"))

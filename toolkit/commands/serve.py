@@ -61,4 +61,6 @@ def command(bundle, host, port, provider, threads, max_batch, max_wait_ms, max_q
     click.echo(f"serving {bundle} ({info['precision']}, {info['kv_cache']} KV cache, ONNX Runtime on "
                f"{info['provider']}) on http://{bound_host}:{bound_port}: {service.scheduler.kind} batching, "
                f"max batch {max_batch}, max wait {max_wait_ms:g} ms, queue {max_queue}; warming up", err=True)
+    if service.scheduler.not_inflight:
+        click.echo(f"note: request-level batching, not in-flight: {service.scheduler.not_inflight}", err=True)
     run(service, sock, log=lambda line: click.echo(line, err=True))

@@ -12,6 +12,7 @@ or 503 (not ready, queue full, shutting down; with Retry-After) status.
 from __future__ import annotations
 
 import asyncio
+import re
 import signal
 import socket
 import threading
@@ -73,13 +74,17 @@ def make_scheduler(engine, settings: ServeSettings, metrics: Metrics) -> Schedul
     --batching inflight refuses a bundle it cannot serve that way (ServeError: the reason and the fix), auto falls
     back to request-level batching."""
     args = (engine, settings.max_batch, settings.max_wait_ms, settings.max_queue, metrics)
+    why = None
     if settings.batching != "request":
         try:
             return InflightScheduler(*args)
         except InputError as exc:
             if settings.batching == "inflight":
                 raise ServeError(f"--batching inflight: {exc}") from None
-    return Scheduler(*args)
+            why = re.sub(r"[,;]? or (serve with )?--batching request$", "", str(exc))   # it is request-level already
+    scheduler = Scheduler(*args)
+    scheduler.not_inflight = why                              # auto fell back: why in-flight is not possible
+    return scheduler
 
 
 class Service:
@@ -137,7 +142,8 @@ class Service:
             "tokenizer": self.tokenizer is not None, "fusions": m.get("fusions", {}),
             "model": {k: m["model"][k] for k in keys if k in m["model"]},
             "scheduler": {"kind": self.scheduler.kind, "max_batch": self.settings.max_batch,
-                          "max_wait_ms": self.settings.max_wait_ms, "max_queue": self.settings.max_queue},
+                          "max_wait_ms": self.settings.max_wait_ms, "max_queue": self.settings.max_queue,
+                          **({"not_inflight": self.scheduler.not_inflight} if self.scheduler.not_inflight else {})},
             "limits": {**asdict(self.limits), "max_new_tokens": self.engine.max_len,
                        "max_input_tokens": self.engine.max_len},
         }

@@ -69,6 +69,7 @@ class Scheduler:
     """A bounded queue of jobs and the thread that decodes them in batches (request-level batching)."""
 
     kind = "request-level"
+    not_inflight: str | None = None      # serve's --batching auto fell back to this scheduler: why (the one line)
 
     def __init__(self, engine, max_batch: int = 32, max_wait_ms: float = 5.0, max_queue: int = 256, metrics=None):
         if max_batch < 1 or max_queue < 1 or max_wait_ms < 0:

@@ -189,7 +189,7 @@ class StaticCachePass(Reporting, ir.passes.InPlacePass):
 
     def __init__(self, per_row: bool = True):
         super().__init__()
-        self.per_row = self.asked_per_row = per_row
+        self.asked_per_row = self.per_row = per_row                   # per_row: the layout the last model got
         self.note = None                                               # why the layout asked for was not given
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
@@ -199,6 +199,7 @@ class StaticCachePass(Reporting, ir.passes.InPlacePass):
             return ir.passes.PassResult(model, False)                  # an encoder, or already static
         _refuse_unfused(pasts)
         head_size = pasts[0].shape[3] if pasts[0].shape is not None else None
+        self.per_row = self.asked_per_row
         if self.per_row and not (isinstance(head_size, int) and head_size % GQA_HEAD_MULTIPLE == 0):
             self.per_row = False                                       # GroupQueryAttention refuses the head size
             self.note = (f"static KV cache: head size {head_size} is not a multiple of {GQA_HEAD_MULTIPLE} "

@@ -35,15 +35,9 @@ def per_row_cache(session: ort.InferenceSession) -> bool:
     return any(i.name == PAST_SEQUENCE_LENGTH and per_row_lengths(i.shape) for i in session.get_inputs())
 
 
-def filled_lengths(lengths, per_row: bool) -> np.ndarray:
-    """past_sequence_length's feed: int32 [rows] (per row) or the one shared length as int32 [1]."""
-    lengths = np.asarray(lengths, dtype=np.int32).reshape(-1)
-    if per_row:
-        return np.ascontiguousarray(lengths)
-    if lengths.size and not (lengths == lengths[0]).all():
-        raise ValueError("this decoder's static cache has one shared length (a CUDA bundle): its rows cannot sit at "
-                         "different positions")
-    return lengths[:1].copy() if lengths.size else np.zeros(1, dtype=np.int32)
+def filled_lengths(rows: int, length: int, per_row: bool) -> np.ndarray:
+    """past_sequence_length's feed for `rows` rows all filled to `length`: int32 [rows] (per row) or [1] (shared)."""
+    return np.full(rows if per_row else 1, length, dtype=np.int32)
 
 
 class StaticCache:
@@ -101,8 +95,7 @@ class StaticPath:
             cache.binding = self._bind(mask, cache, cross)
         binding = cache.binding
         binding.bind_cpu_input("input_ids", tokens)
-        binding.bind_cpu_input(PAST_SEQUENCE_LENGTH, filled_lengths(np.full(cache.rows, cache.length),
-                                                                    self.e.per_row_cache))
+        binding.bind_cpu_input(PAST_SEQUENCE_LENGTH, filled_lengths(cache.rows, cache.length, self.e.per_row_cache))
         if self.e.row_inputs:                                        # every row alone: all at position `length`
             binding.bind_cpu_input(POSITION_IDS, np.full((cache.rows, 1), cache.length, dtype=np.int64))
         self.e.decoder.run_with_iobinding(binding)
@@ -164,7 +157,7 @@ class DynamicView:
         logits = []
         for t in range(tokens.shape[1]):
             step = {INPUT_IDS: np.ascontiguousarray(tokens[:, t:t + 1]),
-                    PAST_SEQUENCE_LENGTH: filled_lengths(np.full(len(tokens), filled + t), self.per_row)}
+                    PAST_SEQUENCE_LENGTH: filled_lengths(len(tokens), filled + t, self.per_row)}
             if mask is not None:
                 step[DECODER_ATTENTION_MASK] = mask
             if POSITION_IDS in feeds:

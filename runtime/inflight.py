@@ -42,9 +42,8 @@ from runtime.spec import INPUT_IDS, PAST_SEQUENCE_LENGTH, POSITION_IDS
 
 ROW_BUCKET = 2          # rows bound per step: the live rows rounded up to a multiple (few shapes, few rebinds)
 REEXPORT = ("re-export the model (onnxformer export) and optimize it again: in-flight batching needs a decoder "
-            "with position_ids inputs; or serve with --batching request")
-REOPTIMIZE = ("optimize the exported bundle again for --target cpu (its static cache then keeps a length per row), "
-              "or serve with --batching request")
+            "with position_ids inputs")
+REOPTIMIZE = "optimize the exported bundle again for --target cpu (its static cache then keeps a length per row)"
 
 
 def check_engine(engine) -> None:
@@ -54,10 +53,10 @@ def check_engine(engine) -> None:
                          f"batching); {REEXPORT}")
     if not getattr(engine, "static_cache", False):
         raise InputError("in-flight batching needs a static-cache decoder; optimize the bundle with "
-                         "--kv-cache static, or serve with --batching request")
+                         "--kv-cache static")
     if engine.provider != "cpu":
-        raise InputError(f"in-flight batching runs on the CPU provider only so far, not {engine.provider}; "
-                         f"serve with --provider cpu or --batching request")
+        raise InputError(f"in-flight batching runs on the CPU provider only so far, not {engine.provider}: load the "
+                         f"bundle on the CPU provider (serve --provider cpu)")
     if not getattr(engine, "per_row_cache", False):
         raise InputError(f"this bundle's static cache has one shared length for all rows (a CUDA bundle, a model "
                          f"whose head size is not a multiple of 8, or a bundle optimized before per-row cache "

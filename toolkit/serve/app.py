@@ -12,7 +12,6 @@ or 503 (not ready, queue full, shutting down; with Retry-After) status.
 from __future__ import annotations
 
 import asyncio
-import re
 import signal
 import socket
 import threading
@@ -80,8 +79,8 @@ def make_scheduler(engine, settings: ServeSettings, metrics: Metrics) -> Schedul
             return InflightScheduler(*args)
         except InputError as exc:
             if settings.batching == "inflight":
-                raise ServeError(f"--batching inflight: {exc}") from None
-            why = re.sub(r"[,;]? or (serve with )?--batching request$", "", str(exc))   # it is request-level already
+                raise ServeError(f"--batching inflight: {exc}; or serve with --batching request (or auto)") from None
+            why = str(exc)
     scheduler = Scheduler(*args)
     scheduler.not_inflight = why                              # auto fell back: why in-flight is not possible
     return scheduler

@@ -29,7 +29,7 @@ from runtime.bundle import load_bundle  # noqa: E402
 from runtime.generate import generate_ids  # noqa: E402
 from runtime.inflight import InflightBatch  # noqa: E402
 from runtime.search import SearchOptions  # noqa: E402
-from toolkit.tasks.dates import TARGET_LEN, held_out_examples  # noqa: E402
+from toolkit.reference.tasks.dates import TARGET_LEN, held_out_examples  # noqa: E402
 
 
 def batches(lengths: list[int], batch: int, rng: np.random.Generator, same_length: bool) -> list[np.ndarray]:

@@ -67,7 +67,7 @@ def evaluate(fused: Path, variant: Path, samples: int, threads: int = 1) -> dict
     from runtime.bundle import load_bundle
     from runtime.generate import generate_ids
     from runtime.search import SearchOptions
-    from toolkit.config import ModelConfig
+    from toolkit.reference.config import ModelConfig
     from toolkit.parity.generation import compare_tokens, parity_inputs, teacher_forced
     from toolkit.parity.tolerances import tolerance
 
@@ -108,7 +108,7 @@ def main() -> int:
     if args.base:
         base = work / "base-checkpoint"
         if not base.exists():
-            subprocess.run([sys.executable, "-m", "toolkit.cli", "init", "--preset", "base", "--vocab", "8000",
+            subprocess.run([sys.executable, "-m", "toolkit.apps.cli", "init", "--preset", "base", "--vocab", "8000",
                             "--out", str(base)], check=True)
         models["base"] = base
     rows = []

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The opus-mt-en-de shape (vocab 58101, d_model 512, 6+6 layers, 8 heads, FFN 2048, swish, tied embeddings) with
-# random weights, through the real import path: a Marian directory (toolkit/tasks/tiny_marian.random_marian) ->
+# random weights, through the real import path: a Marian directory (toolkit/reference/tasks/tiny_marian.random_marian) ->
 # onnxformer import -> export -> optimize fp32 (fused) and int8 -> bench against PyTorch eager with KV cache in
 # one run. Writes benchmarks/opus-mt.json (tables to stdout); models go to $WORK (default out/bench/opus-mt).
 #
@@ -17,7 +17,7 @@ log() { printf '==> [%4ds] %s\n' $((SECONDS - start)) "$*" >&2; }
 mkdir -p "$WORK"
 if [[ ! -f "$WORK/marian/config.json" ]]; then
     log "random-weight Marian directory of the opus-mt-en-de shape"
-    "$PY" -c "from toolkit.tasks.tiny_marian import random_marian; random_marian('$WORK/marian')"
+    "$PY" -c "from toolkit.testing.tiny_marian import random_marian; random_marian('$WORK/marian')"
 fi
 log "import, export, optimize"
 "$OX" import "$WORK/marian" --out "$WORK/checkpoint" --force

@@ -16,7 +16,7 @@ from pathlib import Path
 from runtime.bundle import load_bundle
 from runtime.generate import generate_ids
 from runtime.search import SearchOptions
-from toolkit.tasks.dates import held_out_examples
+from toolkit.reference.tasks.dates import held_out_examples
 
 
 def main() -> None:

@@ -6,7 +6,7 @@ inputs in its own environment, under the bench lock, and the tokens are compared
 
 Environments are built under out/peers/ (or $ONNXFORMER_PEERS; Optimum pins an older transformers than ours): ct2
 (ctranslate2, transformers 5, torch) and optimum (optimum-onnx 0.1, transformers 4.57, torch); they are called
-as `python -m`, so a copied folder works too. Models: "tiny" is the trained test model (toolkit.tasks.tiny_marian
+as `python -m`, so a copied folder works too. Models: "tiny" is the trained test model (toolkit.testing.tiny_marian
 TRAINED: outputs vary, so token agreement means something, and its int8 bundle passes the gate on held-out
 texts); "opus" the opus-mt-en-de shape with random weights (speed; every engine generates exactly --new-tokens
 tokens, EOS ignored; its int8 bundle is written unverified, as random weights cannot pass a token gate).
@@ -55,7 +55,7 @@ def build(model: str, new_tokens: int) -> tuple[Path, Path]:
         if not (marian / "config.json").exists():
             log(f"building the {model} Marian directory")
             fn = "build_tiny_marian(d, **TRAINED)" if model == "tiny" else "random_marian(d)"
-            sh(PY, "-c", f"from toolkit.tasks.tiny_marian import *; d = {str(marian)!r}; {fn}", cwd=ROOT)
+            sh(PY, "-c", f"from toolkit.testing.tiny_marian import *; d = {str(marian)!r}; {fn}", cwd=ROOT)
     else:
         marian = Path(model)
     out = marian.parent
@@ -66,7 +66,7 @@ def build(model: str, new_tokens: int) -> tuple[Path, Path]:
         sh(ox, "export", out / "checkpoint", "--out", out / "onnxformer-export", "--force")
         sh(ox, "optimize", out / "onnxformer-export", "--out", out / "onnxformer-fp32", "--force")
         if model == "tiny":                   # the gate on texts like the model's own (held out from training)
-            from toolkit.tasks.tiny_marian import held_out
+            from toolkit.testing.tiny_marian import held_out
             (out / "gate-texts.txt").write_text("\n".join(held_out(64)) + "\n")
             gate = ["--input", out / "gate-texts.txt", "--samples", "64"]
         else:
@@ -94,7 +94,7 @@ def inputs(marian: Path, n: int, src_len: int | None) -> list[list[int]]:
     vocab = json.loads((marian / "vocab.json").read_text())
     if src_len is None:
         from runtime.tokenizer import load_tokenizer
-        from toolkit.tasks.tiny_marian import held_out
+        from toolkit.testing.tiny_marian import held_out
         tok = load_tokenizer(marian.parent / "checkpoint" / "tokenizer.json")
         return [tok.encode(t) for t in held_out(n)]
     rng = np.random.default_rng(0)

@@ -4,7 +4,7 @@
         ...write tmp/encoder.onnx, tmp/decoder.onnx, check them...
         write_manifest(tmp, build_manifest(config, {name: graph_entry(path)}, ...))
     # clean exit: tmp replaces out_dir; any exception (or Ctrl-C): tmp is removed, out_dir untouched;
-    # --force replaces only a bundle onnxformer wrote (toolkit/outdir.py)
+    # --force replaces only a bundle onnxformer wrote (toolkit/reference/outdir.py)
 
 The manifest records everything `inspect` and the runtime need (specs, node and op counts, opsets,
 hashes), so neither has to import onnx. Its reader lives in runtime/manifest.py.
@@ -26,7 +26,7 @@ from runtime.errors import BundleError
 from runtime.manifest import (FORMAT, FORMAT_VERSION, MANIFEST, PRECISIONS, TARGETS, bundle_files, file_entries,
                               sha256_file, validate_manifest)
 from runtime.tokenizer import load_tokenizer, tokenizer_files
-from toolkit.outdir import OutputKind, check_output, staged_output
+from toolkit.reference.outdir import OutputKind, check_output, staged_output
 
 TENSOR_TYPES = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.FLOAT16: "float16", onnx.TensorProto.INT64: "int64",
                 onnx.TensorProto.INT32: "int32", onnx.TensorProto.BOOL: "bool", onnx.TensorProto.INT8: "int8",
@@ -37,7 +37,7 @@ BUNDLE_KIND = OutputKind("bundle", bundle_files, "'onnxformer export' or 'optimi
 
 
 def check_destination(out_dir: str | Path, force: bool) -> Path:
-    """Refuse, before any work, an out_dir that stage_bundle would not write (see toolkit/outdir.py)."""
+    """Refuse, before any work, an out_dir that stage_bundle would not write (see toolkit/reference/outdir.py)."""
     return check_output(out_dir, force, BUNDLE_KIND)
 
 

@@ -26,11 +26,11 @@ from exporters.bundle import build_manifest, check_destination, copy_tokenizer, 
 from exporters.logs import quiet_loggers
 from exporters.shared_weights import share_weights, shared_bytes
 from exporters.validate import check_graph
-from toolkit.errors import ConfigError
+from toolkit.reference.errors import ConfigError
 from toolkit.parity import ParityError
 from runtime.spec import CROSS, PAST, PRESENT, SELF, GraphSpec, cache_name, graph_specs
-from toolkit.checkpoint import TOKENIZER, load_checkpoint
-from toolkit.model import Transformer
+from toolkit.reference.checkpoint import TOKENIZER, load_checkpoint
+from toolkit.reference.model import Transformer
 from toolkit.parity.graphs import graph_parity
 
 DEFAULT_OPSET = 20

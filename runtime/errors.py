@@ -1,7 +1,7 @@
 """The runtime's typed errors and the base class of every user-facing error.
 
 Each message names the problem and the fix; the command line prints it and exits with `exit_code`. Errors of
-the layers above live with them: toolkit.errors (ConfigError, CheckpointError), toolkit.parity (ParityError),
+the layers above live with them: toolkit.reference.errors (ConfigError, CheckpointError), toolkit.parity (ParityError),
 exporters (OptimizeError, StaticCacheError, ...)."""
 
 from __future__ import annotations

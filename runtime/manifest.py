@@ -179,7 +179,7 @@ def listed_files(manifest: dict) -> set[str]:
 
 def bundle_files(bundle_dir: str | Path) -> set[str] | None:
     """The files of the onnxformer bundle at bundle_dir (its manifest and what it lists), or None when bundle_dir
-    holds no onnxformer manifest: what `--force` may replace (toolkit/outdir.py)."""
+    holds no onnxformer manifest: what `--force` may replace (toolkit/reference/outdir.py)."""
     try:
         manifest = json.loads((Path(bundle_dir) / MANIFEST).read_text())
     except (OSError, ValueError):

@@ -126,7 +126,7 @@ step "x86: export the dates model, optimize to fp32 and int8 with ORT-format gra
 "$PY" - "$OUT" <<'EOF'
 import json, sys
 from pathlib import Path
-from toolkit.tasks.dates import held_out_examples
+from toolkit.reference.tasks.dates import held_out_examples
 out = Path(sys.argv[1])
 pairs = held_out_examples()
 (out / "held_out.txt").write_text("".join(src + "\n" for src, _ in pairs))

@@ -27,7 +27,7 @@ if [ -n "${ORT_GPU_WHEEL:-}" ]; then
   export PYTHONPATH="$WORK/ortgpu:$PYTHONPATH"
 fi
 
-ofx() { "$PY" -m toolkit.cli "$@"; }
+ofx() { "$PY" -m toolkit.apps.cli "$@"; }
 
 log "environment"
 "$PY" - <<'EOF' 2>&1 | tee "$OUT/environment.txt"

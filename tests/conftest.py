@@ -55,8 +55,8 @@ def with_ort_graphs(bundle: Path, dest: Path) -> Path:
 @pytest.fixture(scope="session")
 def toy_model_factory():
     """A function (steps=300, seed=0, **config_overrides) -> trained tiny Transformer in eval mode, cached."""
-    from toolkit.config import preset
-    from toolkit.tasks.toy import train_toy
+    from toolkit.reference.config import preset
+    from toolkit.testing.toy import train_toy
 
     cache = {}
 
@@ -91,7 +91,7 @@ def dates_checkpoint():
     if not (EXAMPLE_CHECKPOINT / "config.json").exists():
         pytest.fail(f"the example checkpoint {EXAMPLE_CHECKPOINT} is missing; "
                     f"see examples/dates/README.md for the command that trains it")
-    from toolkit.checkpoint import load_checkpoint
+    from toolkit.reference.checkpoint import load_checkpoint
 
     return load_checkpoint(EXAMPLE_CHECKPOINT)
 
@@ -111,7 +111,7 @@ def toy_exported(toy_model_factory, tmp_path_factory):
     """
     from exporters.export import export_checkpoint
     from runtime.tokenizer import CharTokenizer
-    from toolkit.checkpoint import save_checkpoint
+    from toolkit.reference.checkpoint import save_checkpoint
 
     model = toy_model_factory()
     root = tmp_path_factory.mktemp("toy_exported")

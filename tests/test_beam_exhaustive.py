@@ -18,9 +18,9 @@ from hypothesis import strategies as st
 import runtime.search as S
 from runtime.generate import pad_batch
 from runtime.search import Hypothesis, SearchOptions, beam_search, greedy, log_softmax
-from toolkit.config import ModelConfig
-from toolkit.model import Transformer
-from toolkit.torch_engine import TorchEngine
+from toolkit.reference.config import ModelConfig
+from toolkit.reference.model import Transformer
+from toolkit.reference.torch_engine import TorchEngine
 
 BOS, EOS = 1, 2
 

@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from toolkit.bench import probe
-from toolkit.bench import report as bench_report
-from toolkit.checkpoint import save_checkpoint
-from toolkit.cli import main
-from toolkit.config import preset
-from toolkit.model import Transformer
+from toolkit.apps.bench import probe
+from toolkit.apps.bench import report as bench_report
+from toolkit.reference.checkpoint import save_checkpoint
+from toolkit.apps.cli import main
+from toolkit.reference.config import preset
+from toolkit.reference.model import Transformer
 
 ROOT = Path(__file__).resolve().parents[1]
 REQUIRED = ("model", "engine", "precision", "fused", "batch_size", "tokens_per_s", "latency_ms_p50", "latency_ms_p90",
@@ -32,7 +32,7 @@ FAST = ["--repeat", "1", "--warmup", "0", "--src-len", "6", "--new-tokens", str(
 
 def cli(*args, env=None) -> subprocess.CompletedProcess:
     """Run `onnxformer ARGS` in a fresh interpreter, as a user would."""
-    return subprocess.run([sys.executable, "-m", "toolkit.cli", *args], capture_output=True, text=True, cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "toolkit.apps.cli", *args], capture_output=True, text=True, cwd=ROOT,
                           env=env, timeout=300)
 
 

@@ -15,7 +15,7 @@ from exporters.bundle import stage_bundle, write_manifest
 from runtime.bundle import load_bundle
 from runtime.errors import BundleError
 from runtime.manifest import read_manifest, sha256_file, verify_hashes
-from toolkit.cli import main
+from toolkit.apps.cli import main
 
 from conftest import with_ort_graphs
 

@@ -7,12 +7,12 @@ import json
 import pytest
 import torch
 
-from toolkit.errors import CheckpointError, ConfigError
+from toolkit.reference.errors import CheckpointError, ConfigError
 from runtime.tokenizer import CharTokenizer
-from toolkit.checkpoint import load_checkpoint, save_checkpoint
-from toolkit.config import PRESETS, ModelConfig, preset
-from toolkit.model import Transformer
-from toolkit.outdir import OutputError
+from toolkit.reference.checkpoint import load_checkpoint, save_checkpoint
+from toolkit.reference.config import PRESETS, ModelConfig, preset
+from toolkit.reference.model import Transformer
+from toolkit.reference.outdir import OutputError
 
 
 @pytest.fixture

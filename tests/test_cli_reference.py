@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from toolkit.cli import main
+from toolkit.apps.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE_CHECKPOINT = ROOT / "examples" / "dates" / "checkpoint"
@@ -42,7 +42,7 @@ def id_model(tmp_path_factory):
 
 
 def test_init_writes_a_loadable_checkpoint(id_model):
-    from toolkit.checkpoint import load_checkpoint
+    from toolkit.reference.checkpoint import load_checkpoint
 
     ckpt = load_checkpoint(id_model)
     assert ckpt.config.d_model == 32 and ckpt.tokenizer is None
@@ -169,16 +169,16 @@ def test_generate_cuda_without_cuda_is_refused():
 
 
 def test_the_cli_and_generate_do_not_import_torch():
-    code = ("import sys, toolkit.cli, toolkit.engines, toolkit.commands.generate, toolkit.commands.train; "
+    code = ("import sys, toolkit.apps.cli, toolkit.apps.engines, toolkit.apps.commands.generate, toolkit.apps.commands.train; "
             "assert 'torch' not in sys.modules, 'torch was imported'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
 
 
 def test_a_command_imports_only_its_own_module_and_help_lists_every_command():
     """The group loads a command's module when it runs (issue 16: generate's resident memory); --help lists all."""
-    code = ("import sys\nfrom toolkit.cli import main\ntry:\n    main(['generate', '--help'])\nexcept SystemExit:\n    pass\n"
-            "mods = sorted(m for m in sys.modules if m.startswith('toolkit.commands.') and m != 'toolkit.commands._common')\n"
-            "assert mods == ['toolkit.commands.generate'], mods\n"
+    code = ("import sys\nfrom toolkit.apps.cli import main\ntry:\n    main(['generate', '--help'])\nexcept SystemExit:\n    pass\n"
+            "mods = sorted(m for m in sys.modules if m.startswith('toolkit.apps.commands.') and m != 'toolkit.apps.commands._common')\n"
+            "assert mods == ['toolkit.apps.commands.generate'], mods\n"
             "assert 'importlib.metadata' not in sys.modules, 'importlib.metadata was imported'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
     result = run("--help")
@@ -191,7 +191,7 @@ def test_a_command_imports_only_its_own_module_and_help_lists_every_command():
 
 
 def test_train_end_to_end_with_few_steps(tmp_path):
-    from toolkit.checkpoint import load_checkpoint
+    from toolkit.reference.checkpoint import load_checkpoint
 
     out = tmp_path / "dates"
     result = run("train", "--task", "dates", "--out", out, "--steps", "3", "--eval-every", "2", "--seed", "1")

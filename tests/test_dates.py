@@ -9,7 +9,7 @@ import re
 import numpy as np
 import pytest
 
-from toolkit.tasks import dates
+from toolkit.reference.tasks import dates
 
 # Written by hand (not by the generator): every documented format, edge dates, ordinals, two-digit years.
 FIXED = [
@@ -140,7 +140,7 @@ def test_training_batches_never_hold_held_out_dates():
 
 
 def test_example_checkpoint_normalizes_the_fixed_list(dates_checkpoint):
-    from toolkit.torch_engine import TorchEngine
+    from toolkit.reference.torch_engine import TorchEngine
 
     engine = TorchEngine(dates_checkpoint.model)
     predicted = dates.normalize(engine, dates_checkpoint.tokenizer, [t for t, _ in FIXED])
@@ -149,7 +149,7 @@ def test_example_checkpoint_normalizes_the_fixed_list(dates_checkpoint):
 
 
 def test_example_checkpoint_reaches_its_recorded_held_out_accuracy(dates_checkpoint):
-    from toolkit.torch_engine import TorchEngine
+    from toolkit.reference.torch_engine import TorchEngine
 
     record = json.loads((dates_checkpoint.path / "training.json").read_text())
     accuracy = dates.dates_accuracy(TorchEngine(dates_checkpoint.model), dates_checkpoint.tokenizer,

@@ -27,8 +27,8 @@ from runtime.bundle import load_bundle
 from runtime.generate import generate_ids
 from runtime.manifest import sha256_file
 from runtime.search import SearchOptions
-from toolkit.tasks.toy import toy_inputs
-from toolkit.torch_engine import TorchEngine
+from toolkit.testing.toy import toy_inputs
+from toolkit.reference.torch_engine import TorchEngine
 
 from conftest import with_ort_graphs
 
@@ -268,7 +268,7 @@ def test_weights_file_is_checked_like_a_graph(bundles, tmp_path):
     (broken / "weights.data").unlink()
     with pytest.raises(BundleError, match="missing weights.data"):
         load_bundle(broken, provider="cpu")
-    result = CliRunner().invoke(__import__("toolkit.cli", fromlist=["main"]).main,
+    result = CliRunner().invoke(__import__("toolkit.apps.cli", fromlist=["main"]).main,
                                 ["generate", str(broken), "hello"])
     assert result.exit_code == 2 and "weights.data" in result.output and "Traceback" not in result.output
 
@@ -319,7 +319,7 @@ def test_a_shared_weights_record_that_does_not_fit_the_file_is_refused(bundles, 
     (broken / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(BundleError, match="shared_weights entry .* does not describe a tensor of weights.data"):
         load_bundle(broken, provider="cpu")
-    result = CliRunner().invoke(__import__("toolkit.cli", fromlist=["main"]).main,
+    result = CliRunner().invoke(__import__("toolkit.apps.cli", fromlist=["main"]).main,
                                 ["generate", str(broken), "hello", "--provider", "cpu"])
     assert result.exit_code == 2 and "re-export or re-optimize" in result.output and "Traceback" not in result.output
 
@@ -353,7 +353,7 @@ def test_generate_checks_each_graph_against_the_manifest_when_it_is_made(bundles
     for g in graphs.values():
         g.pop("bytes", None)
     (swapped / "manifest.json").write_text(json.dumps(manifest))
-    result = CliRunner().invoke(__import__("toolkit.cli", fromlist=["main"]).main,
+    result = CliRunner().invoke(__import__("toolkit.apps.cli", fromlist=["main"]).main,
                                 ["generate", str(swapped), "hello", "--provider", "cpu"])
     assert result.exit_code == 2 and "do not match the manifest" in result.output, result.output
     assert "Traceback" not in result.output and result.stdout == ""
@@ -397,7 +397,7 @@ def test_int4_bundle_is_weight_only_4bit_and_gated_on_its_row(bundles, toy_expor
     assert int4_bytes < int8_bytes
     hyps = generate_ids(load_bundle(out, provider="cpu").engine, seqs, SearchOptions(max_new_tokens=8))
     assert len({tuple(h[0].tokens) for h in hyps}) >= len(seqs) // 2
-    result = CliRunner().invoke(__import__("toolkit.cli", fromlist=["main"]).main,
+    result = CliRunner().invoke(__import__("toolkit.apps.cli", fromlist=["main"]).main,
                                 ["optimize", str(toy_exported[1]), "--out", str(tmp_path / "cli4"), "--precision",
                                  "int4", "--json", "--allow-unverified"])
     assert result.exit_code == 0, result.output
@@ -418,7 +418,7 @@ def test_greedy_numpy_imports_only_numpy_and_onnxruntime():
 def test_greedy_numpy_prints_what_generate_prints(bundles, name):
     args = [*TEXTS, "--ids", "5 6 7", "--ids", "40 41 42 43 44 45 46", "--max-new-tokens", "20"]
     script = run([sys.executable, SCRIPT, bundles[name], *args]).stdout
-    cli = CliRunner().invoke(__import__("toolkit.cli", fromlist=["main"]).main,
+    cli = CliRunner().invoke(__import__("toolkit.apps.cli", fromlist=["main"]).main,
                              ["generate", str(bundles[name]), "--provider", "cpu", *args])
     assert cli.exit_code == 0, cli.output
     assert script == cli.output
@@ -471,7 +471,7 @@ def test_cpu_install_generates_without_torch(cpu_env, bundles, toy_exported, seq
     want = tokens(generate_ids(TorchEngine(toy_model_factory()), seqs, SearchOptions(max_new_tokens=16)))
     tokenizer = load_bundle(fp32, provider="cpu").tokenizer
     assert out.splitlines() == [tokenizer.decode(t[0]) for t in want]          # PyTorch's tokens, as text
-    here = CliRunner().invoke(__import__("toolkit.cli", fromlist=["main"]).main, ["generate", str(bundle), *TEXTS])
+    here = CliRunner().invoke(__import__("toolkit.apps.cli", fromlist=["main"]).main, ["generate", str(bundle), *TEXTS])
     there = run([onnxformer, "generate", bundle, *TEXTS], env=env, cwd=root).stdout
     assert there == here.stdout and len(set(there.splitlines())) > 1
     assert run([python, SCRIPT, bundle, *TEXTS], env=env, cwd=root).stdout == there

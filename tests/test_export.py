@@ -22,14 +22,14 @@ from click.testing import CliRunner
 import exporters.export as E
 from exporters.bundle import tensor_specs
 from runtime.errors import BundleError, ProviderError
-from toolkit.errors import ConfigError
+from toolkit.reference.errors import ConfigError
 from runtime.manifest import read_manifest, verify_hashes
 from runtime.spec import DECODER_ATTENTION_MASK, POSITION_IDS, default_row_inputs, graph_specs
 from runtime.tokenizer import CharTokenizer
-from toolkit.checkpoint import load_checkpoint, save_checkpoint
-from toolkit.cli import main
-from toolkit.config import preset
-from toolkit.model import Transformer
+from toolkit.reference.checkpoint import load_checkpoint, save_checkpoint
+from toolkit.apps.cli import main
+from toolkit.reference.config import preset
+from toolkit.reference.model import Transformer
 from runtime.session import make_session
 from toolkit.parity.graphs import graph_parity
 from toolkit.parity.tolerances import MIN_REFERENCE_STD, TOLERANCES, tolerance

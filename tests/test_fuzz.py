@@ -21,8 +21,8 @@ from runtime.errors import OnnxformerError
 from runtime.generate import generate_ids
 from runtime.manifest import file_entries, read_manifest, verify_hashes
 from runtime.search import SearchOptions
-from toolkit.checkpoint import load_checkpoint
-from toolkit.cli import main
+from toolkit.reference.checkpoint import load_checkpoint
+from toolkit.apps.cli import main
 
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
                 derandomize=True)
@@ -237,7 +237,7 @@ def test_commands_on_a_corrupted_bundle_exit_2_without_a_traceback(toy_exported,
 
 def test_every_config_field_with_every_kind_of_bad_value_is_a_config_error():
     """The exhaustive companion of the config fuzz: each field, each JSON kind, each edge number."""
-    from toolkit.config import PRESETS, ModelConfig
+    from toolkit.reference.config import PRESETS, ModelConfig
 
     base = PRESETS["tiny"].to_dict()
     values = [None, "x", [], {}, True, 1.5, -1, 0, 10 ** 30, float("nan"), float("inf"), 1e-300]

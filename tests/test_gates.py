@@ -14,10 +14,10 @@ import torch
 from click.testing import CliRunner
 
 from runtime.manifest import read_manifest
-from toolkit.checkpoint import load_checkpoint, save_checkpoint
-from toolkit.cli import main
-from toolkit.config import preset
-from toolkit.model import Transformer
+from toolkit.reference.checkpoint import load_checkpoint, save_checkpoint
+from toolkit.apps.cli import main
+from toolkit.reference.config import preset
+from toolkit.reference.model import Transformer
 from toolkit.parity.generation import GenerationCheck, combine, needed_distinct
 
 FAST = ("--samples", "16", "--beam", "1", "--max-new-tokens", "8")
@@ -74,7 +74,7 @@ def test_teacher_forced_logits_catch_a_changed_model_whose_tokens_agree(random_m
     ckpt, bundle = random_model
     from toolkit.parity.generation import generation_parity
     from toolkit.parity.tolerances import tolerance
-    from toolkit.torch_engine import TorchEngine
+    from toolkit.reference.torch_engine import TorchEngine
 
     model = load_checkpoint(ckpt).model
     other = Transformer(model.config, seed=2)

@@ -16,8 +16,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs onnxru
 
 @pytest.fixture(scope="module")
 def toy(toy_exported):
-    from toolkit.checkpoint import load_checkpoint
-    from toolkit.tasks.toy import toy_inputs
+    from toolkit.reference.checkpoint import load_checkpoint
+    from toolkit.testing.toy import toy_inputs
 
     checkpoint, bundle = toy_exported
     ckpt = load_checkpoint(checkpoint)
@@ -63,7 +63,7 @@ def _padded(seqs):
 @pytest.mark.parametrize("beam", [1, 4])
 def test_cuda_fp32_tokens_equal_pytorch(toy, beam):
     from runtime.bundle import load_bundle
-    from toolkit.torch_engine import TorchEngine
+    from toolkit.reference.torch_engine import TorchEngine
 
     model, bundle, seqs = toy
     reference = _tokens(TorchEngine(model), seqs, beam)
@@ -86,7 +86,7 @@ def test_cuda_fp16_parity_within_the_fp16_row(toy, optimized):
     from toolkit.parity.generation import generation_parity
     from toolkit.parity.graphs import graph_parity
     from toolkit.parity.tolerances import tolerance
-    from toolkit.torch_engine import TorchEngine
+    from toolkit.reference.torch_engine import TorchEngine
 
     model, _, seqs = toy
     graphs = graph_parity(model, optimized["fp16"], provider="cuda", precision="fp16")
@@ -101,7 +101,7 @@ def test_cuda_static_cache_tokens_equal_pytorch(toy, beam, tmp_path_factory):
     """--kv-cache static for CUDA: the buffers live on the device and beams gather them there."""
     from exporters.optimize import optimize_bundle
     from runtime.bundle import load_bundle
-    from toolkit.torch_engine import TorchEngine
+    from toolkit.reference.torch_engine import TorchEngine
 
     model, bundle, seqs = toy
     static, report = optimize_bundle(bundle, tmp_path_factory.mktemp("cuda_static") / "b", target="cuda",

@@ -1,7 +1,7 @@
 """Marian (opus-mt) import against the original: transformers' MarianTokenizer and MarianMTModel.
 
 Everything is built offline: SentencePiece models trained on a generated corpus and a small MarianMTModel
-trained briefly on it (toolkit/tasks/tiny_marian.py), saved with save_pretrained, so the importer's real
+trained briefly on it (toolkit/testing/tiny_marian.py), saved with save_pretrained, so the importer's real
 loading code runs. The trained model's outputs vary with the input (>= 32 distinct of 64 is asserted), so
 token equality means something. The fused bundle's greedy and beam-4 tokens must equal MarianMTModel.generate's.
 """
@@ -25,12 +25,12 @@ from runtime.bundle import load_bundle  # noqa: E402
 from runtime.errors import BundleError  # noqa: E402
 from runtime.generate import generate_ids, pad_batch  # noqa: E402
 from runtime.search import SearchOptions  # noqa: E402
-from toolkit.checkpoint import load_checkpoint  # noqa: E402
-from toolkit.cli import main  # noqa: E402
-from toolkit.importers import import_model  # noqa: E402
+from toolkit.reference.checkpoint import load_checkpoint  # noqa: E402
+from toolkit.apps.cli import main  # noqa: E402
+from toolkit.reference.importers import import_model  # noqa: E402
 from toolkit.parity.original import hf_generate, load_marian, logits_check, marian_parity  # noqa: E402
-from toolkit.tasks.tiny_marian import TRAINED, build_tiny_marian, corpus, held_out  # noqa: E402
-from toolkit.torch_engine import TorchEngine  # noqa: E402
+from toolkit.testing.tiny_marian import TRAINED, build_tiny_marian, corpus, held_out  # noqa: E402
+from toolkit.reference.torch_engine import TorchEngine  # noqa: E402
 
 TEXTS = corpus(n=64, seed=1)
 ODD = [">>de<< ka lo mi.", ">>fr<<ka", "ka </s> lo", "ω zen ar!", "  ka  lo  ", "KA LO", ">>xx<< mi", "<unk> <pad> ta",

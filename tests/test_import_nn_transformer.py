@@ -19,10 +19,10 @@ from torch.nn import Transformer
 
 from runtime.generate import generate_ids
 from runtime.search import SearchOptions
-from toolkit.checkpoint import load_checkpoint
-from toolkit.cli import main
-from toolkit.importers import import_model
-from toolkit.torch_engine import TorchEngine
+from toolkit.reference.checkpoint import load_checkpoint
+from toolkit.apps.cli import main
+from toolkit.reference.importers import import_model
+from toolkit.reference.torch_engine import TorchEngine
 
 UNK_IDX, PAD_IDX, BOS_IDX, EOS_IDX = 0, 1, 2, 3
 
@@ -238,7 +238,7 @@ def test_sentencepiece_models_per_side(tmp_path):
     pytest.importorskip("sentencepiece")
     import sentencepiece as spm
 
-    from toolkit.tasks.tiny_marian import corpus
+    from toolkit.testing.tiny_marian import corpus
 
     lines = corpus(n=500, seed=3)
     for side in ("src", "tgt"):                            # the tutorial's special ids: unk 0, pad 1, bos 2, eos 3
@@ -262,7 +262,7 @@ def test_sentencepiece_models_per_side(tmp_path):
 def test_trained_tutorial_model_passes_the_int8_gate(tmp_path):
     """The tutorial-like family on a realistic footing: the tutorial's module (interleaved positions, relu, the final
     encoder/decoder LayerNorms, untied generator, separate vocabularies), trained as the tutorial trains it on a
-    text task (toolkit.tasks.tiny_marian's syllable cipher) with one SentencePiece model per side, imported with its
+    text task (toolkit.testing.tiny_marian's syllable cipher) with one SentencePiece model per side, imported with its
     tokenizers, fused, and its int8 bundle verified by the gate (>= 98% of greedy tokens) on held-out texts."""
     pytest.importorskip("sentencepiece")
     import sentencepiece as spm
@@ -271,7 +271,7 @@ def test_trained_tutorial_model_passes_the_int8_gate(tmp_path):
     from exporters.optimize import optimize_bundle
     from runtime.manifest import read_manifest
     from toolkit.parity.tolerances import tolerance
-    from toolkit.tasks.tiny_marian import cipher, corpus, held_out
+    from toolkit.testing.tiny_marian import cipher, corpus, held_out
 
     lines = corpus(seed=0)
     targets = [cipher(t) for t in lines]

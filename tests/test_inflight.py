@@ -14,7 +14,7 @@ from runtime.errors import InputError
 from runtime.generate import generate_ids
 from runtime.inflight import InflightBatch, check_engine
 from runtime.search import SearchOptions
-from toolkit.tasks.toy import toy_inputs
+from toolkit.testing.toy import toy_inputs
 
 
 @pytest.fixture(scope="module")

@@ -19,8 +19,8 @@ from onnx import TensorProto, helper
 from exporters.bundle import build_manifest, graph_entry, op_counts, stage_bundle, write_manifest
 from runtime.errors import BundleError
 from runtime.manifest import FORMAT_VERSION, format_inspect, inspect_report, read_manifest, verify_hashes
-from toolkit.cli import main
-from toolkit.config import preset
+from toolkit.apps.cli import main
+from toolkit.reference.config import preset
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -87,7 +87,7 @@ def test_cli_inspect_text_and_json(bundle):
 def test_inspect_works_without_torch_or_onnx(bundle):
     """Only onnxruntime, numpy and click are needed: torch, onnx and onnxscript are made unimportable."""
     code = ("import sys; sys.modules.update(torch=None, onnx=None, onnxscript=None); "
-            "from toolkit.cli import main; main(['inspect', sys.argv[1]])")
+            "from toolkit.apps.cli import main; main(['inspect', sys.argv[1]])")
     run = subprocess.run([sys.executable, "-c", code, str(bundle)], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert run.returncode == 0, run.stderr
     assert "mha_self_past 2" in run.stdout

@@ -7,8 +7,8 @@ import torch
 
 from runtime.generate import generate_ids, pad_batch
 from runtime.search import SearchOptions
-from toolkit.tasks.toy import toy_inputs
-from toolkit.torch_engine import TorchEngine
+from toolkit.testing.toy import toy_inputs
+from toolkit.reference.torch_engine import TorchEngine
 
 ATOL = 1e-5  # fp32: cached and uncached paths do the same arithmetic in a different order
 
@@ -87,8 +87,8 @@ def test_generated_tokens_do_not_depend_on_batching(toy_model, beam):
 def test_dropout_acts_in_train_mode_and_is_off_in_eval_mode():
     """With dropout 0.3, train() gives a different output each call; eval() gives one output, the same as the
     same weights with dropout 0."""
-    from toolkit.config import preset
-    from toolkit.model import Transformer
+    from toolkit.reference.config import preset
+    from toolkit.reference.model import Transformer
 
     torch.manual_seed(0)
     model = Transformer(preset("tiny", dropout=0.3))

@@ -25,11 +25,11 @@ from toolkit.parity import ParityError
 from runtime.generate import generate_ids
 from runtime.manifest import read_manifest, verify_hashes
 from runtime.search import SearchOptions
-from toolkit.checkpoint import load_checkpoint
-from toolkit.cli import main
-from toolkit.config import preset
-from toolkit.model import Transformer
-from toolkit.outdir import OutputError
+from toolkit.reference.checkpoint import load_checkpoint
+from toolkit.apps.cli import main
+from toolkit.reference.config import preset
+from toolkit.reference.model import Transformer
+from toolkit.reference.outdir import OutputError
 from toolkit.parity.graphs import graph_parity
 from toolkit.parity.tolerances import tolerance
 
@@ -304,7 +304,7 @@ def test_config_grid(overrides, tmp_path):
 def test_int8_on_the_dates_example(dates_checkpoint, tmp_path):
     """The int8 row of the tolerance table: >= 98% greedy tokens and task accuracy within 1 point."""
     from runtime.bundle import load_bundle as load
-    from toolkit.tasks import dates
+    from toolkit.reference.tasks import dates
 
     ckpt = dates_checkpoint
     bundle = export_model(ckpt.model, tmp_path / "bundle", tokenizer=ckpt.path / "tokenizer.json")

@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-import toolkit.outdir as O
+import toolkit.reference.outdir as O
 from runtime.manifest import MANIFEST
-from toolkit.checkpoint import CHECKPOINT_KIND, load_checkpoint, save_checkpoint
-from toolkit.cli import main
-from toolkit.config import preset
-from toolkit.model import Transformer
-from toolkit.outdir import STAGING, OutputError, remove_stale
+from toolkit.reference.checkpoint import CHECKPOINT_KIND, load_checkpoint, save_checkpoint
+from toolkit.apps.cli import main
+from toolkit.reference.config import preset
+from toolkit.reference.model import Transformer
+from toolkit.reference.outdir import STAGING, OutputError, remove_stale
 
 
 def staged(parent: Path) -> list[str]:

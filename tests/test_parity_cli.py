@@ -14,13 +14,13 @@ from click.testing import CliRunner
 
 from runtime.manifest import file_entries, sha256_file
 from runtime.tokenizer import CharTokenizer
-from toolkit.checkpoint import save_checkpoint
-from toolkit.cli import main
-from toolkit.config import preset
-from toolkit.model import Transformer
+from toolkit.reference.checkpoint import save_checkpoint
+from toolkit.apps.cli import main
+from toolkit.reference.config import preset
+from toolkit.reference.model import Transformer
 from toolkit.parity.generation import compare_tokens, generation_parity, parity_inputs
 from toolkit.parity.tolerances import tolerance
-from toolkit.torch_engine import TorchEngine
+from toolkit.reference.torch_engine import TorchEngine
 
 HAS_CUDA = "CUDAExecutionProvider" in __import__("onnxruntime").get_available_providers()
 FAST = ["--samples", "16", "--max-new-tokens", "12"]
@@ -155,7 +155,7 @@ def test_the_token_verdict_turns_at_the_tables_threshold():
 
 
 def test_inputs_are_dates_examples_for_a_dates_model_else_random():
-    dates = pytest.importorskip("toolkit.tasks.dates")
+    dates = pytest.importorskip("toolkit.reference.tasks.dates")
     tok = dates.make_tokenizer()
     config = preset("tiny", vocab_size=tok.vocab_size, max_len=dates.MAX_SOURCE_LEN)
     seqs, source = parity_inputs(config, tok, 30)

@@ -25,7 +25,7 @@ from runtime.bundle import load_bundle
 from runtime.generate import generate_ids
 from runtime.manifest import read_manifest
 from runtime.search import SearchOptions
-from toolkit.cli import main
+from toolkit.apps.cli import main
 
 K, H, V = 48, 96, 40
 
@@ -155,7 +155,7 @@ def test_activation_scales_is_for_int8_only(toy_exported, tmp_path):
 def test_dates_per_row_passes_the_int8_gate_and_its_rows_ignore_neighbours(dates_checkpoint, tmp_path):
     """The gate (>= 98% greedy tokens, held-out accuracy within 1 point) on the dates model, per-row scales; and
     held-out dates give the same tokens and scores alone and in a batch of mixed-length neighbours."""
-    from toolkit.tasks.dates import TARGET_LEN, held_out_examples
+    from toolkit.reference.tasks.dates import TARGET_LEN, held_out_examples
 
     ckpt = dates_checkpoint
     bundle = export_model(ckpt.model, tmp_path / "bundle", tokenizer=ckpt.path / "tokenizer.json")

@@ -23,8 +23,8 @@ from runtime.manifest import FORMAT_VERSION, file_entries, sha256_file
 from runtime.ort_engine import default_io_binding
 from runtime.search import SearchOptions
 from runtime.session import FLOAT, INT64, SessionConfig, choose_provider, gather_model, make_session
-from toolkit.tasks.toy import toy_inputs
-from toolkit.torch_engine import TorchEngine
+from toolkit.testing.toy import toy_inputs
+from toolkit.reference.torch_engine import TorchEngine
 
 ROOT = Path(__file__).resolve().parents[1]
 DATES = ROOT / "examples" / "dates" / "checkpoint"
@@ -356,7 +356,7 @@ def test_bad_requests_are_input_errors(engines, seqs, message):
     (["--ids", "5", "--beam", "2", "--num-return", "3"], "number of returned hypotheses"),
 ])
 def test_generate_cli_bad_input_exits_2(bundle, args, message):
-    from toolkit.cli import main
+    from toolkit.apps.cli import main
 
     result = CliRunner().invoke(main, ["generate", str(bundle), "--provider", "cpu", *args])
     assert result.exit_code == 2, result.output
@@ -364,7 +364,7 @@ def test_generate_cli_bad_input_exits_2(bundle, args, message):
 
 
 def test_generate_cli_broken_bundle_exits_2(bundle_copy):
-    from toolkit.cli import main
+    from toolkit.apps.cli import main
 
     (bundle_copy / "decoder.onnx").write_bytes(b"not a graph")
     result = CliRunner().invoke(main, ["generate", str(bundle_copy), "--ids", "5 6"])
@@ -378,7 +378,7 @@ def test_generate_cli_broken_bundle_exits_2(bundle_copy):
 @pytest.mark.skipif(not (DATES / "config.json").exists(), reason=f"example checkpoint {DATES} not trained yet")
 def test_example_model_tokens_equal_pytorch_on_200_inputs(tmp_path):
     from exporters.export import export_checkpoint
-    from toolkit.checkpoint import load_checkpoint
+    from toolkit.reference.checkpoint import load_checkpoint
     from toolkit.parity.generation import parity_inputs
 
     ckpt = load_checkpoint(DATES)

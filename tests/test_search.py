@@ -9,8 +9,8 @@ import torch
 from runtime.errors import InputError
 from runtime.generate import generate_ids, to_outputs
 from runtime.search import SearchOptions, beam_search, greedy
-from toolkit.tasks.toy import toy_inputs
-from toolkit.torch_engine import TorchEngine
+from toolkit.testing.toy import toy_inputs
+from toolkit.reference.torch_engine import TorchEngine
 
 
 @pytest.fixture(scope="module")

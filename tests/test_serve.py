@@ -1,4 +1,4 @@
-"""The HTTP server (toolkit/serve): batching gives every request its unbatched output, bad requests get one-line
+"""The HTTP server (toolkit/apps/serve): batching gives every request its unbatched output, bad requests get one-line
 4xx answers, overload gets 503 + Retry-After, clients that leave free their rows, SIGTERM drains and exits 0.
 
 Servers listen on 127.0.0.1 with a free port; every load is bounded in requests and time.
@@ -27,10 +27,10 @@ from click.testing import CliRunner  # noqa: E402
 from runtime.bundle import load_bundle  # noqa: E402
 from runtime.generate import generate_ids  # noqa: E402
 from runtime.search import SearchOptions  # noqa: E402
-from toolkit.serve.app import ServeSettings, Service, bind, create_app  # noqa: E402
-from toolkit.serve.loadtest import LoadSpec, make_requests  # noqa: E402
-from toolkit.serve.scheduler import Job, Overloaded, Scheduler  # noqa: E402
-from toolkit.tasks.toy import toy_inputs  # noqa: E402
+from toolkit.apps.serve.app import ServeSettings, Service, bind, create_app  # noqa: E402
+from toolkit.apps.serve.loadtest import LoadSpec, make_requests  # noqa: E402
+from toolkit.apps.serve.scheduler import Job, Overloaded, Scheduler  # noqa: E402
+from toolkit.testing.toy import toy_inputs  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -160,7 +160,7 @@ def test_batched_requests_equal_their_unbatched_outputs(bundles, config, kv):
 def test_server_answers_the_records_of_generate_json(bundle):
     from fastapi.testclient import TestClient
 
-    from toolkit.cli import main
+    from toolkit.apps.cli import main
 
     texts = ["abcdef", "XYZ", "hello", "q"]
     cli = CliRunner().invoke(main, ["generate", str(bundle), *texts, "--json", "--provider", "cpu",
@@ -398,7 +398,7 @@ def test_scheduler_queue_is_bounded():
 # --- the command: SIGTERM drains and exits 0; bad settings exit 2 ---
 
 def start_server(bundle: Path, *args: str) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, "-m", "toolkit.cli", "serve", str(bundle), "--port", "0",
+    proc = subprocess.Popen([sys.executable, "-m", "toolkit.apps.cli", "serve", str(bundle), "--port", "0",
                              "--provider", "cpu", *args], stderr=subprocess.PIPE, text=True, cwd=ROOT,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     deadline = time.monotonic() + 60
@@ -448,14 +448,14 @@ def test_sigterm_finishes_in_flight_requests_and_exits_0(bundle):
     (["--threads", "0"], "--threads must be at least 1"),
 ])
 def test_serve_bad_settings_exit_2(bundle, args, message):
-    from toolkit.cli import main
+    from toolkit.apps.cli import main
 
     result = CliRunner().invoke(main, ["serve", str(bundle), "--port", "0", *args])
     assert result.exit_code == 2 and message in result.stderr and "Traceback" not in result.stderr, result.output
 
 
 def test_serve_missing_bundle_and_taken_port_exit_2(bundle, tmp_path):
-    from toolkit.cli import main
+    from toolkit.apps.cli import main
 
     result = CliRunner().invoke(main, ["serve", str(tmp_path / "nope"), "--port", "0"])
     assert result.exit_code == 2 and "does not exist" in result.stderr, result.output
@@ -470,7 +470,7 @@ def test_serve_missing_bundle_and_taken_port_exit_2(bundle, tmp_path):
 # --- the load generator ---
 
 def test_loadtest_is_bounded_and_counts_every_answer(bundle):
-    from toolkit.cli import main
+    from toolkit.apps.cli import main
 
     service = Service.load(bundle, ServeSettings(provider="cpu", max_batch=8))
     with serving(service) as url:
@@ -492,14 +492,14 @@ def test_loadtest_is_bounded_and_counts_every_answer(bundle):
     ("ftp://127.0.0.1", "not an http URL"),
 ])
 def test_loadtest_refuses_other_hosts_and_absent_servers(url, message):
-    from toolkit.cli import main
+    from toolkit.apps.cli import main
 
     result = CliRunner().invoke(main, ["loadtest", url, "--requests", "1"])
     assert result.exit_code == 2 and message in result.stderr, result.output
 
 
 def test_server_modules_do_not_import_torch():
-    code = ("import sys; import toolkit.serve.app, toolkit.serve.loadtest, toolkit.commands.serve; "
+    code = ("import sys; import toolkit.apps.serve.app, toolkit.apps.serve.loadtest, toolkit.apps.commands.serve; "
             "assert 'torch' not in sys.modules and 'onnx' not in sys.modules, 'torch or onnx imported'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
 

@@ -1,4 +1,4 @@
-"""The server's in-flight batching (toolkit/serve/inflight.py): greedy requests join the running batch at the next
+"""The server's in-flight batching (toolkit/apps/serve/inflight.py): greedy requests join the running batch at the next
 step and each gets its unbatched output; beam requests still batch request-level; a client that leaves frees its
 slots; SIGTERM answers every accepted request and exits 0; bundles that cannot run in-flight are refused or fall
 back as --batching says."""
@@ -19,10 +19,10 @@ from click.testing import CliRunner  # noqa: E402
 from runtime.bundle import load_bundle  # noqa: E402
 from runtime.generate import generate_ids  # noqa: E402
 from runtime.search import SearchOptions  # noqa: E402
-from toolkit.serve.app import ServeError, ServeSettings, Service  # noqa: E402
-from toolkit.serve.inflight import InflightScheduler  # noqa: E402
-from toolkit.serve.scheduler import Job, Scheduler  # noqa: E402
-from toolkit.tasks.toy import toy_inputs  # noqa: E402
+from toolkit.apps.serve.app import ServeError, ServeSettings, Service  # noqa: E402
+from toolkit.apps.serve.inflight import InflightScheduler  # noqa: E402
+from toolkit.apps.serve.scheduler import Job, Scheduler  # noqa: E402
+from toolkit.testing.toy import toy_inputs  # noqa: E402
 
 from test_serve import assert_same, bundles, metric, start_server  # noqa: E402,F401 (bundles: a fixture)
 
@@ -110,7 +110,7 @@ def test_batching_setting_chooses_and_refuses(bundles):
     assert type(request.scheduler) is Scheduler
     with pytest.raises(ServeError, match="--batching inflight: .*static-cache decoder.*--kv-cache static"):
         Service.load(bundles["dynamic"], ServeSettings(provider="cpu", batching="inflight"))
-    from toolkit.cli import main
+    from toolkit.apps.cli import main
 
     result = CliRunner().invoke(main, ["serve", str(bundles["dynamic"]), "--port", "0", "--batching", "inflight"])
     assert result.exit_code == 2 and "--kv-cache static" in result.stderr and "Traceback" not in result.output

@@ -14,15 +14,15 @@ pytest.importorskip("fastapi")
 import httpx  # noqa: E402
 from click.testing import CliRunner  # noqa: E402
 
-from toolkit.cli import main  # noqa: E402
-from toolkit.serve.app import ServeSettings, bind  # noqa: E402
+from toolkit.apps.cli import main  # noqa: E402
+from toolkit.apps.serve.app import ServeSettings, bind  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def ray_local():
-    from toolkit.serve.ray_data import init_ray
+    from toolkit.apps.serve.ray_data import init_ray
 
     init_ray(None, num_cpus=2)
     yield
@@ -65,8 +65,8 @@ def static_bundle(toy_exported, tmp_path_factory):
 def test_serve_on_ray_answers_like_serve(ray_local, toy_exported, static_bundle, kind):
     from fastapi.testclient import TestClient
 
-    from toolkit.serve.app import Service, create_app
-    from toolkit.serve.ray_serve import serve_on_ray
+    from toolkit.apps.serve.app import Service, create_app
+    from toolkit.apps.serve.ray_serve import serve_on_ray
 
     bundle = toy_exported[1] if kind == "request-level" else static_bundle   # auto batching: the bundle decides
     free = bind("127.0.0.1", 0)
@@ -111,7 +111,7 @@ def test_serve_ray_command_drains_on_sigterm_and_exits_0(toy_exported):
     free = bind("127.0.0.1", 0)
     port = free.getsockname()[1]
     free.close()
-    proc = subprocess.Popen([sys.executable, "-m", "toolkit.cli", "serve", str(toy_exported[1]), "--ray",
+    proc = subprocess.Popen([sys.executable, "-m", "toolkit.apps.cli", "serve", str(toy_exported[1]), "--ray",
                              "--replicas", "1", "--threads", "1", "--port", str(port), "--provider", "cpu"],
                             stderr=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[1],
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})

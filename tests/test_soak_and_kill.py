@@ -17,7 +17,7 @@ import pytest
 
 from runtime.bundle import load_bundle
 from runtime.manifest import read_manifest, verify_hashes
-from toolkit.outdir import STAGING
+from toolkit.reference.outdir import STAGING
 
 ROOT = Path(__file__).resolve().parents[1]
 ONNXFORMER = Path(sys.executable).parent / "onnxformer"

@@ -23,8 +23,8 @@ from runtime.session import make_session
 from runtime.spec import (DECODER_ATTENTION_MASK, PAST_SEQUENCE_LENGTH, POSITION_IDS, default_row_inputs,
                           graph_specs)
 from runtime.static_cache import DynamicView, is_static
-from toolkit.checkpoint import load_checkpoint
-from toolkit.cli import main
+from toolkit.reference.checkpoint import load_checkpoint
+from toolkit.apps.cli import main
 from toolkit.parity.graphs import graph_parity
 
 from conftest import copy_with_manifest

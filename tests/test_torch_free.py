@@ -18,8 +18,8 @@ import pytest
 from runtime.generate import generate_ids, to_outputs
 from runtime.search import SearchOptions
 from runtime.tokenizer import CharTokenizer
-from toolkit.checkpoint import load_checkpoint
-from toolkit.torch_engine import TorchEngine
+from toolkit.reference.checkpoint import load_checkpoint
+from toolkit.reference.torch_engine import TorchEngine
 
 ROOT = Path(__file__).resolve().parents[1]
 ONNXFORMER = Path(sys.executable).with_name("onnxformer")

@@ -16,14 +16,14 @@ import torch
 from exporters.export import export_model
 from exporters.optimize import optimize_bundle
 from runtime.bundle import load_bundle
-from toolkit.errors import ConfigError
+from toolkit.reference.errors import ConfigError
 from runtime.generate import generate_ids
 from runtime.manifest import read_manifest
 from runtime.search import SearchOptions
-from toolkit.config import ModelConfig, preset
-from toolkit.model import Transformer, sinusoid_table
+from toolkit.reference.config import ModelConfig, preset
+from toolkit.reference.model import Transformer, sinusoid_table
 from toolkit.parity.graphs import graph_parity
-from toolkit.torch_engine import TorchEngine
+from toolkit.reference.torch_engine import TorchEngine
 
 VARIANTS = {
     "marian": dict(positions="halves", activation="silu", logits_bias=True, suppress_pad=True, pad_id=0, bos_id=0,

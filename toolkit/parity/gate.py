@@ -10,7 +10,7 @@ What the row asks is judged, against the source bundle's graphs on the same prov
 - token_match: greedy tokens over `samples` inputs (the task's held-out inputs, else random ids); the reference
   outputs must vary (toolkit.parity.generation), else teacher-forced logits decide, judged by atol, and without
   an atol (int8) the tokens are no verdict: "inconclusive", which a gate refuses like "failed";
-- accuracy_drop (not None): the task metric of the model's task (toolkit.tasks.task_accuracy), the candidate at
+- accuracy_drop (not None): the task metric of the model's task (toolkit.reference.tasks.task_accuracy), the candidate at
   most that many points below the source, where the task has one.
 """
 
@@ -22,11 +22,11 @@ from runtime.errors import InputError
 from runtime.ort_engine import OrtEngine
 from runtime.session import SessionConfig, make_session
 from runtime.tokenizer import load_tokenizer
-from toolkit.config import ModelConfig
+from toolkit.reference.config import ModelConfig
 from toolkit.parity.generation import combine, generation_parity, parity_inputs
 from toolkit.parity.graphs import bundle_parity
 from toolkit.parity.tolerances import tolerance
-from toolkit.tasks import task_accuracy
+from toolkit.reference.tasks import task_accuracy
 
 ACCURACY_SAMPLES = 1000             # held-out examples for the task metric: 1 point = 10 examples
 

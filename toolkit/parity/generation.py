@@ -23,7 +23,7 @@ from runtime.errors import InputError
 from runtime.generate import generate_ids, pad_batch
 from runtime.search import SearchOptions
 from toolkit.parity.tolerances import MIN_REFERENCE_STD, Tolerance
-from toolkit.tasks import task_parity_inputs
+from toolkit.reference.tasks import task_parity_inputs
 
 BATCH = 64                          # inputs per generate call (both engines see the same padded batches)
 VERDICTS = ("ok", "failed", "inconclusive")
@@ -143,7 +143,7 @@ def _fallback(record: dict | None) -> str:
 
 
 def parity_inputs(config, tokenizer=None, samples: int = 100, seed: int = 0) -> tuple[list[list[int]], str]:
-    """Token id inputs and their description: the held-out examples of the model's task (toolkit.tasks), else
+    """Token id inputs and their description: the held-out examples of the model's task (toolkit.reference.tasks), else
     random ids."""
     if samples < 1:
         raise InputError(f"--samples must be at least 1, got {samples}")

@@ -39,8 +39,8 @@ from runtime.spec import (CROSS, KV, PRESENT, SELF, cache_name, cache_names, def
                           graph_specs, past_of, takes_row_inputs,
                           source_pad_id)
 from runtime.static_cache import dynamic_view
-from toolkit.config import ModelConfig
-from toolkit.model import Transformer
+from toolkit.reference.config import ModelConfig
+from toolkit.reference.model import Transformer
 from toolkit.parity import ParityError
 from toolkit.parity.tolerances import MIN_REFERENCE_STD, Tolerance, tolerance
 

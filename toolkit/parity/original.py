@@ -40,7 +40,7 @@ def is_marian_dir(path: str | Path) -> bool:
     path = Path(path)
     if not (path / "config.json").is_file() or (path / "manifest.json").exists():
         return False
-    from toolkit.importers.marian import read_json
+    from toolkit.reference.importers.marian import read_json
 
     return read_json(path / "config.json").get("model_type") == "marian"
 
@@ -233,7 +233,7 @@ def marian_parity(original: str | Path, engine, candidate: str = "", texts: list
                   samples: int = 64, beams=(1, 4), max_new_tokens: int = 32, length_penalty: float = 1.0,
                   tokenizer=None, token_match: float = 1.0, progress=None) -> OriginalReport:
     """Compare an engine (bundle or checkpoint) with the Marian model it was imported from."""
-    from toolkit.importers.marian import import_marian_model
+    from toolkit.reference.importers.marian import import_marian_model
 
     progress = progress or (lambda msg: None)
     model, tok = load_marian(original)

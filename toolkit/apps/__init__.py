@@ -1,0 +1,1 @@
+"""The applications: the onnxformer command line, the server, benchmarks and the demo (the top layer)."""

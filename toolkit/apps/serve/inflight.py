@@ -1,0 +1,162 @@
+"""In-flight (continuous) batching for the server: greedy requests join the running batch at the next step.
+
+    scheduler = InflightScheduler(engine, max_batch=32, max_queue=256)   # same interface as Scheduler
+    scheduler.start(); future = scheduler.submit(Job(sequences, opts)); scheduler.stop()
+
+One decoding thread drives a runtime.inflight.InflightBatch of max_batch slots. Before every step it admits
+waiting greedy jobs, oldest first, while their inputs fit in the free slots (the encoder runs for the joiners
+only); after the step, rows that finished leave at once and a job whose rows are all done gets its answer, so
+a short request never waits for a long one. Each row keeps its own max_new_tokens and ignore_eos. Beam jobs
+keep request-level batching: when the oldest waiting job is a beam job, admission stops until the running
+rows are done, then its batch (same width, length, penalty) decodes as in Scheduler.
+
+The guarantees are Scheduler's: the queue (waiting + decoding jobs) is bounded by max_queue, every accepted
+job's future is resolved exactly once, a cancelled job that waits never runs, one that decodes gives up its rows
+at the next step (their slots go to the next joiners), and stop() drains every accepted job first.
+"""
+
+from __future__ import annotations
+
+import time
+
+from runtime.inflight import InflightBatch, check_engine
+from runtime.search import SearchOptions
+from toolkit.apps.serve.scheduler import Job, Scheduler
+
+
+class InflightScheduler(Scheduler):
+    """Scheduler whose greedy jobs decode in one in-flight batch (runtime/inflight.py)."""
+
+    kind = "in-flight"
+
+    def __init__(self, engine, max_batch: int = 32, max_wait_ms: float = 5.0, max_queue: int = 256, metrics=None):
+        check_engine(engine)                                     # InputError (one line) where it cannot run
+        super().__init__(engine, max_batch, max_wait_ms, max_queue, metrics)
+        self.batch = InflightBatch(engine, slots=max_batch)
+        self._rows: dict[Job, list] = {}                         # decoding greedy jobs -> their rows
+        self.steps = 0
+
+    def warm_up(self) -> None:
+        """A few steps with every slot in use, so the first requests do not pay for first runs."""
+        seq = [min(self.engine.vocab_size - 1, max(self.engine.eos_id, self.engine.pad_id, self.engine.bos_id) + 1)]
+        warm = InflightBatch(self.engine, slots=self.max_batch, opts=SearchOptions(ignore_eos=True))
+        warm.join([seq * 4] * self.max_batch, [3] * self.max_batch)
+        while warm.live:
+            warm.step()
+
+    def cancel(self, job: Job) -> None:
+        super().cancel(job)                                      # drops a waiting job; stops a beam batch's rows
+        with self._cond:
+            rows = self._rows.get(job)
+        for row in rows or ():
+            self.batch.stop(row)                                 # it leaves before the next step
+
+    # --- the decoding thread ---
+
+    def _admit(self) -> tuple[list[Job], list[Job] | None]:
+        """Under the lock: greedy jobs that join now, or a beam batch to decode once no row is live (None: stop)."""
+        with self._cond:
+            while not self._pending and not self._rows and not self._stopping:
+                self._cond.wait()
+            if not self._pending and not self._rows:
+                return [], None                                  # stopping, nothing left
+            joining, free = [], self.batch.free
+            for job in list(self._pending):
+                if job.opts.beam != 1:
+                    break                                        # a beam job waits its turn: nothing passes it
+                if len(job.sequences) > free:
+                    break                                        # oldest first: later jobs wait behind it
+                joining.append(job)
+                free -= len(job.sequences)
+                self._pending.remove(job)
+            beam = None
+            if not joining and not self._rows and self._pending and self._pending[0].opts.beam != 1:
+                first = self._pending[0]
+                beam, rows = [], 0
+                for job in list(self._pending):
+                    if job.key() == first.key() and rows + len(job.sequences) <= self.max_batch:
+                        beam.append(job)
+                        rows += len(job.sequences)
+                for job in beam:
+                    self._pending.remove(job)
+                self._running = list(beam)
+            for job in joining:
+                self._rows[job] = []
+            self._running = list(self._rows) if beam is None else self._running
+            self._gauge()
+            return joining, beam or []
+
+    def _loop(self) -> None:
+        while True:
+            joining, beam = self._admit()
+            if beam is None:
+                return
+            if beam:
+                try:
+                    self._decode(beam)                           # request-level, as Scheduler
+                finally:
+                    with self._cond:
+                        self._running = []
+                continue
+            try:
+                self._join(joining)
+                self._step()
+            except Exception as exc:                             # the engine failed: every live job gets the error
+                self._fail(exc)
+
+    def _join(self, jobs: list[Job]) -> None:
+        """Every admitted job's inputs join in one InflightBatch.join: one encoder run for all of them."""
+        if not jobs:
+            return
+        now = time.monotonic()
+        sequences = [seq for job in jobs for seq in job.sequences]
+        limits = [job.opts.max_new_tokens for job in jobs for _ in job.sequences]
+        keys = [(job, i) for job in jobs for i in range(len(job.sequences))]
+        rows = iter(self.batch.join(sequences, limits, keys))
+        for job in jobs:
+            job.started = now
+            self._rows[job] = [next(rows) for _ in job.sequences]
+            for row in self._rows[job]:
+                row.ignore_eos = job.opts.ignore_eos
+                if job.cancelled:
+                    self.batch.stop(row)
+            if self.metrics is not None:
+                self.metrics.queue_wait.observe(now - job.arrived)
+            self._finish_if_done(job)
+        if self.metrics is not None:
+            self.metrics.joined_rows.observe(len(sequences))
+
+    def _step(self) -> None:
+        if not self.batch.live:
+            return
+        if self.metrics is not None:
+            self.metrics.batch_rows.observe(self.batch.live)
+            self.metrics.active_rows.set(self.batch.live)
+        left = self.batch.step()
+        self.steps += 1
+        self.batches = self.steps
+        for job in {row.key[0] for row in left}:
+            self._finish_if_done(job)
+        if self.metrics is not None:
+            self.metrics.active_rows.set(self.batch.live)
+
+    def _finish_if_done(self, job: Job) -> None:
+        rows = self._rows.get(job)
+        if rows is None or any(r.limit > 0 and not r.left for r in rows):
+            return
+        with self._cond:
+            del self._rows[job]
+            self._running = list(self._rows)
+        if not job.future.done():
+            job.future.set_result([[row.hypothesis()] for row in rows])
+
+    def _fail(self, exc: Exception) -> None:
+        with self._cond:
+            jobs, self._rows, self._running = list(self._rows), {}, []
+        self.batch = InflightBatch(self.engine, slots=self.max_batch)    # a fresh batch for the next jobs
+        for job in jobs:
+            if not job.future.done():
+                job.future.set_exception(exc)
+
+
+__all__ = ["InflightScheduler"]

@@ -1,0 +1,147 @@
+"""The model configuration: one frozen dataclass, its presets, and its JSON form."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from runtime.errors import read_json
+from toolkit.reference.errors import ConfigError
+
+
+ACTIVATIONS = ("relu", "gelu", "silu")
+POSITIONS = ("interleaved", "halves")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Sizes and choices of the encoder-decoder Transformer ("Attention Is All You Need", sec. 3)."""
+
+    vocab_size: int = 8000          # shared source/target vocabulary (the paper shares one BPE vocab)
+    d_model: int = 512              # model width, d_model in the paper
+    n_heads: int = 8                # attention heads h; d_k = d_v = d_model / h
+    n_encoder_layers: int = 6       # N encoder layers
+    n_decoder_layers: int = 6       # N decoder layers
+    d_ff: int = 2048                # inner size of the position-wise feed-forward network
+    max_len: int = 256              # longest source and longest target (positional table size)
+    dropout: float = 0.1            # P_drop, applied only in training
+    norm: str = "post"              # "post": LayerNorm(x + sublayer(x)) as in the paper; "pre": x + sublayer(LayerNorm(x))
+    activation: str = "relu"        # FFN non-linearity: "relu" (paper), "gelu" (exact erf) or "silu" (x * sigmoid(x), Marian's swish)
+    tie_embeddings: bool = True     # output projection shares the target embedding matrix (sec. 3.4)
+    layer_norm_eps: float = 1e-5    # LayerNorm epsilon
+    pad_id: int = 0                 # padding token
+    bos_id: int = 1                 # decoder start token (Marian starts from pad: bos_id == pad_id)
+    eos_id: int = 2                 # end of sequence
+    # variants of real checkpoints (importers set them; the defaults are the paper's choices)
+    positions: str = "interleaved"  # sinusoid table: "interleaved" sin/cos (paper) or "halves": sin | cos (Marian)
+    scale_embeddings: bool = True   # token embeddings times sqrt(d_model) (paper); False: times 1
+    logits_bias: bool = False       # a bias added to the logits (Marian's final_logits_bias, a tutorial Linear's bias)
+    src_vocab_size: int | None = None   # source vocabulary size when it differs from the target's (None: shared)
+    share_embeddings: bool = True   # source and target token embeddings are one matrix (needs one vocabulary size)
+    final_norm: bool = False        # a LayerNorm after the post-norm encoder and decoder stacks (torch.nn.Transformer)
+    suppress_pad: bool = False      # never generate pad (Marian: its bad_words_ids are [[pad]])
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    def validate(self) -> None:
+        """Reject sizes the model cannot be built with, naming the fix."""
+        ints = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.type in ("int", int)}
+        for name, value in ints.items():
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ConfigError(f"config field {name!r} must be an integer, got {value!r}")
+        for name in ("vocab_size", "d_model", "n_heads", "n_encoder_layers", "n_decoder_layers", "d_ff", "max_len"):
+            if ints[name] < 1:
+                raise ConfigError(f"config field {name!r} must be at least 1, got {ints[name]}")
+        if self.d_model % self.n_heads:
+            raise ConfigError(
+                f"d_model ({self.d_model}) is not divisible by n_heads ({self.n_heads}); "
+                f"choose a head count that divides d_model")
+        if self.norm not in ("post", "pre"):
+            raise ConfigError(f"norm must be 'post' or 'pre', got {self.norm!r}")
+        if self.activation not in ACTIVATIONS:
+            raise ConfigError(f"activation must be one of {', '.join(ACTIVATIONS)}, got {self.activation!r}")
+        if self.positions not in POSITIONS:
+            raise ConfigError(f"positions must be one of {', '.join(POSITIONS)}, got {self.positions!r}")
+        for name in ("tie_embeddings", "scale_embeddings", "logits_bias", "share_embeddings", "final_norm",
+                     "suppress_pad"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"config field {name!r} must be true or false, got {getattr(self, name)!r}")
+        if self.src_vocab_size is not None and (not isinstance(self.src_vocab_size, int) or self.src_vocab_size < 1):
+            raise ConfigError(f"src_vocab_size must be a positive integer or null, got {self.src_vocab_size!r}")
+        if self.share_embeddings and self.source_vocab_size != self.vocab_size:
+            raise ConfigError(f"shared source/target embeddings need one vocabulary size, got src_vocab_size "
+                              f"{self.src_vocab_size} and vocab_size {self.vocab_size}; set share_embeddings false")
+        if self.final_norm and self.norm == "pre":
+            raise ConfigError("final_norm is for post-norm stacks (pre-norm stacks always end with a LayerNorm); "
+                              "set norm 'post' or final_norm false")
+        for name in ("dropout", "layer_norm_eps"):
+            if not isinstance(getattr(self, name), (int, float)) or isinstance(getattr(self, name), bool):
+                raise ConfigError(f"config field {name!r} must be a number, got {getattr(self, name)!r}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"dropout must be in [0, 1), got {self.dropout!r}")
+        if not 0.0 < self.layer_norm_eps < 1.0:
+            raise ConfigError(f"layer_norm_eps must be in (0, 1), got {self.layer_norm_eps!r}")
+        for name in ("pad_id", "bos_id", "eos_id"):
+            if not 0 <= ints[name] < self.vocab_size:
+                raise ConfigError(f"{name} ({ints[name]}) must lie inside the vocabulary [0, {self.vocab_size})")
+        if self.eos_id in (self.pad_id, self.bos_id):
+            raise ConfigError("eos_id must differ from pad_id and bos_id")
+        if self.bos_id == self.pad_id and not self.suppress_pad:
+            raise ConfigError("bos_id equals pad_id (decoding starts from pad, as in Marian) only with suppress_pad "
+                              "true, so that pad is never generated")
+
+    @property
+    def source_vocab_size(self) -> int:
+        """Size of the source vocabulary (the target's when they are shared)."""
+        return self.vocab_size if self.src_vocab_size is None else self.src_vocab_size
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "ModelConfig":
+        if not isinstance(data, dict):
+            raise ConfigError("config must be a JSON object")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"unknown config field(s) {', '.join(unknown)}; known fields: {', '.join(sorted(known))}")
+        try:
+            return cls(**data)
+        except TypeError as exc:  # pragma: no cover - defensive
+            raise ConfigError(f"bad config: {exc}") from None
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> "ModelConfig":
+        return cls.from_dict(read_json(path, ConfigError, "fix or regenerate it",
+                                       missing="a checkpoint directory needs a config.json"))
+
+
+PRESETS: dict[str, ModelConfig] = {
+    # a few thousand parameters: unit and parity tests
+    "tiny": ModelConfig(vocab_size=64, d_model=32, n_heads=4, n_encoder_layers=2, n_decoder_layers=2,
+                        d_ff=64, max_len=64),
+    # a small seq2seq model: the dates example and quick benchmarks
+    "small": ModelConfig(vocab_size=1000, d_model=256, n_heads=4, n_encoder_layers=3, n_decoder_layers=3,
+                         d_ff=1024, max_len=128),
+    # the paper's base model (Table 3, row "base")
+    "base": ModelConfig(),
+}
+
+
+def preset(name: str, **overrides) -> ModelConfig:
+    """A preset, with any field overridden (None values are ignored)."""
+    if name not in PRESETS:
+        raise ConfigError(f"unknown preset {name!r}; choose one of: {', '.join(PRESETS)}")
+    changes = {k: v for k, v in overrides.items() if v is not None}
+    return dataclasses.replace(PRESETS[name], **changes)

@@ -1,0 +1,312 @@
+"""The encoder-decoder Transformer of "Attention Is All You Need" (Vaswani et al., 2017), built for export.
+
+Read top to bottom in the paper's order: embeddings and positions (3.4, 3.5), attention (3.2),
+feed-forward (3.3), the residual sublayer (5.4), encoder and decoder layers and stacks (3.1),
+the generator (3.4), and the model, whose `encode` runs once and whose `decode_step` takes and
+returns an explicit KV cache:
+
+    memory, cross_kv = model.encode(src_ids, src_mask)           # cross-attention K/V projected once
+    logits, self_kv = model.decode_step(tgt_ids, src_mask, self_kv, cross_kv)   # self K/V grow by new_len
+
+Shapes: B batch, S source length, T new target tokens, P past length, H heads, Dh head dim.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+from torch import nn
+
+from toolkit.reference.config import ModelConfig
+
+KV = tuple[torch.Tensor, torch.Tensor]  # (key, value), each [B, H, len, Dh]
+
+
+class Embeddings(nn.Module):
+    """Token embeddings scaled by sqrt(d_model) (sec. 3.4; scale 1 as an option)."""
+
+    def __init__(self, config: ModelConfig, vocab_size: int | None = None):
+        super().__init__()
+        self.lut = nn.Embedding(vocab_size or config.vocab_size, config.d_model)
+        self.scale = math.sqrt(config.d_model) if config.scale_embeddings else 1.0
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.lut(ids) * self.scale  # [B, T] -> [B, T, D]
+
+
+def sinusoid_table(config: ModelConfig) -> torch.Tensor:
+    """[max_len, d_model] positions. "interleaved" (sec. 3.5): PE(pos, 2i) = sin(pos / 10000^(2i/d)),
+    PE(pos, 2i+1) = cos(...). "halves" (Marian): the sines in the first half, the cosines in the second, computed in
+    float64 as Marian does, so that imported models see the very same table."""
+    n, d = config.max_len, config.d_model
+    if config.positions == "halves":
+        angle = np.arange(n, dtype=np.float64)[:, None] / np.power(10000, 2 * (np.arange(d) // 2) / d)[None, :]
+        half = d // 2 + d % 2
+        pe = torch.empty(n, d)
+        pe[:, :half] = torch.FloatTensor(np.sin(angle[:, 0::2]))
+        pe[:, half:] = torch.FloatTensor(np.cos(angle[:, 1::2]))
+        return pe
+    pos = torch.arange(n, dtype=torch.float32).unsqueeze(1)
+    div = torch.exp(torch.arange(0, d, 2, dtype=torch.float32) * (-math.log(10000.0) / d))
+    pe = torch.zeros(n, d)
+    pe[:, 0::2] = torch.sin(pos * div)
+    pe[:, 1::2] = torch.cos(pos * div[: d // 2])
+    return pe
+
+
+class PositionalEncoding(nn.Module):
+    """Sinusoidal positions added to the embeddings (sec. 3.5), in the table layout the config names."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.register_buffer("pe", sinusoid_table(config), persistent=False)  # derived, never stored in checkpoints
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor, start: int | torch.Tensor = 0,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        """positions [B, T]: each token's own position (rows at different positions); default start + 0..T-1."""
+        if positions is None:
+            positions = torch.arange(x.shape[1], device=x.device) + start  # [T], starting at the past length
+        return self.dropout(x + self.pe[positions])
+
+
+class MultiHeadAttention(nn.Module):
+    """MultiHead(Q, K, V) = Concat(head_1..h) W^O, head_i = softmax(Q_i K_i^T / sqrt(d_k)) V_i (sec. 3.2)."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.h, self.d_k = config.n_heads, config.head_dim
+        self.q_proj = nn.Linear(config.d_model, config.d_model)
+        self.k_proj = nn.Linear(config.d_model, config.d_model)
+        self.v_proj = nn.Linear(config.d_model, config.d_model)
+        self.out_proj = nn.Linear(config.d_model, config.d_model)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def split(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        return x.view(b, t, self.h, self.d_k).transpose(1, 2)  # [B, T, D] -> [B, H, T, Dh]
+
+    def project_kv(self, x: torch.Tensor) -> KV:
+        """Keys and values of x, split into heads: computed once for cross-attention."""
+        return self.split(self.k_proj(x)), self.split(self.v_proj(x))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Scaled dot-product attention (eq. 1); mask is True where a query may attend."""
+        scores = (q @ k.transpose(-2, -1)) / math.sqrt(self.d_k)  # [B, H, Tq, Tk]
+        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+        weights = self.dropout(torch.softmax(scores, dim=-1))
+        out = weights @ v  # [B, H, Tq, Dh]
+        b, _, t, _ = out.shape
+        return self.out_proj(out.transpose(1, 2).reshape(b, t, self.h * self.d_k))  # -> [B, Tq, D]
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, past: KV | None = None) -> tuple[torch.Tensor, KV]:
+        """Self-attention over x; with `past`, the new keys/values are appended to it and returned."""
+        q = self.split(self.q_proj(x))
+        k, v = self.project_kv(x)
+        if past is not None:
+            k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)  # [B, H, P+T, Dh]
+        return self.attend(q, k, v, mask), (k, v)
+
+
+class FeedForward(nn.Module):
+    """FFN(x) = max(0, x W1 + b1) W2 + b2, position-wise (sec. 3.3); GELU or SiLU (swish) as options."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.w_1 = nn.Linear(config.d_model, config.d_ff)
+        self.w_2 = nn.Linear(config.d_ff, config.d_model)
+        self.act = {"relu": nn.ReLU, "gelu": nn.GELU, "silu": nn.SiLU}[config.activation]()
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w_2(self.dropout(self.act(self.w_1(x))))
+
+
+class Sublayer(nn.Module):
+    """Residual connection around a sublayer with LayerNorm: post-norm LN(x + f(x)) or pre-norm x + f(LN(x)) (5.4)."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.dropout)
+        self.pre = config.norm == "pre"
+
+    def forward(self, x: torch.Tensor, fn):
+        """fn maps the (normed) input to (output, extra); returns (new x, extra)."""
+        if self.pre:
+            out, extra = fn(self.norm(x))
+            return x + self.dropout(out), extra
+        out, extra = fn(x)
+        return self.norm(x + self.dropout(out)), extra
+
+
+class EncoderLayer(nn.Module):
+    """Self-attention then feed-forward, each in a residual sublayer (sec. 3.1, encoder)."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.self_attn = MultiHeadAttention(config)
+        self.ffn = FeedForward(config)
+        self.sublayers = nn.ModuleList([Sublayer(config), Sublayer(config)])
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        x, _ = self.sublayers[0](x, lambda y: self.self_attn(y, mask))
+        x, _ = self.sublayers[1](x, lambda y: (self.ffn(y), None))
+        return x
+
+
+class DecoderLayer(nn.Module):
+    """Masked self-attention, cross-attention over the encoder output, feed-forward (sec. 3.1, decoder)."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.self_attn = MultiHeadAttention(config)
+        self.cross_attn = MultiHeadAttention(config)
+        self.ffn = FeedForward(config)
+        self.sublayers = nn.ModuleList([Sublayer(config) for _ in range(3)])
+
+    def forward(self, x, self_mask, cross_mask, past: KV, cross: KV) -> tuple[torch.Tensor, KV]:
+        x, present = self.sublayers[0](x, lambda y: self.self_attn(y, self_mask, past))
+        x, _ = self.sublayers[1](
+            x, lambda y: (self.cross_attn.attend(self.cross_attn.split(self.cross_attn.q_proj(y)), *cross, cross_mask), None))
+        x, _ = self.sublayers[2](x, lambda y: (self.ffn(y), None))
+        return x, present
+
+
+def stack_norm(config: ModelConfig) -> nn.Module:
+    """The LayerNorm after a stack: always in pre-norm models, in post-norm ones with final_norm (nn.Transformer)."""
+    if config.norm == "pre" or config.final_norm:
+        return nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
+    return nn.Identity()
+
+
+class Encoder(nn.Module):
+    """A stack of N encoder layers (plus a final LayerNorm in pre-norm models and with final_norm)."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.layers = nn.ModuleList([EncoderLayer(config) for _ in range(config.n_encoder_layers)])
+        self.norm = stack_norm(config)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x, mask)
+        return self.norm(x)
+
+
+class Decoder(nn.Module):
+    """A stack of N decoder layers (plus a final LayerNorm in pre-norm models and with final_norm)."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.layers = nn.ModuleList([DecoderLayer(config) for _ in range(config.n_decoder_layers)])
+        self.norm = stack_norm(config)
+
+    def forward(self, x, self_mask, cross_mask, past: list[KV], cross: list[KV]) -> tuple[torch.Tensor, list[KV]]:
+        presents = []
+        for layer, layer_past, layer_cross in zip(self.layers, past, cross):
+            x, present = layer(x, self_mask, cross_mask, layer_past, layer_cross)
+            presents.append(present)
+        return self.norm(x), presents
+
+
+class Generator(nn.Module):
+    """Linear projection to vocabulary logits, optionally tied to the target embeddings (sec. 3.4), optionally
+    with a bias (Marian's final_logits_bias, the bias of the tutorial's generator Linear)."""
+
+    def __init__(self, config: ModelConfig, embeddings: Embeddings):
+        super().__init__()
+        self.tied = config.tie_embeddings
+        self.embeddings = [embeddings]  # a list, so the tied weight is not registered twice
+        if not self.tied:
+            self.proj = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.bias = nn.Parameter(torch.zeros(config.vocab_size)) if config.logits_bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.embeddings[0].lut.weight if self.tied else self.proj.weight
+        logits = x @ weight.t()  # [B, T, D] -> [B, T, V] (logits, before softmax)
+        return logits if self.bias is None else logits + self.bias
+
+
+def causal_mask(new_len: int, past_len: int | torch.Tensor, device=None) -> torch.Tensor:
+    """[1, 1, T, P+T] boolean: query i (at position past_len + i) may see keys 0..past_len + i."""
+    q_pos = torch.arange(new_len, device=device) + past_len
+    k_pos = torch.arange(new_len + past_len, device=device)
+    return (k_pos.unsqueeze(0) <= q_pos.unsqueeze(1)).unsqueeze(0).unsqueeze(0)
+
+
+class Transformer(nn.Module):
+    """The encoder-decoder model, with `encode` kept apart from the cached `decode_step`."""
+
+    def __init__(self, config: ModelConfig, seed: int | None = 0):
+        super().__init__()
+        self.config = config
+        self.embed = Embeddings(config)  # the target's; also the source's when shared, and the output matrix when tied
+        if not config.share_embeddings:
+            self.src_embed = Embeddings(config, config.source_vocab_size)
+        self.pos = PositionalEncoding(config)
+        self.encoder = Encoder(config)
+        self.decoder = Decoder(config)
+        self.generator = Generator(config, self.embed)
+        self.init_weights(seed)
+
+    def init_weights(self, seed: int | None) -> None:
+        """Xavier-uniform matrices and zero biases, drawn from a private generator seeded by `seed`."""
+        gen = torch.Generator().manual_seed(0 if seed is None else seed)
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if p.dim() > 1:
+                    bound = math.sqrt(6.0 / (p.shape[0] + p.shape[1]))
+                    p.copy_((torch.rand(p.shape, generator=gen) * 2 - 1) * bound)
+                elif name.endswith("bias"):
+                    p.zero_()
+            # the embedding is also the (tied) output matrix: N(0, d^-1/2) keeps logits O(1) (as in the paper's setup)
+            for embed in dict.fromkeys((self.embed, self.source_embed)):
+                embed.lut.weight.copy_(torch.randn(embed.lut.weight.shape, generator=gen) * self.config.d_model ** -0.5)
+
+    @property
+    def source_embed(self) -> Embeddings:
+        """The source side's token embeddings (the target's when they are shared)."""
+        return self.embed if self.config.share_embeddings else self.src_embed
+
+    def encode(self, src_ids: torch.Tensor, src_mask: torch.Tensor) -> tuple[torch.Tensor, list[KV]]:
+        """Encoder output [B, S, D] and each decoder layer's cross-attention K/V [B, H, S, Dh]."""
+        mask = src_mask.bool()[:, None, None, :]  # [B, 1, 1, S]: keys that are real tokens
+        memory = self.encoder(self.pos(self.source_embed(src_ids)), mask)
+        cross = [layer.cross_attn.project_kv(memory) for layer in self.decoder.layers]
+        return memory, cross
+
+    def decode_step(self, tgt_ids: torch.Tensor, src_mask: torch.Tensor, past: list[KV], cross: list[KV],
+                    position_ids: torch.Tensor | None = None,
+                    past_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, list[KV]]:
+        """Logits [B, T, V] for T new tokens, and the self-attention caches grown to [B, H, P+T, Dh].
+
+        Rows at different positions (in-flight batching): position_ids [B, T] gives each new token's position in
+        its own sequence (default P + 0..T-1), past_mask [B, P] is 1 where a cached key is a real token of that row
+        (default all); the new tokens are always attended, causally."""
+        past_len = past[0][0].shape[2]
+        x = self.pos(self.embed(tgt_ids), start=past_len, positions=position_ids)
+        self_mask = causal_mask(tgt_ids.shape[1], past_len, tgt_ids.device)
+        if past_mask is not None:
+            keys = torch.cat([past_mask.bool(), torch.ones_like(tgt_ids, dtype=torch.bool)], dim=1)  # [B, P+T]
+            self_mask = self_mask & keys[:, None, None, :]                                              # [B, 1, T, P+T]
+        cross_mask = src_mask.bool()[:, None, None, :]
+        x, presents = self.decoder(x, self_mask, cross_mask, past, cross)
+        return self.generator(x), presents
+
+    def empty_cache(self, batch: int, device=None, dtype=torch.float32) -> list[KV]:
+        """A zero-length self-attention cache for the first decoder step."""
+        c = self.config
+        empty = torch.zeros(batch, c.n_heads, 0, c.head_dim, device=device, dtype=dtype)
+        return [(empty, empty) for _ in range(c.n_decoder_layers)]
+
+    def forward(self, src_ids: torch.Tensor, src_mask: torch.Tensor, tgt_ids: torch.Tensor) -> torch.Tensor:
+        """Teacher-forced logits [B, T, V] for training: the first decode step with no past."""
+        _, cross = self.encode(src_ids, src_mask)
+        logits, _ = self.decode_step(tgt_ids, src_mask, self.empty_cache(src_ids.shape[0], src_ids.device), cross)
+        return logits
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())

@@ -9,7 +9,7 @@ follow the graph's float type and are converted with it.
 
 int8 (onnxruntime.quantization.quantize_dynamic): MatMul weights only (op_types_to_quantize=["MatMul"]:
 quantizing the ONNX Attention op would turn it into QAttention, which no longer loads), int8 weights with one
-scale per tensor or per output channel (optimize chooses: per tensor reads less per step, per channel follows
+scale per tensor or per output channel (optimize chooses: per tensor is faster, per channel follows
 each output column's range; RESULTS.md, "int8 activation scales" and "int8 numerics"), activations quantized at run time: one range per MatMul input tensor (onnxruntime's
 dynamic quantization, so a row's rounding depends on the rest of its batch), or, with activation_scales
 "per-row", one per token row (exporters/row_activations; slower: RESULTS.md, "int8 activation scales"). Packed

@@ -68,6 +68,7 @@ def import_model(source: str | Path, out: str | Path, format: str | None = None,
                  config_file: str | Path | None = None, progress: Callable[[str], None] | None = None) -> Path:
     """Import SOURCE (a directory, hub name or file of a registered family) into an onnxformer checkpoint at OUT."""
     from toolkit.reference.checkpoint import check_checkpoint_output, nonfinite, save_checkpoint
+    from toolkit.reference.importers.sources import BROKEN
 
     progress = progress or (lambda msg: None)
     if format is not None:
@@ -82,10 +83,9 @@ def import_model(source: str | Path, out: str | Path, format: str | None = None,
         model, tokenizer, record = family.convert(path, ImportOptions(Path(config_file) if config_file else None,
                                                                       progress, Path(work)))
         state = model.state_dict()
-        broken = nonfinite(state)
+        broken = nonfinite(state)                # sources.read_state names the source's tensor; this is for all
         if broken:
-            raise ImportRefused(f"{source}: {broken}; the source model is broken (a diverged training run?), "
-                                f"import a sound one")
+            raise ImportRefused(f"{source}: {broken} (after conversion); {BROKEN}")
         progress(f"mapped {len(state)} tensors ({model.num_parameters():,} parameters) from {path}")
         record = {"format": family.name, "source": str(source), **record}
         return save_checkpoint(out, model, tokenizer, force=force, imported=record)

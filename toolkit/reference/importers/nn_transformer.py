@@ -13,7 +13,9 @@ the tutorial builds it, or norm_first=True when the JSON says so: the state dict
     transformer.decoder.norm.*
     generator.weight [tgt_vocab, d], generator.bias [tgt_vocab]
 
-saved with torch.save(model.state_dict(), PATH) (loaded with weights_only=True), plus a JSON file (--config):
+saved with torch.save(model.state_dict(), PATH) (loaded with weights_only=True) or with safetensors; a training
+checkpoint's {"model_state_dict": ...} (or "state_dict", "model") and DataParallel's 'module.' prefix are taken
+off (sources.read_state). Plus a JSON file (--config):
 
     {"nhead": 8, "pad_id": 1, "bos_id": 2, "eos_id": 3, "unk_id": 0,          required: heads and special ids
      "activation": "relu", "layer_norm_eps": 1e-5, "max_len": 256,          optional (max_len: <= the table's rows)

@@ -14,6 +14,7 @@ from toolkit.reference.importers.registry import HUB_FILES, ImportRefused
 
 WRAPPERS = ("model_state_dict", "state_dict", "model")     # training scripts' checkpoints: {key: state dict, ...}
 PREFIXES = {"module.": "DataParallel/DistributedDataParallel", "_orig_mod.": "torch.compile"}
+BROKEN = "the source model is broken (a diverged training run?); import a sound one"
 
 
 def read_json(path: Path) -> dict:
@@ -50,10 +51,11 @@ def download(name: str, progress: Callable[[str], None], patterns=("config.json"
 
 def read_state(file: Path, fix: str, progress: Callable[[str], None]) -> dict:
     """The state dict (name -> tensor) in a weights file. A training checkpoint's wrapper ({"model_state_dict": ...},
-    "state_dict", "model") and the 'module.' prefix DataParallel adds are taken off, and progress says so."""
+    "state_dict", "model") and the 'module.' prefix DataParallel adds are taken off, and progress says so; NaN or
+    infinite weights are refused naming the tensor."""
     import torch
 
-    from toolkit.reference.checkpoint import read_weights
+    from toolkit.reference.checkpoint import nonfinite, read_weights
 
     try:
         state = read_weights(file, fix)
@@ -73,6 +75,9 @@ def read_state(file: Path, fix: str, progress: Callable[[str], None]) -> dict:
         if all(isinstance(k, str) and k.startswith(prefix) for k in state):
             progress(f"{file}: removed the {prefix!r} prefix {who} adds to every name")
             state = {k[len(prefix):]: v for k, v in state.items()}
+    broken = nonfinite(state)
+    if broken:
+        raise ImportRefused(f"{file}: {broken}; {BROKEN}")
     return state
 
 

@@ -46,6 +46,7 @@ class OriginalReport:
     samples: int
     source: str
     checks: list[OriginalCheck] = field(default_factory=list)
+    reference: str = "the original"             # its family's name for it: "MarianMTModel (transformers)"
 
     @property
     def verdict(self) -> str:
@@ -67,7 +68,7 @@ class OriginalReport:
             limit = "-" if c.limit is None else (f"{c.limit:.0e}" if c.what in ("logits",) else f"{c.limit:.0%}")
             lines.append(f"{c.what:<10} {value:>12} {limit:>10} {c.distinct_outputs or '-':>8}  "
                          f"{'yes' if c.ok else 'NO'}")
-        lines.append(f"inputs: {self.source}; reference: MarianMTModel (transformers) from {self.original}")
+        lines.append(f"inputs: {self.source}; reference: {self.reference} from {self.original}")
         return "\n".join(lines)
 
     def to_dict(self) -> dict:
@@ -76,14 +77,19 @@ class OriginalReport:
                 "checks": [asdict(c) for c in self.checks]}
 
 
-def load_original(path: str | Path):
-    """(the original model in eval mode, its tokenizer) of a model directory, loaded by its registered family."""
+def original_of(path: str | Path):
+    """The registered family that loads the original at path (a model directory) for parity."""
     from toolkit.reference.importers import original_family
 
     family = original_family(path)
     if family is None:
         raise InputError(f"{path} is not a model directory whose original onnxformer can load for parity")
-    return family.load_original(Path(path))
+    return family
+
+
+def load_original(path: str | Path):
+    """(the original model in eval mode, its tokenizer) of a model directory, loaded by its registered family."""
+    return original_of(path).load_original(Path(path))
 
 
 def marian_inputs(tok, ours, texts: list[str] | None, samples: int, seed: int = 0,
@@ -213,9 +219,10 @@ def marian_parity(original: str | Path, engine, candidate: str = "", texts: list
     from toolkit.reference.importers import reference_of
 
     progress = progress or (lambda msg: None)
-    model, tok = load_original(original)
+    family = original_of(original)
+    model, tok = family.load_original(Path(original))
     seqs, source, tok_check = marian_inputs(tok, tokenizer, texts, samples)
-    report = OriginalReport(str(original), candidate, len(seqs), source)
+    report = OriginalReport(str(original), candidate, len(seqs), source, reference=family.original)
     if tok_check is not None:
         report.checks.append(tok_check)
     progress("logits: MarianMTModel vs the imported reference model")

@@ -101,11 +101,40 @@ def map_state(state: dict[str, torch.Tensor], config: ModelConfig, where: Path) 
     table, checked equal to ours), so that nothing the original computes is dropped."""
     import torch
 
+    state = {k[len("model."):] if k.startswith("model.") else k: v for k, v in state.items()}
+    used: set[str] = set()
+    out = map_embeddings(state, config, where, used)
+    for side, layers, mapping in (("encoder", config.n_encoder_layers, ENCODER_LAYER),
+                                  ("decoder", config.n_decoder_layers, DECODER_LAYER)):
+        for i in range(layers):
+            for theirs, ours in mapping.items():
+                for p in ("q", "k", "v", "out") if "{p}" in theirs else ("",):
+                    for kind in ("weight", "bias"):
+                        name = f"{side}.layers.{i}.{theirs.format(p=p)}.{kind}"
+                        if name not in state:
+                            raise ImportRefused(f"{where}: the weights lack {name}; the checkpoint does not match "
+                                                f"its config.json")
+                        out[f"{side}.layers.{i}.{ours.format(p=p)}.{kind}"] = state[name]
+                        used.add(name)
+    unused = sorted(set(state) - used)
+    if unused:
+        feature = next((f for f in ("layernorm_embedding", "layer_norm", "embed_positions") if any(f in u for u in unused)),
+                       None)
+        hint = f" (it has {feature} weights the reference model lacks)" if feature else ""
+        raise ImportRefused(f"{where}: {len(unused)} weight(s) cannot be represented{hint}: "
+                            f"{', '.join(unused[:4])}{' ...' if len(unused) > 4 else ''}")
+    return {k: v.detach().to(torch.float32).contiguous() for k, v in out.items()}
+
+
+def map_embeddings(state: dict[str, torch.Tensor], config: ModelConfig, where: Path,
+                   used: set[str]) -> dict[str, torch.Tensor]:
+    """Token embeddings (aliases checked equal to what they share), the output projection and logits bias, and the
+    position tables (checked to be Marian's sinusoids); every name read is added to used."""
+    import torch
+
     from toolkit.reference.model import sinusoid_table
 
-    state = {k[len("model."):] if k.startswith("model.") else k: v for k, v in state.items()}
     out: dict[str, torch.Tensor] = {}
-    used: set[str] = set()
 
     def take(name: str) -> torch.Tensor:
         used.add(name)
@@ -149,25 +178,7 @@ def map_state(state: dict[str, torch.Tensor], config: ModelConfig, where: Path) 
             if got.shape != table.shape or not torch.allclose(got, table, atol=1e-6, rtol=0):
                 raise ImportRefused(f"{where}: {name} is not Marian's sinusoid table (learned positions?); "
                                     f"learned positions cannot be represented")
-    for side, layers, mapping in (("encoder", config.n_encoder_layers, ENCODER_LAYER),
-                                  ("decoder", config.n_decoder_layers, DECODER_LAYER)):
-        for i in range(layers):
-            for theirs, ours in mapping.items():
-                for p in ("q", "k", "v", "out") if "{p}" in theirs else ("",):
-                    for kind in ("weight", "bias"):
-                        name = f"{side}.layers.{i}.{theirs.format(p=p)}.{kind}"
-                        if name not in state:
-                            raise ImportRefused(f"{where}: the weights lack {name}; the checkpoint does not match "
-                                                f"its config.json")
-                        out[f"{side}.layers.{i}.{ours.format(p=p)}.{kind}"] = take(name)
-    unused = sorted(set(state) - used)
-    if unused:
-        feature = next((f for f in ("layernorm_embedding", "layer_norm", "embed_positions") if any(f in u for u in unused)),
-                       None)
-        hint = f" (it has {feature} weights the reference model lacks)" if feature else ""
-        raise ImportRefused(f"{where}: {len(unused)} weight(s) cannot be represented{hint}: "
-                            f"{', '.join(unused[:4])}{' ...' if len(unused) > 4 else ''}")
-    return {k: v.detach().to(torch.float32).contiguous() for k, v in out.items()}
+    return out
 
 
 def marian_tokenizer(directory: Path, config: ModelConfig):
@@ -243,4 +254,5 @@ FAMILY = register_family(Family(
     model_types=("marian",), load_original=load_original, original="MarianMTModel (transformers)",
     hub_files=("*.json", "*.spm", "*.safetensors", "*.bin")))
 
-__all__ = ["FAMILY", "convert", "load_original", "marian_model_config", "map_state", "marian_tokenizer"]
+__all__ = ["FAMILY", "convert", "load_original", "marian_model_config", "map_state", "map_embeddings",
+           "marian_tokenizer"]

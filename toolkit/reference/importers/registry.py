@@ -72,7 +72,7 @@ class Family:
     reads_files: bool = False                   # a single file (a state dict) is this family's source
     takes_config: bool = False                  # --config JSON is accepted (and passed as options.config_file)
     load_original: Callable[[Path], tuple] | None = None   # (original model in eval mode, its tokenizer): parity
-    original: str = ""                          # the original's name in parity reports ("MarianMTModel")
+    original: str = "the original"              # its name in parity reports: "MarianMTModel (transformers)"
     hub_files: tuple[str, ...] = HUB_FILES      # for model_types families: the files a hub download fetches
 
 

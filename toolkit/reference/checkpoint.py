@@ -151,11 +151,14 @@ def _load_state(path: Path) -> dict[str, torch.Tensor]:
 def read_weights(file: Path, fix: str):
     """What a weights file holds: safetensors (plain data), else torch.save's format loaded with weights_only=True,
     so no pickled code runs. A file cut short is reported as truncated; other failures end with fix."""
-    short = truncation(file)
+    try:
+        short, safetensors = truncation(file), is_safetensors(file)
+    except OSError as exc:                          # a directory, no permission, an I/O error
+        raise CheckpointError(f"{file} cannot be read ({exc.strerror or exc}); {fix}") from None
     if short:
         raise CheckpointError(f"{file} is truncated ({short}): an interrupted copy, download or save; copy, download "
                               f"or save it again")
-    if is_safetensors(file):
+    if safetensors:
         from safetensors import SafetensorError
         from safetensors.torch import load_file
         try:

@@ -26,7 +26,7 @@ inside functions) and ends with:
   what import.json records besides "format" and "source". options.config_file is --config (only for
   takes_config=True families), options.progress(msg) prints a line, options.work is a scratch directory that
   lives until the checkpoint is written (tokenizer files may stay there). Refuse with ImportRefused; the
-  registry refuses NaN/Inf weights, writes the checkpoint and times it.
+  registry refuses NaN/Inf weights and writes the checkpoint (import.json gets "format" and "source").
 - sources.py has the shared readers: read_json, read_state (safetensors or torch.save files, truncation,
   training-checkpoint wrappers and 'module.' prefixes), require_transformers, quiet_from_pretrained.
 - A single-file source (a state dict) is detected for a family with reads_files=True.

@@ -10,7 +10,8 @@ checks, on the same batched and padded inputs:
   (num_beams, length_penalty, max_new_tokens, early_stopping="never": the exact stopping rule of runtime.search;
   Marian's own bad_words_ids = [[pad]]; sampling, forced EOS, repetition rules and the rest off), identical for fp32 (the bundle's token row otherwise). The reference
   outputs must vary: with fewer distinct outputs than half the inputs the verdict is "inconclusive", never "ok".
-transformers is imported here only, when a parity against the original is asked for.
+The original is loaded by its registered family (toolkit/reference/importers), which imports transformers
+only when a parity against the original is asked for.
 """
 
 from __future__ import annotations
@@ -25,24 +26,6 @@ from runtime.generate import generate_ids, pad_batch
 from runtime.search import SearchOptions
 from toolkit.parity.generation import compare_tokens
 from toolkit.parity.tolerances import IMPORTED, Tolerance
-
-
-def require_transformers():
-    try:
-        import transformers
-    except ImportError:
-        raise InputError("parity against a Marian directory needs transformers; pip install 'onnxformer[import]'") \
-            from None
-    return transformers
-
-
-def is_marian_dir(path: str | Path) -> bool:
-    path = Path(path)
-    if not (path / "config.json").is_file() or (path / "manifest.json").exists():
-        return False
-    from toolkit.reference.importers.marian import read_json
-
-    return read_json(path / "config.json").get("model_type") == "marian"
 
 
 @dataclass
@@ -63,6 +46,7 @@ class OriginalReport:
     samples: int
     source: str
     checks: list[OriginalCheck] = field(default_factory=list)
+    reference: str = "the original"             # its family's name for it: "MarianMTModel (transformers)"
 
     @property
     def verdict(self) -> str:
@@ -84,7 +68,7 @@ class OriginalReport:
             limit = "-" if c.limit is None else (f"{c.limit:.0e}" if c.what in ("logits",) else f"{c.limit:.0%}")
             lines.append(f"{c.what:<10} {value:>12} {limit:>10} {c.distinct_outputs or '-':>8}  "
                          f"{'yes' if c.ok else 'NO'}")
-        lines.append(f"inputs: {self.source}; reference: MarianMTModel (transformers) from {self.original}")
+        lines.append(f"inputs: {self.source}; reference: {self.reference} from {self.original}")
         return "\n".join(lines)
 
     def to_dict(self) -> dict:
@@ -93,20 +77,19 @@ class OriginalReport:
                 "checks": [asdict(c) for c in self.checks]}
 
 
-def load_marian(path: str | Path):
-    """(MarianMTModel in eval mode, MarianTokenizer) from a local directory."""
-    require_transformers()
-    from transformers import MarianMTModel, MarianTokenizer
-    from transformers.utils import logging as hf_logging
+def original_of(path: str | Path):
+    """The registered family that loads the original at path (a model directory) for parity."""
+    from toolkit.reference.importers import original_family
 
-    hf_logging.set_verbosity_error()
-    import warnings
+    family = original_family(path)
+    if family is None:
+        raise InputError(f"{path} is not a model directory whose original onnxformer can load for parity")
+    return family
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        tok = MarianTokenizer.from_pretrained(str(path))
-        model = MarianMTModel.from_pretrained(str(path)).eval()
-    return model, tok
+
+def load_original(path: str | Path):
+    """(the original model in eval mode, its tokenizer) of a model directory, loaded by its registered family."""
+    return original_of(path).load_original(Path(path))
 
 
 def marian_inputs(tok, ours, texts: list[str] | None, samples: int, seed: int = 0,
@@ -233,16 +216,17 @@ def marian_parity(original: str | Path, engine, candidate: str = "", texts: list
                   samples: int = 64, beams=(1, 4), max_new_tokens: int = 32, length_penalty: float = 1.0,
                   tokenizer=None, token_match: float = 1.0, progress=None) -> OriginalReport:
     """Compare an engine (bundle or checkpoint) with the Marian model it was imported from."""
-    from toolkit.reference.importers.marian import import_marian_model
+    from toolkit.reference.importers import reference_of
 
     progress = progress or (lambda msg: None)
-    model, tok = load_marian(original)
+    family = original_of(original)
+    model, tok = family.load_original(Path(original))
     seqs, source, tok_check = marian_inputs(tok, tokenizer, texts, samples)
-    report = OriginalReport(str(original), candidate, len(seqs), source)
+    report = OriginalReport(str(original), candidate, len(seqs), source, reference=family.original)
     if tok_check is not None:
         report.checks.append(tok_check)
     progress("logits: MarianMTModel vs the imported reference model")
-    ours, _ = import_marian_model(Path(original))
+    ours = reference_of(original)
     report.checks.append(logits_check(model, ours, seqs))
     max_new_tokens = min(max_new_tokens, engine.max_len)
     progress(f"tokens: MarianMTModel.generate vs {candidate or 'the engine'} (beams {', '.join(map(str, beams))})")

@@ -33,9 +33,9 @@ def command(checkpoint, bundle, provider, samples, beam, max_new_tokens, input_f
     greedy and beam tokens must equal MarianMTModel.generate's with the same settings.
     """
     require("torch")
-    from toolkit.parity.original import is_marian_dir
+    from toolkit.reference.importers import original_family
 
-    if is_marian_dir(checkpoint):
+    if original_family(checkpoint) is not None:
         return _against_marian(checkpoint, bundle, provider, samples, beam, max_new_tokens, input_file,
                                length_penalty, as_json)
     if input_file is not None or length_penalty != 1.0:

@@ -18,7 +18,8 @@ from toolkit.reference.checkpoint import load_checkpoint, save_checkpoint
 from toolkit.apps.cli import main
 from toolkit.reference.config import preset
 from toolkit.reference.model import Transformer
-from toolkit.parity.generation import GenerationCheck, combine, needed_distinct
+from toolkit.parity.generation import GenerationCheck
+from toolkit.parity.report import combine, needed_distinct
 
 FAST = ("--samples", "16", "--beam", "1", "--max-new-tokens", "8")
 

@@ -32,8 +32,10 @@ def parity(*args: str):
 
 def test_parity_passes_with_tables(toy_exported):
     checkpoint, bundle = toy_exported
+    threads = torch.get_num_threads()
     result = parity(checkpoint, bundle, "--provider", "cpu", *FAST)
     assert result.exit_code == 0, result.output
+    assert torch.get_num_threads() == threads                     # --threads 1 held for the run only
     assert "parity ok on cpu fp32" in result.output
     assert "generation parity ok on cpu fp32 (tokens equal >= 100%)" in result.output
     assert "greedy" in result.output and "beam 4" in result.output and "16 random id sequences" in result.output
@@ -97,11 +99,13 @@ def other_checkpoint(tmp_path) -> Path:
     ("other model", "exported from another model"),
     ("samples 0", "--samples must be at least 1"),
     ("beam 0", "--beam must be at least 1"),
+    ("threads 0", "--threads must be at least 1"),
 ])
 def test_bad_input_exits_2(toy_exported, other_checkpoint, tmp_path, case, message):
     checkpoint, bundle = toy_exported
     args = {"no bundle": [checkpoint, tmp_path / "nothing"], "other model": [other_checkpoint, bundle],
-            "samples 0": [checkpoint, bundle, "--samples", "0"], "beam 0": [checkpoint, bundle, "--beam", "0"]}[case]
+            "samples 0": [checkpoint, bundle, "--samples", "0"], "beam 0": [checkpoint, bundle, "--beam", "0"],
+            "threads 0": [checkpoint, bundle, "--threads", "0"]}[case]
     result = parity(*args)
     assert result.exit_code == 2, result.output
     assert message in result.output and "Traceback" not in result.output

@@ -28,8 +28,8 @@ from toolkit.parity.inputs import DEFAULT_SAMPLES
 @click.option("--length-penalty", default=1.0, show_default=True,
               help="a Marian ORIGINAL: beam scores are log-prob / length ** this")
 @click.option("--threads", default=1, show_default=True,
-              help="intra-op threads of each engine, PyTorch and ONNX Runtime (parity checks numbers, not speed; "
-                   "a small model's batches are too small to split across threads)")
+              help="intra-op threads of each engine, PyTorch and ONNX Runtime, against a checkpoint (parity checks "
+                   "numbers, not speed; a small model's batches are too small to split across threads)")
 @click.option("--json", "as_json", is_flag=True, help="one JSON report instead of tables")
 @friendly
 def command(checkpoint, bundle, provider, samples, beam, max_new_tokens, input_file, length_penalty, threads,

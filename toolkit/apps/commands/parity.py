@@ -69,12 +69,11 @@ def _against_marian(original, candidate, provider, samples, beam, max_new_tokens
     from toolkit.apps.engines import open_model
     from toolkit.parity.original import marian_parity
     from toolkit.parity.run import searches
-    from toolkit.parity.tolerances import tolerance
+    from toolkit.parity.tolerances import original_token_match
 
     beams = searches(beam, max_new_tokens)
     opened = open_model(candidate, provider=provider)
-    precision = opened.info if opened.kind == "bundle" else "fp32"
-    token_match = 1.0 if precision in ("fp32", "") else tolerance(precision, opened.provider).token_match
+    token_match = original_token_match(opened.info if opened.kind == "bundle" else "fp32", opened.provider)
     texts = text_lines(input_file)
     click.echo(f"comparing {opened.describe()} with MarianMTModel from {original}", err=True)
     report = marian_parity(original, opened.engine, str(candidate), texts, samples, beams, max_new_tokens,

@@ -37,8 +37,8 @@ from exporters.static_cache import StaticCachePass, StaticCacheError, per_row_fo
 from runtime.manifest import GRAPHS, PRECISIONS, read_manifest, verify_hashes
 from toolkit.parity import ParityError
 from toolkit.parity.gate import bundle_gate
-from toolkit.parity.inputs import DEFAULT_SAMPLES
 from toolkit.parity.graphs import bundle_parity, record_table
+from toolkit.parity.inputs import DEFAULT_SAMPLES
 
 @dataclass
 class OptimizeReport:

@@ -38,6 +38,7 @@ from runtime.manifest import GRAPHS, PRECISIONS, read_manifest, verify_hashes
 from toolkit.parity import ParityError
 from toolkit.parity.gate import bundle_gate
 from toolkit.parity.graphs import bundle_parity, record_table
+from toolkit.parity.inputs import DEFAULT_SAMPLES
 
 @dataclass
 class OptimizeReport:
@@ -156,7 +157,7 @@ class _Job:
 
 def optimize_bundle(bundle_dir: str | Path, out_dir: str | Path, target: str = "cpu", precision: str = "fp32",
                     fuse: bool = True, attention: str = "ort", force: bool = False, per_channel: bool | None = None,
-                    samples: int = 32, progress: Callable[[str], None] | None = None,
+                    samples: int = DEFAULT_SAMPLES, progress: Callable[[str], None] | None = None,
                     ort_format: bool = False, kv_cache: str = "auto",
                     allow_unverified: bool = False, activation_scales: str = "per-tensor",
                     texts: list[str] | None = None) -> tuple[Path, OptimizeReport]:
@@ -182,8 +183,9 @@ def optimize_bundle(bundle_dir: str | Path, out_dir: str | Path, target: str = "
     The gate (toolkit.parity.gate, the tolerance table's row for the precision): a verdict other than "ok"
     (failed, or inconclusive because the outputs do not vary) raises ParityError and writes nothing, unless
     allow_unverified, which writes the bundle with the verdict and "verified": false in its manifest. Its token
-    check runs on `samples` inputs: the texts given (through the bundle's tokenizer), else the held-out inputs of the
-    model's task, else random ids (which a text model, e.g. an imported Marian, never sees: give it texts).
+    check runs on `samples` inputs chosen as `onnxformer parity` chooses them (toolkit.parity.inputs): the texts
+    given (through the bundle's tokenizer), else the held-out inputs of the model's task, else random ids (which a
+    text model, e.g. an imported Marian, never sees: give it texts).
     """
     start = time.perf_counter()
     bundle_dir, out_dir = Path(bundle_dir), Path(out_dir)

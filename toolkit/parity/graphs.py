@@ -42,6 +42,7 @@ from runtime.static_cache import dynamic_view
 from toolkit.reference.config import ModelConfig
 from toolkit.reference.model import Transformer
 from toolkit.parity import ParityError
+from toolkit.parity.report import NOT_JUDGED, Report
 from toolkit.parity.tolerances import MIN_REFERENCE_STD, Tolerance, tolerance
 
 GRAPH_OPTIMIZATION = SessionConfig().graph_optimization   # ONNX Runtime sessions as the runtime makes them
@@ -98,7 +99,7 @@ class OutputCheck:
 
 
 @dataclass
-class ParityReport:
+class ParityReport(Report):
     """Per-output errors of both graphs on one provider and precision, and whether they are within tolerance."""
 
     provider: str
@@ -125,16 +126,12 @@ class ParityReport:
         return [c for c in self.checks if not c.ok]
 
     @property
-    def ok(self) -> bool:
-        return bool(self.checks) and not self.failures and not self.vacuous
-
-    @property
     def verdict(self) -> str:
         """ok | failed | inconclusive (reference outputs that do not vary) | not judged (report only)."""
         if self.vacuous or not self.checks:
             return "inconclusive"
         if not self.judged:
-            return "not judged"
+            return NOT_JUDGED
         return "failed" if self.failures else "ok"
 
     def summary(self) -> str:
@@ -160,11 +157,9 @@ class ParityReport:
         return record_table(self.to_dict())
 
     def __str__(self) -> str:
-        lines = [self.table(), self.summary()]
-        lines += [f"  out of tolerance: {c.where()}" for c in self.failures[:10]]
-        return "\n".join(lines)
+        return "\n".join([super().__str__()] + [f"  out of tolerance: {c.where()}" for c in self.failures[:10]])
 
-    def to_dict(self) -> dict:
+    def fields(self) -> dict:
         per_graph = {}
         for graph in ("encoder", "decoder"):
             checks = [c for c in self.checks if c.graph == graph]
@@ -173,12 +168,12 @@ class ParityReport:
                 per_graph[graph] = {"max_abs": worst.max_abs, "max_rel": max(c.max_rel for c in checks),
                                     "worst_output": worst.output, "ok": all(c.ok for c in checks)}
         tol = self.tolerance
-        record = {"verified": self.ok, "verdict": self.verdict, "judged": self.judged, "provider": self.provider,
+        record = {"verified": self.ok, "judged": self.judged, "provider": self.provider,
                   "precision": self.precision,
                   "reference": self.reference, "graph_optimization": GRAPH_OPTIMIZATION,
                   "tolerance": None if tol is None else tol.atol, "token_match": None if tol is None else tol.token_match,
                   "batch": self.batch, "src_lens": list(self.src_lens), "steps": self.steps,
-                  "max_abs": max((c.max_abs for c in self.checks), default=None), "summary": self.summary(),
+                  "max_abs": max((c.max_abs for c in self.checks), default=None),
                   **per_graph, "reference_std": dict(self.reference_std),
                   "outputs": [c.to_dict() for c in self.checks]}
         if self.teacher_forced_tokens_equal is not None:

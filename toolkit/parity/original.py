@@ -8,8 +8,10 @@ checks, on the same batched and padded inputs:
   (the IMPORTED row: PyTorch vs PyTorch);
 - tokens: the engine's greedy and beam-K best hypotheses vs MarianMTModel.generate with the same settings
   (num_beams, length_penalty, max_new_tokens, early_stopping="never": the exact stopping rule of runtime.search;
-  Marian's own bad_words_ids = [[pad]]; sampling, forced EOS, repetition rules and the rest off), identical for fp32 (the bundle's token row otherwise). The reference
-  outputs must vary: with fewer distinct outputs than half the inputs the verdict is "inconclusive", never "ok".
+  Marian's own bad_words_ids = [[pad]]; sampling, forced EOS, repetition rules and the rest off), identical for
+  fp32 (the bundle's token row otherwise), judged by the token rule every parity uses (report.token_verdict): the
+  reference outputs must vary, or equal tokens are "inconclusive", never "ok"; random piece ids (no texts given)
+  are said not to be representative.
 The original is loaded by its registered family (toolkit/reference/importers), which imports transformers
 only when a parity against the original is asked for.
 """
@@ -25,56 +27,72 @@ from runtime.errors import InputError
 from runtime.generate import generate_ids, pad_batch
 from runtime.search import SearchOptions
 from toolkit.parity.generation import compare_tokens
+from toolkit.parity.inputs import DEFAULT_SAMPLES, UNREPRESENTATIVE
+from toolkit.parity.report import Report, combine, mismatch_window, needed_distinct, shout, token_verdict
 from toolkit.parity.tolerances import IMPORTED, Tolerance
+
+
+def ok_or_failed(ok: bool, varied: bool = True) -> str:
+    """A check's verdict; a reference that does not vary proves nothing either way (inconclusive)."""
+    return "inconclusive" if not varied else "ok" if ok else "failed"
 
 
 @dataclass
 class OriginalCheck:
     what: str                       # "tokenizer" | "logits" | "greedy" | "beam 4"
-    ok: bool
+    verdict: str                    # "ok" | "failed" | "inconclusive"
     detail: str
     value: float | None = None      # max abs error or fraction equal
     limit: float | None = None
     distinct_outputs: int | None = None
     first_mismatch: dict | None = None
 
+    @property
+    def ok(self) -> bool:
+        return self.verdict == "ok"
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "ok": self.ok}
+
 
 @dataclass
-class OriginalReport:
+class OriginalReport(Report):
     original: str
     candidate: str
     samples: int
     source: str
     checks: list[OriginalCheck] = field(default_factory=list)
     reference: str = "the original"             # its family's name for it: "MarianMTModel (transformers)"
+    representative: bool = True     # False: random piece ids (a text model never sees them)
 
     @property
     def verdict(self) -> str:
-        if any(not c.ok and c.detail.startswith("inconclusive") for c in self.checks):
-            return "inconclusive"
-        return "ok" if self.checks and all(c.ok for c in self.checks) else "FAILED"
-
-    @property
-    def ok(self) -> bool:
-        return self.verdict == "ok"
+        return combine(c.verdict for c in self.checks)
 
     def summary(self) -> str:
-        return f"parity with the original {self.verdict}: " + "; ".join(f"{c.what} {c.detail}" for c in self.checks)
+        line = f"parity with the original {shout(self.verdict)}: " + "; ".join(f"{c.what} {c.detail}"
+                                                                              for c in self.checks)
+        first = next((c for c in self.checks if c.verdict == "failed" and c.what not in ("tokenizer", "logits")
+                      and c.first_mismatch), None)
+        if first is not None:
+            line += f"; first mismatch ({first.what}): " + mismatch_window(first.first_mismatch, "onnxformer", "marian")
+        return line if self.representative else f"{line}; {UNREPRESENTATIVE}"
 
     def table(self) -> str:
-        lines = [f"{'check':<10} {'value':>12} {'limit':>10} {'distinct':>8}  ok", "-" * 50]
+        lines = [f"{'check':<10} {'value':>12} {'limit':>10} {'distinct':>8}  verdict", "-" * 56]
         for c in self.checks:
             value = "-" if c.value is None else (f"{c.value:.2e}" if c.what in ("logits",) else f"{c.value:.2%}")
             limit = "-" if c.limit is None else (f"{c.limit:.0e}" if c.what in ("logits",) else f"{c.limit:.0%}")
-            lines.append(f"{c.what:<10} {value:>12} {limit:>10} {c.distinct_outputs or '-':>8}  "
-                         f"{'yes' if c.ok else 'NO'}")
-        lines.append(f"inputs: {self.source}; reference: {self.reference} from {self.original}")
+            lines.append(f"{c.what:<10} {value:>12} {limit:>10} {c.distinct_outputs or '-':>8}  {c.verdict}")
+        lines.append(f"inputs: {self.source}" + ("" if self.representative else " (NOT representative: this model "
+                                                                                  "reads text)")
+                     + f"; reference: {self.reference} from {self.original}")
         return "\n".join(lines)
 
-    def to_dict(self) -> dict:
-        return {"ok": self.ok, "verdict": self.verdict, "original": self.original, "candidate": self.candidate,
-                "samples": self.samples, "source": self.source, "summary": self.summary(),
-                "checks": [asdict(c) for c in self.checks]}
+    def fields(self) -> dict:
+        return {"original": self.original, "candidate": self.candidate, "samples": self.samples,
+                "source": self.source, "representative": self.representative,
+                "checks": [c.to_dict() for c in self.checks]}
 
 
 def original_of(path: str | Path):
@@ -105,8 +123,8 @@ def marian_inputs(tok, ours, texts: list[str] | None, samples: int, seed: int = 
             got = [ours.encode(t) for t in texts]
             same = sum(a == b for a, b in zip(ref, got))
             bad = next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), None)
-            check = OriginalCheck("tokenizer", same == len(ref), f"{same}/{len(ref)} inputs tokenized identically",
-                                  same / len(ref), 1.0,
+            check = OriginalCheck("tokenizer", ok_or_failed(same == len(ref)),
+                                  f"{same}/{len(ref)} inputs tokenized identically", same / len(ref), 1.0,
                                   first_mismatch=None if bad is None else
                                   {"index": bad, "text": texts[bad], "marian": ref[bad], "onnxformer": got[bad]})
         return ref, f"{len(texts)} texts", check
@@ -173,13 +191,13 @@ def logits_check(model, reference, seqs: list[list[int]], steps: int = 8, seed: 
     varied = float(want.std()) > 1e-3
     where = f"{len(ids)} padded inputs x {steps} target tokens"
     if err <= tolerance.atol:
-        return OriginalCheck("logits", varied, f"max abs error {err:.2e} (limit {tolerance.atol:.0e}, {where})", err,
-                             tolerance.atol)
+        return OriginalCheck("logits", ok_or_failed(True, varied),
+                             f"max abs error {err:.2e} (limit {tolerance.atol:.0e}, {where})", err, tolerance.atol)
     with torch.no_grad():
         want64 = copy.deepcopy(model).double()(input_ids=ids_t, attention_mask=mask_t, decoder_input_ids=tgt_t).logits
         got64 = copy.deepcopy(reference).double()(ids_t, mask_t, tgt_t)
     err64, noise = float((want64 - got64).abs().max()), float((want.double() - want64).abs().max())
-    return OriginalCheck("logits", err64 <= tolerance.atol and varied,
+    return OriginalCheck("logits", ok_or_failed(err64 <= tolerance.atol, varied),
                          f"max abs error {err64:.2e} in float64 (limit {tolerance.atol:.0e}, {where}); float32: "
                          f"{err:.2e}, rounding: MarianMTModel's own float32 logits are {noise:.2e} from float64 "
                          f"(largest |logit| {float(want64.abs().max()):.1f})", err64, tolerance.atol)
@@ -196,24 +214,21 @@ def token_checks(model, engine, seqs: list[list[int]], beams=(1, 4), max_new_tok
                for h in generate_ids(engine, seqs[start:start + 64], opts)]
         seq_eq, tok_eq, first = compare_tokens(ref, got)
         distinct = len({tuple(r) for r in ref})
-        needed = max(1, min(32, len(seqs) // 2))
         name = "greedy" if beam == 1 else f"beam {beam}"
         if first is not None:
             first = {"index": first["index"], "position": first["position"], "marian": first["pytorch"],
                      "onnxformer": first["onnxruntime"]}
-        if distinct < needed:
-            checks.append(OriginalCheck(name, False, f"inconclusive: only {distinct} distinct reference outputs "
-                                        f"(needs {needed}); use inputs whose translations differ", seq_eq,
-                                        token_match, distinct, first))
-            continue
-        ok = tok_eq >= token_match and (token_match < 1.0 or seq_eq == 1.0)
-        checks.append(OriginalCheck(name, ok, f"{seq_eq:.2%} sequences, {tok_eq:.2%} tokens identical "
-                                    f"({distinct} distinct)", tok_eq, token_match, distinct, first))
+        verdict = token_verdict(tok_eq, token_match, distinct, len(seqs))
+        detail = f"{seq_eq:.2%} sequences, {tok_eq:.2%} tokens identical ({distinct} distinct)"
+        if tok_eq >= token_match and verdict == "inconclusive":
+            detail = (f"inconclusive: only {distinct} distinct reference outputs (needs "
+                      f"{needed_distinct(len(seqs)):g}); use inputs whose translations differ")
+        checks.append(OriginalCheck(name, verdict, detail, tok_eq, token_match, distinct, first))
     return checks
 
 
 def marian_parity(original: str | Path, engine, candidate: str = "", texts: list[str] | None = None,
-                  samples: int = 64, beams=(1, 4), max_new_tokens: int = 32, length_penalty: float = 1.0,
+                  samples: int = DEFAULT_SAMPLES, beams=(1, 4), max_new_tokens: int = 32, length_penalty: float = 1.0,
                   tokenizer=None, token_match: float = 1.0, progress=None) -> OriginalReport:
     """Compare an engine (bundle or checkpoint) with the Marian model it was imported from."""
     from toolkit.reference.importers import reference_of
@@ -222,7 +237,8 @@ def marian_parity(original: str | Path, engine, candidate: str = "", texts: list
     family = original_of(original)
     model, tok = family.load_original(Path(original))
     seqs, source, tok_check = marian_inputs(tok, tokenizer, texts, samples)
-    report = OriginalReport(str(original), candidate, len(seqs), source, reference=family.original)
+    report = OriginalReport(str(original), candidate, len(seqs), source, reference=family.original,
+                            representative=bool(texts))
     if tok_check is not None:
         report.checks.append(tok_check)
     progress("logits: MarianMTModel vs the imported reference model")

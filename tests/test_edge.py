@@ -124,10 +124,12 @@ def test_ort_parity_gate_catches_other_graphs(bundles):
 
     onnx = {g: bundles["fp32"] / f"{g}.onnx" for g in ("encoder", "decoder")}
     other = {g: bundles["int8-ort"] / f"{g}.ort" for g in ("encoder", "decoder")}
-    config = json.loads((bundles["fp32"] / "manifest.json").read_text())["model"]
-    assert check_ort_parity(onnx, {g: bundles["fp32-ort"] / f"{g}.ort" for g in onnx}, config)["max_abs"] <= 1e-4
+    manifest = json.loads((bundles["fp32"] / "manifest.json").read_text())
+    config, layout = manifest["model"], manifest["decoder_layout"]
+    ort = {g: bundles["fp32-ort"] / f"{g}.ort" for g in onnx}
+    assert check_ort_parity(onnx, ort, config, layout)["max_abs"] <= 1e-4
     with pytest.raises(ParityError, match="ORT-format graphs differ"):
-        check_ort_parity(onnx, other, config)
+        check_ort_parity(onnx, other, config, layout)
 
 
 def test_ort_conversion_refusals_leave_nothing_behind(bundles, tmp_path, monkeypatch):

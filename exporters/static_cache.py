@@ -15,8 +15,9 @@ decoder by it, runtime/feed.py):
 - per row ("static-per-row"; CPU, the default): com.microsoft.GroupQueryAttention (kv_num_heads = num_heads).
   past_sequence_length is int32 [B], each row's own filled length: row b writes its new key/value at slot
   past_sequence_length[b] of its buffer row and attends over slots 0..past_sequence_length[b]. Every slot a row
-  attends holds its own token, so there is no key mask (`decoder_attention_mask` leaves the interface), rows of one batch may sit at
-  different positions (in-flight batching, runtime/inflight.py), and each row pays only for its own length.
+  attends holds its own token, so there is no key mask (`decoder_attention_mask` leaves the interface), rows of
+  one batch may sit at different positions (in-flight batching, runtime/inflight.py), and each row pays only for
+  its own length.
   onnxruntime's GroupQueryAttention takes head sizes that are multiples of 8 only: other models get the shared
   slot on CPU too (optimize says so in its notes).
 - shared slot ("static-shared"; CUDA): com.microsoft.DecoderMaskedMultiHeadAttention with

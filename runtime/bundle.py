@@ -182,7 +182,7 @@ def _check_recorded(path: Path, name: str, recorded: GraphSpec, expected: GraphS
     want = [(t.name, t.dtype, len(t.shape)) for t in expected.inputs + expected.outputs]
     for found, wanted in zip_longest(got, want):
         if found != wanted:
-            raise BundleError(f"bundle {path}: the manifest's {name} interface differs from its model config and "
+            raise BundleError(f"bundle {path}: the manifest's {name} interface differs from the model config and "
                               f"decoder_layout (found {found}, expected {wanted}); re-export the bundle with this "
                               f"onnxformer")
     for r, e in zip(recorded.inputs + recorded.outputs, expected.inputs + expected.outputs):

@@ -3,8 +3,8 @@
     feed = Feed(encoder_session, decoder_session, config, layout="static-per-row", provider="cpu")
     cross = feed.encode(ids, mask)                                   # numpy; feed.encode_bound: OrtValues on the device
     logits, presents = feed.decode(tokens, mask, past, cross)        # the dynamic contract, any layout
-    step = feed.bind_static(mask, cross, buffers)                    # static layouts: bound once ...
-    logits = step.run(tokens, lengths)                               # ... then ids, lengths, positions per step
+    bound = feed.bind_static(mask, cross, buffers)                   # static layouts: bound once ...
+    logits = bound.step(tokens, lengths)                             # ... then ids, lengths, positions per step
 
 The decoder is fed by its declared layout (the manifest's decoder_layout, runtime/spec.py), never by its input
 names:
@@ -179,12 +179,12 @@ def _shape(x) -> tuple:
 
 
 class StaticStep:
-    """One static-layout binding: `run` binds a step's inputs and runs the decoder; everything else stays bound."""
+    """One static-layout binding: `step` binds a step's inputs and runs the decoder; everything else stays bound."""
 
     def __init__(self, feed: Feed, binding, kept: list):
         self.feed, self.binding, self.kept = feed, binding, kept
 
-    def run(self, tokens: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    def step(self, tokens: np.ndarray, lengths: np.ndarray) -> np.ndarray:
         """tokens int64 [rows, 1]; lengths int32 [rows], each row's filled slots (= its new token's position; the
         shared-slot layout takes lengths[0] for all rows). Returns the logits [rows, 1, V]: ORT's output memory,
         reused by the next run (copy what you keep)."""

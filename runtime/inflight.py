@@ -175,7 +175,7 @@ class InflightBatch:
         lengths = np.zeros(bound, dtype=np.int32)                     # ... at length 0 (slot 0 of a free row)
         tokens[:n, 0] = [r.last for r in self.rows]
         lengths[:n] = [r.length for r in self.rows]
-        logits = self._binding.run(tokens, lengths)[:n, -1].copy()   # [n, V]; ORT reuses the output's memory
+        logits = self._binding.step(tokens, lengths)[:n, -1].copy()   # [n, V]; ORT reuses the output's memory
         self.steps += 1
         no_eos = [i for i, r in enumerate(self.rows) if r.ignore_eos] if not self.opts.ignore_eos else slice(None)
         logits[no_eos, self.e.eos_id] = -np.inf

@@ -152,10 +152,10 @@ def decoder_spec(n_decoder_layers: int, n_heads: int, d_model: int, vocab_size: 
     The dynamic cache: present = past + new rows, a new tensor each step. The static cache
     (exporters/static_cache.py): past and present are one [B, H, cache_len, Dh] buffer the runtime allocates per
     request (cache_len = the tokens it may generate, at most max_len) and binds twice; `past_sequence_length` says
-    how many slots are filled, and a step takes exactly one token. Per row (STATIC_PER_ROW, CPU bundles): int32 [B], each
-    row's own filled length, the slot its new key/value is written at; every slot below it is the row's own token,
-    so the static cache takes no `decoder_attention_mask`. Shared slot (STATIC_SHARED, CUDA bundles): int32 [1] for
-    all rows, with the key mask.
+    how many slots are filled, and a step takes exactly one token. Per row (STATIC_PER_ROW, CPU bundles): int32 [B],
+    each row's own filled length, the slot its new key/value is written at; every slot below it is the row's own
+    token, so the static cache takes no `decoder_attention_mask`. Shared slot (STATIC_SHARED, CUDA bundles): int32
+    [1] for all rows, with the key mask.
 
     Per-row inputs (rows of one batch may sit at different positions, as in in-flight batching):
     `position_ids` [B, new_len], each new token's position in its own target sequence (one request alone:

@@ -75,7 +75,7 @@ class StaticPath:
         if cache.binding is None:                                    # host: the leading rows of a C-order array are
             buffers = [buf[:cache.rows] for buf in cache.buffers] if self.on_host else cache.buffers   # contiguous
             cache.binding = self.e.feed.bind_static(mask, cross, buffers)
-        logits = cache.binding.run(tokens, np.full(cache.rows, cache.length, dtype=np.int32))
+        logits = cache.binding.step(tokens, np.full(cache.rows, cache.length, dtype=np.int32))
         cache.length += 1
         return logits.copy(), cache                                  # ORT reuses the bound output's memory next step
 

@@ -271,7 +271,7 @@ def test_manifest_with_unknown_or_wrong_decoder_layout_is_refused(bundles, tmp_p
         load_bundle(copy, "cpu")
     for layout, kv_cache in ((STATIC_SHARED, "static"), ("dynamic", "dynamic")):   # says so, the graph is per row
         copy_with_manifest(static, copy, decoder_layout=layout, kv_cache=kv_cache)
-        with pytest.raises(BundleError, match="interface differs from its model config and decoder_layout"):
+        with pytest.raises(BundleError, match="interface differs from the model config and decoder_layout"):
             load_bundle(copy, "cpu")
 
 

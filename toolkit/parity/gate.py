@@ -50,7 +50,8 @@ def bundle_gate(src_paths: dict[str, Path], paths: dict[str, Path], manifest: di
     config, source_layout = manifest["model"], decoder_layout(manifest)
     layout = layout or source_layout
     tol = tolerance(precision, provider)
-    record = bundle_parity(src_paths, paths, config, provider, tol, precision, layouts=(layout, source_layout)).to_dict()
+    record = bundle_parity(src_paths, paths, config, provider, tol, precision,
+                           layouts=(layout, source_layout)).to_dict()
     verdicts = {"graphs": record["verdict"]} if record["judged"] or record["verdict"] == "inconclusive" else {}
     tokenizer = load_tokenizer(bundle_dir / manifest["tokenizer"]) if manifest.get("tokenizer") else None
     if texts:

@@ -19,7 +19,7 @@ from click.testing import CliRunner
 from runtime.bundle import load_bundle
 from runtime.errors import BundleError, InputError, ProviderError
 from runtime.generate import generate_ids, to_outputs
-from runtime.manifest import FORMAT_VERSION, file_entries, sha256_file
+from runtime.manifest import FORMAT_VERSION, file_entries, read_manifest, sha256_file, verify_hashes
 from runtime.ort_engine import default_io_binding
 from runtime.search import SearchOptions
 from runtime.session import FLOAT, INT64, SessionConfig, choose_provider, gather_model, make_session
@@ -299,6 +299,18 @@ def test_tampered_graph_is_a_bundle_error(bundle_copy):
     (bundle_copy / "decoder.onnx").write_bytes(bytes(data))
     with pytest.raises(BundleError, match=r"decoder\.onnx does not match its sha256.*copy the bundle again or re-export"):
         load_bundle(bundle_copy, provider="cpu")
+
+
+@pytest.mark.parametrize("field, change", [("n_heads", lambda v: v * 2), ("d_model", lambda v: v + 8),
+                                           ("vocab_size", lambda v: v + 5), ("n_decoder_layers", lambda v: v + 1)])
+def test_an_edited_model_config_is_refused_at_load(bundle_copy, field, change):
+    """manifest.json is not in its own file list, so an edited model config passes the hash check: the config
+    check against the graphs' fixed dims and cache layers refuses it at load, naming the field."""
+    edit_manifest(bundle_copy, lambda m: m["model"].update({field: change(m["model"][field])}))
+    verify_hashes(bundle_copy, read_manifest(bundle_copy))           # every file still matches its hash
+    with pytest.raises(BundleError, match=rf"model config .*{field}.*copy the bundle again or re-export") as err:
+        load_bundle(bundle_copy, provider="cpu")
+    assert "\n" not in str(err.value)
 
 
 def test_newer_format_version_is_a_bundle_error(bundle_copy):

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from runtime.manifest import decoder_layout
 from runtime.ort_engine import OrtEngine
 from runtime.session import SessionConfig, make_session
 from runtime.tokenizer import load_tokenizer
@@ -33,26 +34,30 @@ from toolkit.reference.tasks import task_accuracy
 ACCURACY_SAMPLES = 1000             # held-out examples for the task metric: 1 point = 10 examples
 
 
-def engine(paths: dict[str, Path], config: dict, provider: str) -> OrtEngine:
-    """A runtime engine over a pair of graph files (sessions made as the runtime makes them)."""
+def engine(paths: dict[str, Path], config: dict, provider: str, layout: str) -> OrtEngine:
+    """A runtime engine over a pair of graph files whose decoder has `layout` (sessions made as the runtime makes
+    them)."""
     options = SessionConfig()
     return OrtEngine(make_session(paths["encoder"], provider, options.for_graph("encoder")),
-                     make_session(paths["decoder"], provider, options.for_graph("decoder")), config, provider)
+                     make_session(paths["decoder"], provider, options.for_graph("decoder")), config, provider,
+                     layout=layout)
 
 
 def bundle_gate(src_paths: dict[str, Path], paths: dict[str, Path], manifest: dict, bundle_dir: Path,
                 provider: str, precision: str, samples: int = DEFAULT_SAMPLES,
-                texts: list[str] | None = None) -> dict:
+                texts: list[str] | None = None, layout: str | None = None) -> dict:
     """The parity record of candidate graphs against the source bundle's, with the gate's verdict. texts: source
     texts (through the bundle's tokenizer, at most `samples`) as the token check's inputs instead of the task's
-    held-out inputs or random ids."""
-    config = manifest["model"]
+    held-out inputs or random ids; layout: the candidate's decoder layout (default: the source's, `manifest`'s)."""
+    config, source_layout = manifest["model"], decoder_layout(manifest)
+    layout = layout or source_layout
     tol = tolerance(precision, provider)
-    record = bundle_parity(src_paths, paths, config, provider, tol, precision).to_dict()
+    record = bundle_parity(src_paths, paths, config, provider, tol, precision,
+                           layouts=(layout, source_layout)).to_dict()
     verdicts = {"graphs": record["verdict"]} if record["judged"] or record["verdict"] == "inconclusive" else {}
     tokenizer = load_tokenizer(bundle_dir / manifest["tokenizer"]) if manifest.get("tokenizer") else None
     inputs = choose_inputs(ModelConfig.from_dict(config), tokenizer, samples, texts)
-    reference, candidate = engine(src_paths, config, provider), engine(paths, config, provider)
+    reference, candidate = engine(src_paths, config, provider, source_layout), engine(paths, config, provider, layout)
     gen = generation_parity(reference, candidate, inputs.seqs, tol, provider, precision, beams=(1,),
                             max_new_tokens=min(32, config["max_len"]), source=inputs.source,
                             representative=inputs.representative)

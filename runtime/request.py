@@ -104,8 +104,8 @@ def encode_inputs(inputs: list, tokenizer) -> list[list[int]]:
         elif not item.strip():
             raise InputError(f"input {i} is empty; every input needs at least one token (a text that is not blank)")
         elif tokenizer is None:
-            raise InputError(f"input {i} is text, but this model has no tokenizer (tokenizer.json); "
-                             f"pass token ids instead (--ids \"5 6 7\" on the command line, \"ids\" in a server request)")
+            raise InputError(f"input {i} is text, but this model has no tokenizer (tokenizer.json); pass token ids "
+                             f"instead (--ids \"5 6 7\" on the command line, \"ids\" in a server request)")
         else:
             seqs.append(tokenizer.encode(item))
     return seqs

@@ -83,7 +83,8 @@ class Poisoned:
         return getattr(self.inner, name)
 
     def start(self, ids, mask, expand, max_steps=None):
-        return PoisonedState(self.inner.start(ids, mask, expand, max_steps), np.repeat(ids[:, 0] == self.POISON, expand))
+        bad = np.repeat(ids[:, 0] == self.POISON, expand)             # per row: row b * expand + j is input b's
+        return PoisonedState(self.inner.start(ids, mask, expand, max_steps), bad)
 
 
 class PoisonedState:

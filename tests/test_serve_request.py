@@ -157,7 +157,8 @@ def test_an_untraced_failure_never_quotes_another_request(separate):
     for job in (mine, theirs):
         with pytest.raises(SharedFailure) as caught:
             job.future.result(60)
-        assert "RuntimeError" in str(caught.value) and "31" not in str(caught.value) and "9, 10" not in str(caught.value)
+        message = str(caught.value)
+        assert "RuntimeError" in message and "31" not in message and "9, 10" not in message
     alone = queued(engine, [[9, 10, 11]], opts)      # alone, a request learns its own error
     scheduler.max_wait = 0
     scheduler.submit(alone)

@@ -4,9 +4,10 @@
     scheduler.start(); future = scheduler.submit(Job(request)); scheduler.stop()
 
 One decoding thread drives a runtime.inflight.InflightBatch of max_batch slots. Before every step it admits
-waiting greedy jobs (whose options differ from plain greedy search's only in ROW_OPTIONS, which each row keeps), oldest first, while their inputs fit in the free slots (the encoder runs for the joiners
-only); after the step, rows that finished leave at once and a job whose rows are all done gets its answer, so
-a short request never waits for a long one. Every other job (beam search, or any other option) keeps
+waiting greedy jobs (whose options differ from plain greedy search's only in ROW_OPTIONS, which each row keeps),
+oldest first, while their inputs fit in the free slots (the encoder runs for the joiners only); after the step,
+rows that finished leave at once and a job whose rows are all done gets its answer, so a short request never
+waits for a long one. Every other job (beam search, or any other option) keeps
 request-level batching: when the oldest waiting job is one, admission stops until the running rows are done,
 then its batch (equal batch keys) decodes as in Scheduler.
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import time
 
+from runtime.errors import NumericsError
 from runtime.inflight import InflightBatch, check_engine
 from runtime.request import differing
 from runtime.search import SearchOptions
@@ -167,9 +169,8 @@ class InflightScheduler(Scheduler):
     def _failed_step(self, exc: Exception) -> None:
         """A step raised before any row moved on: fail the jobs of the rows that caused it (a NumericsError names
         them; the others run the step again) or, when that is not known, every live job on a fresh batch."""
-        rows = getattr(exc, "rows", None)
-        if rows:
-            self._drop(list(dict.fromkeys(self.batch.rows[i].key[0] for i in rows)), exc, known=True)
+        if isinstance(exc, NumericsError) and exc.rows:
+            self._drop(list(dict.fromkeys(self.batch.rows[i].key[0] for i in exc.rows)), exc, known=True)
             for job in list(self._rows):                         # rows that left before the failed step
                 self._finish_if_done(job)
             return

@@ -10,8 +10,8 @@ The thread takes the oldest waiting job, waits until max_wait has passed since t
 engine became free, whichever is later (or until the batch is full: so the clients whose answers just went out
 can come back into the next batch instead of the one after), and decodes it together with every waiting job
 that can share its search (equal runtime.request batch keys: every search option equal, except a greedy input's
-max_new_tokens, which each input keeps as its limit). A batch holds at most max_batch inputs. One batch runs at a time: on a CPU the engine
-already uses every core, and the batch is where requests share the work.
+max_new_tokens, which each input keeps as its limit). A batch holds at most max_batch inputs. One batch runs at a
+time: on a CPU the engine already uses every core, and the batch is where requests share the work.
 
 Every submitted job's future is resolved exactly once: with its hypotheses, with an exception, or cancelled (the
 client went away: `cancel`). Requests are validated before they are queued (runtime.request), so what fails in a
@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from runtime.errors import NumericsError
 from runtime.generate import generate
 from runtime.request import Request, merge, search_options
 
@@ -80,9 +81,8 @@ class Job:
 
 def culprits(jobs: list[Job], exc: Exception) -> list[Job] | None:
     """The jobs whose inputs caused `exc` (a NumericsError that names them), or None when that is not known."""
-    inputs = getattr(exc, "inputs", None) or ()
-    bad = [job for job in jobs if job._stop is not None and any(i in range(job._stop[1].start, job._stop[1].stop)
-                                                                for i in inputs)]
+    inputs = (exc.inputs or ()) if isinstance(exc, NumericsError) else ()
+    bad = [job for job in jobs if any(job._stop[1].start <= i < job._stop[1].stop for i in inputs)]
     return bad or None
 
 

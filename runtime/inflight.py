@@ -36,7 +36,8 @@ import numpy as np
 
 from runtime.errors import InputError
 from runtime.feed import Feed
-from runtime.generate import check_request, pad_batch
+from runtime.generate import pad_batch
+from runtime.request import check_sources
 from runtime.search import Hypothesis, SearchOptions, greedy_pick
 from runtime.spec import DYNAMIC, STATIC_PER_ROW
 
@@ -116,10 +117,11 @@ class InflightBatch:
         if len(sequences) > self.free:
             raise ValueError(f"{len(sequences)} rows do not fit: {self.free} of {self.slots} slots are free")
         limits = [int(n) for n in limits]
-        if any(n > self.capacity for n in limits):
-            raise InputError(f"max new tokens {max(limits)} exceeds the batch's cache of {self.capacity} positions")
-        check_request(sequences, SearchOptions(max_new_tokens=max(limits, default=0)), self.e.src_vocab_size,
-                      self.e.max_len)
+        bad = [n for n in limits if not 0 <= n <= self.capacity]
+        if bad:
+            raise InputError(f"max new tokens must be between 0 and the batch's cache of {self.capacity} positions, "
+                             f"got {bad[:5]}")
+        check_sources(sequences, self.e)                              # a server checked them before: runtime.request
         rows = [Row(k, n, src_len=len(s), left=n == 0, last=self.e.bos_id) for k, s, n in zip(keys, sequences, limits)]
         joining = [i for i, r in enumerate(rows) if r.limit > 0]
         if not joining:

@@ -153,14 +153,14 @@ def test_separate_vocabularies(tmp_path):
 def test_optimize_gate_on_given_texts(marian, fused, tmp_path):
     """optimize --input: the gate's token check runs on the texts (through the bundle's tokenizer), not random ids."""
     texts = tmp_path / "texts.txt"
-    texts.write_text("\n".join(TEXTS[:12]) + "\n\n")
+    texts.write_text("\n".join(TEXTS[:12]) + "\n")
     result = CliRunner().invoke(main, ["optimize", str(fused), "--out", str(tmp_path / "int8"), "--precision", "int8",
                                        "--input", str(texts), "--samples", "8", "--allow-unverified", "--json"])
     assert result.exit_code == 0, result.output
     gen = json.loads(result.output[result.output.index("{"):])["parity"]["generation"]
     assert gen["source"] == "8 given source texts" and gen["samples"] == 8
     empty = tmp_path / "empty.txt"
-    empty.write_text("\n")
+    empty.write_text("")
     result = CliRunner().invoke(main, ["optimize", str(fused), "--out", str(tmp_path / "x"), "--precision", "int8",
                                        "--input", str(empty)])
     assert result.exit_code == 2 and "has no text lines" in result.output and not (tmp_path / "x").exists()

@@ -351,7 +351,7 @@ def test_manifest_interface_differing_from_config_is_a_bundle_error(bundle_copy)
 
 
 @pytest.mark.parametrize("seqs, message", [
-    ([[5, 64, 7]], r"input 0 has token id\(s\) \[64\] outside the vocabulary"),
+    ([[5, 64, 7]], r"input 0 has token id\(s\) \[64\] outside the source vocabulary"),
     ([[5], [-1]], r"input 1 has token id\(s\) \[-1\]"),
     ([[5], []], "input 1 is empty"),
     ([], "no inputs given"),
@@ -363,7 +363,7 @@ def test_bad_requests_are_input_errors(engines, seqs, message):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--ids", "5 64"], "outside the vocabulary"),
+    (["--ids", "5 64"], "outside the source vocabulary"),
     (["--ids", " ".join(["5"] * 65)], "maximum source length"),
     (["--ids", "5", "--beam", "2", "--num-return", "3"], "number of returned hypotheses"),
 ])

@@ -25,8 +25,7 @@ from fastapi.responses import JSONResponse, Response
 
 from runtime.bundle import Bundle, load_bundle
 from runtime.errors import InputError, OnnxformerError
-from runtime.generate import encode_inputs, generate_ids, records, to_outputs
-from runtime.search import SearchOptions
+from runtime.generate import records, to_outputs
 from toolkit.apps.serve.metrics import Metrics
 from toolkit.apps.serve.inflight import InflightScheduler
 from toolkit.apps.serve.scheduler import Job, Overloaded, Scheduler, Stopped
@@ -119,12 +118,8 @@ class Service:
         self.state = "ready"
 
     def warm_up(self) -> None:
-        """Decode a few steps at batch 1 and at the full batch, so the first requests do not pay for first runs."""
-        seq = [min(self.engine.vocab_size - 1, max(self.engine.eos_id, self.engine.pad_id, self.engine.bos_id) + 1)]
-        for rows in sorted({1, self.settings.max_batch}):
-            generate_ids(self.engine, [seq * 4] * rows, SearchOptions(max_new_tokens=min(4, self.engine.max_len)))
-        if isinstance(self.scheduler, InflightScheduler):
-            self.scheduler.warm_up()
+        """Decode a few steps before serving, so the first requests do not pay for first runs."""
+        self.scheduler.warm_up()
 
     def stop(self) -> None:
         """Finish every accepted request, then stop the decoding thread."""
@@ -134,12 +129,13 @@ class Service:
 
     def model_info(self) -> dict:
         m = self.bundle.manifest
-        keys = ("vocab_size", "d_model", "n_heads", "n_encoder_layers", "n_decoder_layers", "max_len")
+        keys = ("vocab_size", "d_model", "n_heads", "n_encoder_layers", "n_decoder_layers", "max_len")   # vocab: target
         return {
             "bundle": str(self.bundle.path), "precision": m.get("precision"), "kv_cache": m.get("kv_cache", "dynamic"),
             "provider": self.bundle.provider, "engine": getattr(self.engine, "name", "ort"),
             "tokenizer": self.tokenizer is not None, "fusions": m.get("fusions", {}),
-            "model": {k: m["model"][k] for k in keys if k in m["model"]},
+            "model": {**{k: m["model"][k] for k in keys if k in m["model"]},
+                      "src_vocab_size": self.engine.src_vocab_size},
             "scheduler": {"kind": self.scheduler.kind, "max_batch": self.settings.max_batch,
                           "max_wait_ms": self.settings.max_wait_ms, "max_queue": self.settings.max_queue,
                           **({"not_inflight": self.scheduler.not_inflight} if self.scheduler.not_inflight else {})},
@@ -236,7 +232,7 @@ def create_app(service: Service, start_in_background: bool = True, on_ready=None
         disconnect.cancel()
         try:
             hyps = future.result()
-        except Exception as exc:                                 # the engine failed on this batch
+        except Exception as exc:                                 # the engine failed on this request (scheduler.fail)
             metrics.refused("engine", "error")
             return error_response(500, f"generation failed: {type(exc).__name__}: {exc}".splitlines()[0])
         outputs = to_outputs(hyps, service.engine.eos_id, service.tokenizer)
@@ -249,7 +245,8 @@ def create_app(service: Service, start_in_background: bool = True, on_ready=None
                              "total_ms": round((finished - arrived) * 1000, 3)})
 
     async def _accept(request: Request, arrived: float) -> tuple[Job, list]:
-        """Read, check and queue a request; RequestError for every way it can be refused."""
+        """Read, check and queue a request; RequestError for every way it can be refused. It is validated
+        completely here (runtime.request), before it can join a batch: a bad request never fails another."""
         if not service.ready:
             raise RequestError(503, "not_ready", f"the server is {service.state}; retry shortly", retry_after=1)
         body = await read_body(request, limits.max_body_bytes)
@@ -259,21 +256,18 @@ def create_app(service: Service, start_in_background: bool = True, on_ready=None
             malformed = str(exc).startswith("the body is not valid JSON")
             raise RequestError(400 if malformed else 422, "malformed_json" if malformed else "validation",
                                str(exc)) from None
-        inputs = parsed.inputs if parsed.inputs is not None else parsed.ids
         try:
-            sequences = encode_inputs(inputs, service.tokenizer)
-            opts = limits.check(parsed, sequences, service.engine.vocab_size, service.engine.max_len)
+            job = Job(limits.request(parsed, service.engine, service.tokenizer), arrived)
         except OnnxformerError as exc:
             kind = "too_many_inputs" if str(exc).startswith("too many inputs") else "validation"
             raise RequestError(422, kind, str(exc)) from None
-        job = Job(sequences, opts, arrived)
         try:
             service.scheduler.submit(job)
         except Overloaded as exc:
             raise RequestError(503, "queue_full", str(exc), retry_after=exc.retry_after) from None
         except Stopped as exc:
             raise RequestError(503, "shutting_down", str(exc), retry_after=1) from None
-        return job, inputs
+        return job, job.request.inputs
 
     @app.get("/healthz")
     async def healthz():

@@ -21,6 +21,7 @@ class GenerateRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
+    model: str | None = Field(None, description="the served model to use (required when the server serves several)")
     inputs: list[str] | None = Field(None, description="texts to generate from (the bundle needs a tokenizer)")
     ids: list[list[int]] | None = Field(None, description="token id lists to generate from")
     beam: int = Field(1, description="beam width (1 = greedy)")

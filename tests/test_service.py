@@ -226,9 +226,13 @@ def test_deepl_client(open_url, reference):
     assert [r.text for r in many] == reference([TEXT, LONG])
     assert [(lang.code, lang.name) for lang in translator.get_source_languages()] == [("EN", "EN")]
     assert [lang.code for lang in translator.get_target_languages()] == ["DE"]
-    assert translator.get_usage().character.count >= 2 * len(TEXT) + len(LONG)
+    used = translator.get_usage().character.count
+    assert used >= 2 * len(TEXT) + len(LONG)
     with pytest.raises(deepl.DeepLException, match="no served model translates"):
         translator.translate_text(TEXT, target_lang="FR")
+    with pytest.raises(deepl.DeepLException, match="outside the vocabulary"):
+        translator.translate_text("caf\u00e9 au lait", target_lang="DE")        # admitted, then refused: refunded
+    assert translator.get_usage().character.count == used                     # refused requests cost nothing
 
 
 @pytest.fixture(scope="module")

@@ -31,8 +31,8 @@ from toolkit.apps.extras import require
               help="the language pair a model translates (codes may be comma lists); repeat per model; default: "
                    "the bundle manifest's 'languages' field")
 @click.option("--api-keys", type=click.Path(path_type=Path), help="file of API keys, one a line, each optionally "
-              "with rpm=N (requests per minute) and chars=N (characters per month); every route but /healthz then "
-              "needs a key")
+              "with rpm=N (requests per minute) and chars=N (characters per month); the /v1, /translate and /v2 "
+              "routes then need a key")
 @click.option("--protect-metrics", is_flag=True, help="with --api-keys: /metrics needs a key too")
 @click.option("--allow-open", is_flag=True, help="listen on a non-loopback --host without --api-keys")
 @click.option("--ssl-certfile", type=click.Path(path_type=Path), help="serve HTTPS with this certificate (PEM)")

@@ -11,7 +11,7 @@ A request goes to the model that serves its language pair (models.ModelSet.route
 shape: LibreTranslate's {"error": "..."}, DeepL's {"message": "..."}, ours {"error": "..."}, and its statuses: a
 missing or unknown key is 401 (DeepL: 403, which its clients read as an authorization failure), a key over its
 monthly characters 403 (DeepL: 456, "quota exceeded"), over its request rate 429 with Retry-After.
-/healthz stays open; /metrics needs a key when the server was started with --protect-metrics.
+/healthz, /docs and /languages stay open; /metrics needs a key when the server has --protect-metrics.
 """
 
 from __future__ import annotations
@@ -53,27 +53,38 @@ def add_compat_routes(app: FastAPI, models: ModelSet, keys: ApiKeys | None = Non
     keys = keys or ApiKeys([])
     if not keys.open:
         app.add_middleware(KeyCheck, keys=keys, models=models)
+    _libretranslate(app, models, keys)
+    _deepl(app, models, keys)
+
+
+async def answer(models: ModelSet, work, shape, statuses) -> JSONResponse:
+    """work()'s JSON answer, or the refusal in the API's shape and status (counted in the metrics)."""
+    try:
+        return JSONResponse(await work())
+    except RequestError as exc:
+        status, kind, retry, message = exc.status, exc.kind, exc.retry_after, str(exc)
+    except Denied as exc:
+        status, kind, retry, message = statuses[exc.kind], exc.kind, exc.retry_after, str(exc)
+    except LookupError as exc:                                   # no served model for the language pair
+        status, kind, retry, message = 400, "unsupported_language", None, exc.args[0]
+    models.front.refused(kind, "overloaded" if status in (429, 503) else "client_error")
+    headers = {"Retry-After": str(retry)} if retry is not None else None
+    return JSONResponse(shape(message), status_code=status, headers=headers)
+
+
+async def charged(keys: ApiKeys, presented: str | None, texts: list[str], run):
+    """await run() on the key's account: admitted (rate, quota) with the texts' characters, refunded if it fails."""
+    characters = sum(map(len, texts))
+    account = keys.admit(presented, characters)
+    try:
+        return await run()
+    except BaseException:
+        keys.refund(account, characters)
+        raise
+
+
+def _libretranslate(app: FastAPI, models: ModelSet, keys: ApiKeys) -> None:
     limit = models.services[0].limits.max_body_bytes
-
-    async def answer(work, shape, statuses) -> JSONResponse:
-        """work()'s JSON answer, or the refusal in the API's shape and status (counted in the metrics)."""
-        try:
-            return JSONResponse(await work())
-        except RequestError as exc:
-            status, kind, retry, message = exc.status, exc.kind, exc.retry_after, str(exc)
-        except Denied as exc:
-            status, kind, retry, message = statuses[exc.kind], exc.kind, exc.retry_after, str(exc)
-        except LookupError as exc:                               # no served model for the language pair
-            status, kind, retry, message = 400, "unsupported_language", None, exc.args[0]
-        models.front.refused(kind, "overloaded" if status in (429, 503) else "client_error")
-        headers = {"Retry-After": str(retry)} if retry is not None else None
-        return JSONResponse(shape(message), status_code=status, headers=headers)
-
-    def libre(work):
-        return answer(work, lambda message: {"error": message}, KEY_STATUS)
-
-    def deepl(work):
-        return answer(work, lambda message: {"message": message}, DEEPL_KEY_STATUS)
 
     @app.post("/translate", tags=["LibreTranslate"])
     async def libre_translate(request: Request):
@@ -85,16 +96,28 @@ def add_compat_routes(app: FastAPI, models: ModelSet, keys: ApiKeys | None = Non
             if str(fields.get("format", "text")) != "text":
                 raise RequestError(400, "validation", f"format {fields['format']!r} is not supported; send "
                                                       f"format=text")
-            keys.admit(_text(fields.get("api_key")), sum(map(len, texts)))
             source = None if source == "auto" else source
-            out = await translate(models.route(source, target), texts, source)
+            key = _text(fields.get("api_key"))
+            keys.find(key)                                       # a bad key is refused whatever it asks for
+            model = models.route(source, target)
+            out = await charged(keys, key, texts, lambda: translate(model, texts, source))
             return {"translatedText": out if isinstance(fields["q"], list) else out[0]}
-        return await libre(work)
+        return await answer(models, work, lambda message: {"error": message}, KEY_STATUS)
 
     @app.get("/languages", tags=["LibreTranslate"])
     async def libre_languages():
         """LibreTranslate's languages: every served source language and the targets it translates into."""
         return [{"code": code, "name": code, "targets": targets} for code, targets in models.languages()]
+
+
+def _deepl(app: FastAPI, models: ModelSet, keys: ApiKeys) -> None:
+    limit = models.services[0].limits.max_body_bytes
+
+    def deepl(work):
+        return answer(models, work, lambda message: {"message": message}, DEEPL_KEY_STATUS)
+
+    def account(request: Request):
+        return keys.find(bearer(request.headers.get("authorization"), "DeepL-Auth-Key"))
 
     @app.post("/v2/translate", tags=["DeepL"])
     async def deepl_translate(request: Request):
@@ -103,9 +126,10 @@ def add_compat_routes(app: FastAPI, models: ModelSet, keys: ApiKeys | None = Non
             fields = await read_fields(request, limit)
             texts = text_list(fields.get("text"), "text")
             target, source = _code(fields, "target_lang"), _code(fields, "source_lang", optional=True)
-            keys.admit(bearer(request.headers.get("authorization"), "DeepL-Auth-Key"), sum(map(len, texts)))
+            key = bearer(request.headers.get("authorization"), "DeepL-Auth-Key")
+            keys.find(key)                                       # a bad key is refused whatever it asks for
             model = models.route(source, target)
-            out = await translate(model, texts, source)
+            out = await charged(keys, key, texts, lambda: translate(model, texts, source))
             detected = (source or (model.source[0] if model.source else "")).upper()
             return {"translations": [{"detected_source_language": detected, "text": t, "billed_characters": len(s)}
                                      for s, t in zip(texts, out)]}
@@ -116,7 +140,7 @@ def add_compat_routes(app: FastAPI, models: ModelSet, keys: ApiKeys | None = Non
         """DeepL's languages: ?type=source (default) or target, as [{"language", "name"}]."""
         async def work():
             fields = await read_fields(request, limit)
-            keys.find(bearer(request.headers.get("authorization"), "DeepL-Auth-Key"))
+            account(request)
             kind = fields.get("type", "source")
             if kind not in ("source", "target"):
                 raise RequestError(400, "validation", f"type must be source or target, got {kind!r}")
@@ -130,8 +154,8 @@ def add_compat_routes(app: FastAPI, models: ModelSet, keys: ApiKeys | None = Non
     async def deepl_usage(request: Request):
         """DeepL's usage: this key's characters this month and its limit."""
         async def work():
-            account = keys.find(bearer(request.headers.get("authorization"), "DeepL-Auth-Key"))
-            return {"character_count": account.used_chars, "character_limit": account.chars or UNLIMITED}
+            used = account(request)
+            return {"character_count": used.used_chars, "character_limit": used.chars or UNLIMITED}
         return await deepl(work)
 
 

@@ -129,6 +129,11 @@ class ApiKeys:
             account.used_chars += characters
         return account
 
+    def refund(self, account: Account, characters: int) -> None:
+        """Give back the characters of an admitted request that was not answered (refused later, or failed)."""
+        with self._lock:
+            account.used_chars = max(0, account.used_chars - characters)
+
 
 def _account(label: str, words: list[str], where: str) -> Account:
     account = Account(label)

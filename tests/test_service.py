@@ -301,3 +301,35 @@ def test_keys_guard_every_api_over_https(keyed_url, reference):
             assert translator.get_usage().character.limit == 30
         with pytest.raises(error):
             translator.translate_text(TEXT, target_lang="DE")
+
+
+def test_serve_command_with_several_bundles_keys_and_https(dates_bundle, toy_exported, tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    cert, key = self_signed(tmp_path)
+    (tmp_path / "keys").write_text("cli-key\n")
+    proc = subprocess.Popen([sys.executable, "-m", "toolkit.apps.cli", "serve", f"dates={dates_bundle}",
+                             f"toy={toy_exported[1]}", "--languages", "dates=en:de", "--port", "0", "--provider",
+                             "cpu", "--api-keys", str(tmp_path / "keys"), "--ssl-certfile", cert, "--ssl-keyfile", key],
+                            stderr=subprocess.PIPE, text=True, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        deadline, url = time.monotonic() + 120, None
+        while url is None:
+            line = proc.stderr.readline()
+            assert (line or proc.poll() is None) and time.monotonic() < deadline, "server did not become ready"
+            url = line.split()[1] if line.startswith("ready: ") else None
+        assert url.startswith("https://127.0.0.1:")
+        with httpx.Client(verify=cert, timeout=60) as client:
+            models = client.get(url + "/v1/models", headers={"Authorization": "Bearer cli-key"}).json()["models"]
+            assert [(m["name"], m["languages"]["target"]) for m in models] == [("dates", ["de"]), ("toy", [])]
+            assert client.get(url + "/v1/models").status_code == 401
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+        tail = proc.stderr.read()
+        assert "stopped: 0 requests answered" in tail and "cli-key" not in tail and "Traceback" not in tail, tail
+    finally:
+        if proc.poll() is None:
+            proc.kill()

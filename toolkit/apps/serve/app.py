@@ -5,9 +5,10 @@
     run(service, host="127.0.0.1", port=8000) # blocks; SIGTERM drains and returns
 
 Routes: POST /v1/generate, GET /healthz, GET /v1/model, GET /v1/models, GET /metrics, FastAPI's /docs and
-/openapi.json, and the LibreTranslate- and DeepL-compatible routes of compat.py. `create_app` takes one Service or a
-models.ModelSet (several bundles; a request names its model). Every refusal is a JSON body {"error": "<one line naming the problem and the fix>"} with a 4xx (the request)
-or 503 (not ready, queue full, shutting down; with Retry-After) status.
+/openapi.json, and the LibreTranslate- and DeepL-compatible routes of compat.py. `create_app` takes one Service or
+a models.ModelSet (several bundles; a request names its model). Every refusal is a JSON body
+{"error": "<one line naming the problem and the fix>"} with a 4xx (the request) or 503 (not ready, queue full,
+shutting down; with Retry-After) status.
 """
 
 from __future__ import annotations
@@ -200,7 +201,7 @@ async def wait_for_disconnect(request: Request) -> None:
 def create_app(service: Service | ModelSet, start_in_background: bool = True, on_ready=None, keys=None) -> FastAPI:
     """The FastAPI app for `service` (or several: a ModelSet). Its lifespan starts the services (warm-up in a thread
     when `start_in_background`, so /healthz answers 503 meanwhile; then `on_ready()`) and drains them at shutdown.
-    `keys` (keys.ApiKeys): the API keys every route but /healthz asks for (None: an open server)."""
+    `keys` (keys.ApiKeys): the API keys the /v1, LibreTranslate and DeepL routes ask for (None: an open server)."""
     from toolkit.apps.serve.compat import add_compat_routes
 
     models = service if isinstance(service, ModelSet) else ModelSet.single(service)

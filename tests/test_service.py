@@ -89,11 +89,13 @@ def test_keys_file_rates_and_quotas(tmp_path):
     with pytest.raises(Denied, match="would pass its 10 characters") as denied:
         keys.admit("beta", 5)
     assert denied.value.kind == "quota" and keys.find("beta").used_chars == 6     # a refused request costs nothing
-    for presented, kind in ((None, "missing_key"), ("", "missing_key"), ("alph", "invalid_key"), ("alpha2", "invalid_key")):
+    for presented, kind in ((None, "missing_key"), ("", "missing_key"), ("alph", "invalid_key"),
+                            ("alpha2", "invalid_key")):
         with pytest.raises(Denied) as denied:
             keys.admit(presented)
         assert denied.value.kind == kind and "alpha" not in str(denied.value)
-    for text, message in (("", "holds no key"), ("a\na\n", "twice"), ("a rpm=0\n", "not a limit"), ("a x=1", "not a limit")):
+    for text, message in (("", "holds no key"), ("a\na\n", "twice"), ("a rpm=0\n", "not a limit"),
+                          ("a x=1", "not a limit")):
         with pytest.raises(KeysError, match=message):
             write_keys(tmp_path / "bad", text)
     assert ApiKeys([]).admit(None, 5).used_chars == 5                           # an open server counts everything
@@ -247,11 +249,19 @@ def keyed_url(dates_bundle, tmp_path_factory):
 
 
 def self_signed(root):
-    """A certificate for 127.0.0.1 and its key, made here (cryptography)."""
+    """A certificate for 127.0.0.1 and its key, made here (with cryptography where installed, else openssl)."""
     import datetime
     import ipaddress
+    import subprocess
 
-    from cryptography import x509
+    try:
+        from cryptography import x509
+    except ImportError:
+        subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+                        "-nodes", "-keyout", str(root / "key.pem"), "-out", str(root / "cert.pem"), "-days", "1",
+                        "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+                       check=True, capture_output=True, timeout=60)
+        return str(root / "cert.pem"), str(root / "key.pem")
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.x509.oid import NameOID
@@ -333,3 +343,13 @@ def test_serve_command_with_several_bundles_keys_and_https(dates_bundle, toy_exp
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_service_modules_do_not_import_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys; import toolkit.apps.serve.compat, toolkit.apps.serve.translate, toolkit.apps.serve.keys, "
+            "toolkit.apps.serve.segment, toolkit.apps.serve.models; "
+            "assert 'torch' not in sys.modules and 'onnx' not in sys.modules, 'torch or onnx imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=120)

@@ -353,3 +353,39 @@ def test_service_modules_do_not_import_torch():
             "toolkit.apps.serve.segment, toolkit.apps.serve.models; "
             "assert 'torch' not in sys.modules and 'onnx' not in sys.modules, 'torch or onnx imported'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=120)
+
+
+def test_translation_client_that_leaves_frees_its_rows(dates_bundle):
+    import json
+    import socket
+
+    from test_serve import Gated, label_metric, metric
+
+    models = ModelSet.load({"dates": dates_bundle}, ServeSettings(provider="cpu", max_batch=1, max_wait_ms=0), LANGS)
+    service = models.services[0]
+    gated = Gated(service.engine)
+    service.scheduler.engine = gated
+    gated.gate.set()                                                    # warm-up runs ungated
+    with serving(create_app(models)) as url:
+        gated.gate.clear()
+        holder = threading.Thread(target=httpx.post, args=(url + "/v1/generate",),
+                                  kwargs={"json": {"inputs": ["11/30/26"]}, "timeout": 60})
+        holder.start()                                                  # occupies the engine (gated)
+        while not gated.started_rows:
+            time.sleep(0.01)
+        body = json.dumps({"q": "Nov 3rd 1999. 1/5/2026", "source": "en", "target": "de"}).encode()
+        with socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1]))) as raw:   # two sentences: two jobs
+            raw.sendall(b"POST /translate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                        b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            deadline = time.monotonic() + 10
+            while metric(url, "onnxformer_queue_depth") < 2:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+        deadline = time.monotonic() + 10
+        while label_metric(url, "onnxformer_errors_total", kind="cancelled") < 1:
+            assert time.monotonic() < deadline, "the server did not notice the client leave"
+            time.sleep(0.01)
+        assert metric(url, "onnxformer_queue_depth") == 0               # both its jobs left the queue
+        gated.gate.set()
+        holder.join(30)
+        assert gated.started_rows == [1]                                # its sentences never decoded

@@ -67,7 +67,8 @@ async def answer(models: ModelSet, work, shape, statuses) -> JSONResponse:
         status, kind, retry, message = statuses[exc.kind], exc.kind, exc.retry_after, str(exc)
     except LookupError as exc:                                   # no served model for the language pair
         status, kind, retry, message = 400, "unsupported_language", None, exc.args[0]
-    models.front.refused(kind, "overloaded" if status in (429, 503) else "client_error")
+    outcome = {429: "overloaded", 503: "overloaded", 499: "cancelled", 500: "error"}.get(status, "client_error")
+    models.front.refused(kind, outcome)
     headers = {"Retry-After": str(retry)} if retry is not None else None
     return JSONResponse(shape(message), status_code=status, headers=headers)
 
@@ -100,7 +101,7 @@ def _libretranslate(app: FastAPI, models: ModelSet, keys: ApiKeys) -> None:
             key = _text(fields.get("api_key"))
             keys.find(key)                                       # a bad key is refused whatever it asks for
             model = models.route(source, target)
-            out = await charged(keys, key, texts, lambda: translate(model, texts, source))
+            out = await charged(keys, key, texts, lambda: translate(model, texts, source, request))
             return {"translatedText": out if isinstance(fields["q"], list) else out[0]}
         return await answer(models, work, lambda message: {"error": message}, KEY_STATUS)
 
@@ -129,7 +130,7 @@ def _deepl(app: FastAPI, models: ModelSet, keys: ApiKeys) -> None:
             key = bearer(request.headers.get("authorization"), "DeepL-Auth-Key")
             keys.find(key)                                       # a bad key is refused whatever it asks for
             model = models.route(source, target)
-            out = await charged(keys, key, texts, lambda: translate(model, texts, source))
+            out = await charged(keys, key, texts, lambda: translate(model, texts, source, request))
             detected = (source or (model.source[0] if model.source else "")).upper()
             return {"translations": [{"detected_source_language": detected, "text": t, "billed_characters": len(s)}
                                      for s, t in zip(texts, out)]}

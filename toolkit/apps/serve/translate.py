@@ -21,7 +21,7 @@ from starlette.formparsers import FormParser, MultiPartParser
 from runtime.errors import OnnxformerError
 from runtime.generate import to_outputs
 from runtime.search import SearchOptions
-from toolkit.apps.serve.app import RequestError, read_body, submit
+from toolkit.apps.serve.app import RequestError, read_body, submit, wait_for_disconnect
 from toolkit.apps.serve.models import ServedModel
 from toolkit.apps.serve.scheduler import Job
 from toolkit.apps.serve.segment import plan_texts
@@ -77,8 +77,9 @@ def text_list(value, field: str) -> list[str]:
     return texts
 
 
-async def translate(model: ServedModel, texts: list[str], source: str | None) -> list[str]:
-    """The translations of `texts` by `model` (source: the language whose sentence rules split them)."""
+async def translate(model: ServedModel, texts: list[str], source: str | None, request: Request) -> list[str]:
+    """The translations of `texts` by `model` (source: the language whose sentence rules split them); a client that
+    leaves (`request` disconnects) frees its rows: RequestError 499."""
     service, arrived = model.service, time.monotonic()
     if not service.ready:
         raise RequestError(503, "not_ready", f"the server is {service.state}; retry shortly", retry_after=1)
@@ -91,23 +92,37 @@ async def translate(model: ServedModel, texts: list[str], source: str | None) ->
     if len(plan.rows) > step * settings.max_queue:
         raise RequestError(413, "too_large", f"the texts split into {len(plan.rows)} sentences, more than this "
                                              f"server takes in one request ({step * settings.max_queue}); send fewer")
-    opts = SearchOptions(max_new_tokens=service.engine.max_len)
-    jobs: list[Job] = []
-    try:
-        for start in range(0, len(plan.rows), step):
-            jobs.append(Job(plan.rows[start:start + step], opts, arrived))
-            submit(service, jobs[-1])
-    except RequestError:
-        for job in jobs[:-1]:
-            service.scheduler.cancel(job)
-        raise
-    try:
-        hyps = [h for job in jobs for h in await asyncio.wrap_future(job.future)]
-    except Exception as exc:                                 # the engine failed on a batch
-        raise RequestError(500, "engine", f"translation failed: {type(exc).__name__}: {exc}".splitlines()[0])
+    hyps = await _decode(service, plan.rows, arrived, request)
     outputs = to_outputs(hyps, service.engine.eos_id, service.tokenizer)
     metrics = service.metrics
     metrics.requests.labels("ok").inc()
     metrics.latency.observe(time.monotonic() - arrived)
     metrics.tokens.inc(sum(len(o.ids) for o in outputs))
     return plan.join([o.text for o in outputs])
+
+
+async def _decode(service, rows: list[list[int]], arrived: float, request: Request) -> list:
+    """Greedy hypotheses of `rows`, queued as jobs of at most --max-batch rows; all cancelled if the client leaves."""
+    opts, step = SearchOptions(max_new_tokens=service.engine.max_len), service.settings.max_batch
+    jobs: list[Job] = []
+    try:
+        for start in range(0, len(rows), step):
+            jobs.append(Job(rows[start:start + step], opts, arrived))
+            submit(service, jobs[-1])
+    except RequestError:
+        for job in jobs[:-1]:
+            service.scheduler.cancel(job)
+        raise
+    answers = asyncio.gather(*(asyncio.wrap_future(job.future) for job in jobs))
+    disconnect = asyncio.ensure_future(wait_for_disconnect(request))
+    done, _ = await asyncio.wait({answers, disconnect}, return_when=asyncio.FIRST_COMPLETED)
+    if answers not in done:                                  # the client left: free its rows, answer nobody
+        for job in jobs:
+            service.scheduler.cancel(job)
+        answers.cancel()
+        raise RequestError(499, "cancelled", "the client closed the connection")
+    disconnect.cancel()
+    try:
+        return [h for per_job in answers.result() for h in per_job]
+    except Exception as exc:                                 # the engine failed on a batch
+        raise RequestError(500, "engine", f"translation failed: {type(exc).__name__}: {exc}".splitlines()[0])

@@ -298,6 +298,8 @@ def test_keys_guard_every_api_over_https(keyed_url, reference):
         assert libre.json() == {"translatedText": reference([TEXT])[0]}
         refused = client.post(url + "/translate", data={"q": TEXT, "source": "en", "target": "de"})
         assert refused.status_code == 401 and "error" in refused.json()
+        over = client.post(url + "/translate", json={"q": TEXT, "source": "en", "target": "de", "api_key": "small-key"})
+        assert over.status_code == 403 and "30 characters this month" in over.json()["error"]   # key over its scope
         assert client.post(url + "/v1/generate", json={"inputs": ["1/5/2026"]},
                            headers={"Authorization": "Bearer slow-key"}).status_code == 200
         limited = client.post(url + "/v1/generate", json={"inputs": ["1/5/2026"]},

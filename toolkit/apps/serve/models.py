@@ -83,15 +83,15 @@ def parse_languages(specs: list[str], names) -> dict[str, tuple[tuple[str, ...],
         if not colon or name not in names:
             raise ModelError(f"--languages {spec!r}: write NAME=SRC:TGT with NAME one of the served models "
                              f"({', '.join(names)}), e.g. {next(iter(names))}=de:en")
-        out[name] = (_codes(source, spec), _codes(target, spec))
+        out[name] = (_codes(source, f"--languages {spec!r}"), _codes(target, f"--languages {spec!r}"))
     return out
 
 
-def _codes(text: str, spec: str) -> tuple[str, ...]:
+def _codes(text: str, where: str) -> tuple[str, ...]:
     codes = tuple(c.strip().lower() for c in text.split(",") if c.strip())
     bad = [c for c in codes if not _CODE.match(c)] or ([] if codes else ["(none)"])
     if bad:
-        raise ModelError(f"--languages {spec!r}: {bad[0]!r} is not a language code; use codes such as en, de, pt-br")
+        raise ModelError(f"{where}: {bad[0]!r} is not a language code; use codes such as en, de, pt-br")
     return codes
 
 
@@ -103,7 +103,7 @@ def manifest_languages(manifest: dict, where: str) -> tuple[tuple[str, ...], tup
     if not (isinstance(field, dict) and all(isinstance(field.get(k), list) for k in ("source", "target"))):
         raise ModelError(f"{where}: the manifest's 'languages' must be {{\"source\": [codes], \"target\": [codes]}}; "
                          f"fix it or pass --languages NAME=SRC:TGT")
-    spec = f"{where} manifest languages"
+    spec = f"{where}: the manifest's 'languages'"
     return _codes(",".join(map(str, field["source"])), spec), _codes(",".join(map(str, field["target"])), spec)
 
 

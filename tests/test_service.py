@@ -226,6 +226,9 @@ def test_deepl_client(open_url, reference):
     assert one.text == reference([TEXT])[0] and one.detected_source_lang == "EN" and one.billed_characters == len(TEXT)
     many = translator.translate_text([TEXT, LONG], target_lang="DE")
     assert [r.text for r in many] == reference([TEXT, LONG])
+    form = httpx.post(open_url + "/v2/translate", data={"text": [TEXT, "1/5/2026"], "target_lang": "de"},
+                      headers={"Authorization": "DeepL-Auth-Key any-key"}, timeout=60)      # text repeated in a form
+    assert [t["text"] for t in form.json()["translations"]] == reference([TEXT, "1/5/2026"])
     assert [(lang.code, lang.name) for lang in translator.get_source_languages()] == [("EN", "EN")]
     assert [lang.code for lang in translator.get_target_languages()] == ["DE"]
     used = translator.get_usage().character.count

@@ -64,6 +64,7 @@ def command(bundles, host, port, provider, threads, max_batch, max_wait_ms, max_
     if use_ray:
         if len(named) > 1 or api_keys or ssl_certfile or languages:
             raise click.UsageError("--ray serves one bundle, without --api-keys, --languages or --ssl-certfile")
+        check_access(host, None, protect_metrics, allow_open, None, None)     # no keys: loopback or --allow-open
         require("ray")
         from toolkit.apps.serve.ray_serve import serve_on_ray
 

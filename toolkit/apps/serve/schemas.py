@@ -3,7 +3,7 @@
 A request body is checked in two steps: its shape and types here (pydantic, strict: no string for a number,
 no unknown field), then its values against the server's limits and the model (`Limits.request`: the same
 `runtime.request.Request.build` as `onnxformer generate`), so both say the same thing about the same mistake.
-Every field but `inputs` and `ids` is a runtime.search.SearchOptions field of the same name: a new search option
+Every field but `model`, `inputs` and `ids` is a runtime.search.SearchOptions field of the same name: a new search option
 is one field here, passed on by name.
 """
 
@@ -22,6 +22,7 @@ class GenerateRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
+    model: str | None = Field(None, description="the served model to use (required when the server serves several)")
     inputs: list[str] | None = Field(None, description="texts to generate from (the bundle needs a tokenizer)")
     ids: list[list[int]] | None = Field(None, description="token id lists to generate from")
     beam: int = Field(1, description="beam width (1 = greedy)")
@@ -32,7 +33,7 @@ class GenerateRequest(BaseModel):
 
     def options(self) -> dict:
         """The search options it names (SearchOptions' fields), for runtime.request.search_options."""
-        return self.model_dump(exclude={"inputs", "ids"})
+        return self.model_dump(exclude={"model", "inputs", "ids"})
 
 
 class Record(BaseModel):

@@ -17,7 +17,8 @@ from typing import Protocol, Sequence
 import numpy as np
 
 from runtime.errors import InputError
-from runtime.search import DecodeState, Hypothesis, SearchOptions, search
+from runtime.search import (DecodeState, Hypothesis, SearchOptions, check_options, max_steps, rows_per_input,
+                            search)
 
 
 class Engine(Protocol):
@@ -60,11 +61,11 @@ def pad_batch(sequences: Sequence[Sequence[int]], pad_id: int) -> tuple[np.ndarr
     return ids, mask
 
 
-MAX_LENGTH_PENALTY = 10.0            # |length_penalty| above this overflows len ** lp and means nothing anyway
-
-
-def check_request(sequences: Sequence[Sequence[int]], opts: SearchOptions, vocab_size: int, max_len: int) -> None:
-    """Refuse what the model cannot serve, naming the input and the fix; nothing is silently truncated."""
+def check_request(sequences: Sequence[Sequence[int]], opts: SearchOptions, vocab_size: int, max_len: int,
+                  eos: int = -1, target_vocab_size: int | None = None) -> None:
+    """Refuse what the model cannot serve, naming the input and the fix; nothing is silently truncated. vocab_size:
+    the source vocabulary (input ids); target_vocab_size (default the same) and eos: what the options' ids are
+    checked against (runtime.search.check_options)."""
     if len(sequences) == 0:
         raise InputError("no inputs given; pass at least one text (or --ids) to generate from")
     for i, seq in enumerate(sequences):
@@ -77,18 +78,7 @@ def check_request(sequences: Sequence[Sequence[int]], opts: SearchOptions, vocab
         if bad:
             raise InputError(f"input {i} has token id(s) {bad[:5]} outside the vocabulary [0, {vocab_size}); "
                              f"use ids below {vocab_size}")
-    if not 0 <= opts.max_new_tokens <= max_len:
-        raise InputError(f"max new tokens must be between 0 and the model's maximum length {max_len}, "
-                         f"got {opts.max_new_tokens}")
-    if opts.beam < 1:
-        raise InputError(f"beam width must be at least 1, got {opts.beam}")
-    if not 1 <= opts.num_return <= opts.beam:
-        raise InputError(f"number of returned hypotheses ({opts.num_return}) must be between 1 and the beam width "
-                         f"({opts.beam})")
-    lp = opts.length_penalty
-    if not isinstance(lp, (int, float)) or not -MAX_LENGTH_PENALTY <= lp <= MAX_LENGTH_PENALTY:   # NaN fails too
-        raise InputError(f"length penalty must be a number between {-MAX_LENGTH_PENALTY:g} and "
-                         f"{MAX_LENGTH_PENALTY:g} (1.0 divides a beam's log-probability by its length), got {lp!r}")
+    check_options(opts, len(sequences), target_vocab_size or vocab_size, max_len, eos)
 
 
 def generate_ids(engine: Engine, sequences: Sequence[Sequence[int]], opts: SearchOptions,
@@ -99,7 +89,7 @@ def generate_ids(engine: Engine, sequences: Sequence[Sequence[int]], opts: Searc
     lengths: each gets what it would alone); opts.max_new_tokens must then be their maximum. `stop`: inputs the
     caller no longer needs, set while the search runs (runtime.search.greedy).
     """
-    check_request(sequences, opts, engine.src_vocab_size, engine.max_len)
+    check_request(sequences, opts, engine.src_vocab_size, engine.max_len, engine.eos_id, engine.vocab_size)
     opts = replace(opts, suppress=tuple(engine.suppress_ids))
     if limits is not None:
         limits = np.asarray(limits, dtype=np.int64)
@@ -108,7 +98,7 @@ def generate_ids(engine: Engine, sequences: Sequence[Sequence[int]], opts: Searc
     if opts.max_new_tokens == 0:
         return search(None, len(sequences), engine.bos_id, engine.eos_id, opts)
     ids, mask = pad_batch(sequences, engine.src_pad_id)
-    state = engine.start(ids, mask, opts.beam, opts.max_new_tokens)   # encoder runs once here
+    state = engine.start(ids, mask, rows_per_input(opts), max_steps(opts))   # encoder runs once here
     return search(state, len(sequences), engine.bos_id, engine.eos_id, opts, limits, stop)
 
 

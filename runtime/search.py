@@ -18,6 +18,9 @@ from typing import Protocol
 
 import numpy as np
 
+from runtime.errors import InputError
+from runtime.processors import Controls
+
 
 class DecodeState(Protocol):
     def step(self, tokens: np.ndarray, keep: np.ndarray | None) -> np.ndarray: ...
@@ -28,18 +31,127 @@ class Hypothesis:
     """One generated sequence: token ids (without the start token, with EOS if reached) and its score."""
 
     tokens: list[int]
-    score: float                  # sum of token log-probabilities, divided by len ** length_penalty (beam)
+    score: float                  # sum of chosen tokens' log-probabilities, divided by len ** length_penalty (beam)
     finished: bool = True         # ended with EOS (False: stopped at max_new_tokens)
+    logprobs: list[float] | None = None   # return_logprobs: each token's log-probability under the model
 
 
 @dataclass
 class SearchOptions:
-    max_new_tokens: int = 64
-    beam: int = 1                 # 1 = greedy
+    """Every control of one search (validated by `check_options`). The defaults are plain greedy search."""
+
+    max_new_tokens: int = 64      # tokens chosen after the prefix
+    beam: int = 1                 # 1 = greedy (or sampling)
     length_penalty: float = 1.0   # beam scores are log-prob / len ** length_penalty
-    num_return: int = 1           # hypotheses returned per input (<= beam)
+    num_return: int = 1           # hypotheses returned per input (<= beam; sampling: that many samples)
     ignore_eos: bool = False      # never stop at EOS (benchmarks: every engine does the same work)
     suppress: tuple[int, ...] = ()  # token ids never generated (the model's, e.g. Marian's pad; set by generate_ids)
+    sample: bool = False          # draw each token at random from the (warped) distribution instead of the best
+    temperature: float = 1.0      # sampling: logits / temperature
+    top_k: int = 0                # sampling: only the k most likely tokens (0 = all)
+    top_p: float = 1.0            # sampling: only the most likely tokens whose probability reaches top_p (1 = all)
+    seed: int | None = None       # sampling: the request's seed (None: fresh entropy, not reproducible)
+    repetition_penalty: float = 1.0   # > 1 makes tokens already in the target less likely (transformers' rule)
+    no_repeat_ngram_size: int = 0     # no n-gram of this size occurs twice in a target (0 = off)
+    min_new_tokens: int = 0           # EOS is not chosen before this many tokens after the prefix
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()   # token sequences never generated
+    prefix_ids: tuple[tuple[int, ...], ...] = ()      # per input: the target's first tokens, forced (() = none)
+    return_logprobs: bool = False     # give each hypothesis its tokens' log-probabilities
+
+
+MAX_LENGTH_PENALTY = 10.0            # |length_penalty| above this overflows len ** lp and means nothing anyway
+MAX_SAMPLES = 64                     # samples per input (num_return with sample)
+MAX_TEMPERATURE = MAX_PENALTY = 100.0
+SEED_RANGE = 2 ** 63                 # seeds are ints in [0, 2**63)
+
+
+def check_options(opts: SearchOptions, inputs: int, vocab_size: int, max_len: int, eos: int) -> None:
+    """Refuse options the search cannot honour for `inputs` inputs to a model of this target vocabulary size,
+    max_len and end token: InputError naming the option and its range. The one check of every option."""
+    if not 0 <= opts.max_new_tokens <= max_len:
+        raise InputError(f"max new tokens must be between 0 and the model's maximum length {max_len}, "
+                         f"got {opts.max_new_tokens}")
+    if opts.beam < 1:
+        raise InputError(f"beam width must be at least 1, got {opts.beam}")
+    lp = opts.length_penalty
+    if not isinstance(lp, (int, float)) or not -MAX_LENGTH_PENALTY <= lp <= MAX_LENGTH_PENALTY:   # NaN fails too
+        raise InputError(f"length penalty must be a number between {-MAX_LENGTH_PENALTY:g} and "
+                         f"{MAX_LENGTH_PENALTY:g} (1.0 divides a beam's log-probability by its length), got {lp!r}")
+    _flag("sample", opts.sample), _flag("return_logprobs", opts.return_logprobs), _flag("ignore_eos", opts.ignore_eos)
+    if opts.sample:
+        if opts.beam != 1:
+            raise InputError(f"sample draws one token at a time (beam 1), got beam {opts.beam}; drop beam or sample")
+        _number("num_return", opts.num_return, 1, MAX_SAMPLES, integer=True, what="with sample: samples per input")
+        _number("temperature", opts.temperature, 0, MAX_TEMPERATURE, low_open=True)
+        _number("top_k", opts.top_k, 0, vocab_size, integer=True, what="0 keeps every token")
+        _number("top_p", opts.top_p, 0, 1, low_open=True, what="1 keeps every token")
+        if opts.seed is not None:
+            _number("seed", opts.seed, 0, SEED_RANGE - 1, integer=True)
+    else:
+        if not 1 <= opts.num_return <= opts.beam:
+            raise InputError(f"number of returned hypotheses ({opts.num_return}) must be between 1 and the beam "
+                             f"width ({opts.beam})")
+        for name, default in (("temperature", 1.0), ("top_k", 0), ("top_p", 1.0), ("seed", None)):
+            if getattr(opts, name) != default:
+                raise InputError(f"{name} shapes sampling only; set sample (or leave {name} at {default})")
+    _number("repetition_penalty", opts.repetition_penalty, 0, MAX_PENALTY, low_open=True, what="1 is off")
+    _number("no_repeat_ngram_size", opts.no_repeat_ngram_size, 0, max_len, integer=True, what="0 is off")
+    _number("min_new_tokens", opts.min_new_tokens, 0, max_len, integer=True)
+    for i, seq in enumerate(opts.bad_words_ids):
+        _ids(f"bad_words_ids[{i}]", seq, vocab_size, empty=False)
+        if list(seq) == [eos]:
+            raise InputError(f"bad_words_ids[{i}] bans the end token {eos} alone, so no target could end; "
+                             f"use min_new_tokens to delay it")
+    if opts.prefix_ids:
+        if len(opts.prefix_ids) != inputs:
+            raise InputError(f"prefix_ids must give one prefix per input ({inputs}), got {len(opts.prefix_ids)}; "
+                             f"use an empty prefix for inputs without one")
+        if opts.max_new_tokens == 0:
+            raise InputError("prefix_ids need max_new_tokens of at least 1 (the tokens chosen after the prefix)")
+        for i, prefix in enumerate(opts.prefix_ids):
+            _ids(f"prefix_ids[{i}]", prefix, vocab_size, empty=True)
+            if eos in prefix:
+                raise InputError(f"prefix_ids[{i}] holds the end token {eos}; a prefix is the start of a target, "
+                                 f"without it")
+            if len(prefix) + opts.max_new_tokens > max_len:
+                raise InputError(f"prefix_ids[{i}] has {len(prefix)} tokens: with max_new_tokens "
+                                 f"{opts.max_new_tokens} the target passes the model's maximum length "
+                                 f"{max_len}; shorten the prefix or lower max_new_tokens")
+
+
+def _number(name: str, value, low, high, integer: bool = False, low_open: bool = False, what: str = "") -> None:
+    kind = "an integer" if integer else "a number"
+    ok = isinstance(value, (int, np.integer)) if integer else isinstance(value, (int, float, np.number))
+    ok = ok and not isinstance(value, bool) and (value > low if low_open else value >= low)   # NaN fails here
+    ok = ok and (high is None or value <= high)
+    if not ok:
+        span = f"{'above' if low_open else 'at least'} {low:g}" if high is None else \
+            f"{'in (' if low_open else 'in ['}{low:g}, {high:g}]"
+        raise InputError(f"{name} must be {kind} {span}{f' ({what})' if what else ''}, got {value!r}")
+
+
+def _flag(name: str, value) -> None:
+    if not isinstance(value, (bool, np.bool_)):
+        raise InputError(f"{name} must be true or false, got {value!r}")
+
+
+def _ids(name: str, ids, vocab_size: int, empty: bool) -> None:
+    if isinstance(ids, (str, bytes)) or not hasattr(ids, "__len__") or (not empty and len(ids) == 0):
+        raise InputError(f"{name} must be a {'' if empty else 'non-empty '}list of token ids, got {ids!r}")
+    bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= t < vocab_size]
+    if bad:
+        raise InputError(f"{name} has token id(s) {bad[:5]} outside the vocabulary [0, {vocab_size}); "
+                         f"use ids below {vocab_size}")
+
+
+def max_steps(opts: SearchOptions) -> int:
+    """The most decoder steps a search takes: the longest prefix, then max_new_tokens."""
+    return opts.max_new_tokens + max((len(p) for p in opts.prefix_ids), default=0)
+
+
+def rows_per_input(opts: SearchOptions) -> int:
+    """How many decoder rows each input takes: its beams, or its samples."""
+    return opts.num_return if opts.sample else opts.beam
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
@@ -69,38 +181,92 @@ def top_k_stable(x: np.ndarray, k: int) -> np.ndarray:
     return out
 
 
+class GreedySearch:
+    """Greedy search, and sampling (opts.sample: num_return rows per input, each its own draws), one step at a time:
+    `steps()` runs the search and yields after each step, `hypotheses()` gives the result (runtime.stream reads
+    the steps; `greedy` runs them all).
+
+    Finished rows leave the batch, so only live rows are computed. `limits` gives each input its own most new
+    tokens (default: opts.max_new_tokens for all): a row leaves when it reaches its limit, with the tokens and score
+    an unbatched search with that limit gives. `stop` is a bool array (per input) the caller may set from another
+    thread while the search runs (a server's client went away): that input's rows leave at the next step and its
+    hypotheses are what they had so far.
+    """
+
+    def __init__(self, state: DecodeState, batch: int, bos: int, eos: int, opts: SearchOptions,
+                 limits: np.ndarray | None = None, stop: np.ndarray | None = None):
+        self.state, self.bos, self.eos, self.opts, self.n = state, bos, eos, opts, rows_per_input(opts)
+        self.controls = Controls.of(opts, batch, self.n, bos, eos)
+        limits = np.full(batch, opts.max_new_tokens) if limits is None else np.asarray(limits)
+        self.limits = np.repeat(limits, self.n)                        # steps of each row: the prefix, then its limit
+        if self.controls is not None:
+            self.limits = np.where(self.limits > 0, self.limits + self.controls.prefix_len, 0)
+        self.stop = np.zeros(batch, dtype=bool) if stop is None else stop
+        rows = batch * self.n
+        self.tokens: list[list[int]] = [[] for _ in range(rows)]
+        self.scores = np.zeros(rows, dtype=np.float64)
+        self.done = [False] * rows
+        self.logprobs = [[] for _ in range(rows)] if opts.return_logprobs else None
+
+    def steps(self):
+        """Run the search; after each step yield (rows, tokens): the live rows (input b's j-th is row b * n + j)
+        and the token each took."""
+        n, eos = self.n, self.eos
+        live = np.flatnonzero((self.limits > 0) & ~self.stop[np.arange(len(self.limits)) // n])
+        last = np.full(len(live), self.bos, dtype=np.int64)           # the token each live row feeds next
+        keep = None if len(live) == len(self.limits) else live
+        history = None                                                 # start token and tokens so far, per live row
+        if self.controls is not None and self.controls.needs_history:
+            history = last[:, None]
+        for step in range(int(self.limits.max(initial=0))):
+            if len(live) == 0:
+                break
+            logits = self.state.step(last, keep)                       # [live, V]
+            if self.opts.ignore_eos:
+                logits[:, eos] = -np.inf
+            nxt, logprob, chosen = self.pick(logits, step, live, history)
+            self.scores[live] += logprob if chosen is None else np.where(chosen, logprob, 0.0)
+            for row, item in enumerate(live):
+                self.tokens[item].append(int(nxt[row]))
+                self.done[item] = bool(nxt[row] == eos)
+                if self.logprobs is not None:
+                    self.logprobs[item].append(float(logprob[row]))
+            yield live, nxt
+            alive = np.flatnonzero((nxt != eos) & (self.limits[live] > step + 1) & ~self.stop[live // n])
+            keep = None if len(alive) == len(live) else alive
+            live, last = live[alive], nxt[alive].astype(np.int64)
+            if history is not None:
+                history = np.concatenate([history, nxt[:, None]], axis=1)[alive]
+
+    def pick(self, logits: np.ndarray, step: int, live: np.ndarray, history: np.ndarray | None):
+        """Each live row's token [N], its log-probability under the model [N], and whether the row chose it (None:
+        all did) rather than having it forced by its prefix."""
+        c = self.controls
+        if c is None:                                                  # the plain path: nothing else to do
+            nxt, logprob = greedy_pick(logits, self.opts.suppress)
+            return nxt, logprob, None
+        nxt = c.forced(step, live)
+        chosen = nxt < 0
+        if chosen.any():                                               # only choosing rows draw: a row's draws
+            mine = np.flatnonzero(chosen)                              # never depend on its neighbours' prefixes
+            past = None if history is None else history[mine]
+            processed = c.process(logits[mine], past, c.generated(step, live[mine]))
+            nxt[mine] = c.draw(processed, live[mine]) if self.opts.sample else processed.argmax(axis=-1)
+        return nxt, chosen_logprob(logits, nxt), chosen
+
+    def hypotheses(self) -> list[list[Hypothesis]]:
+        n, lps = self.n, self.logprobs
+        return [[Hypothesis(self.tokens[r], float(self.scores[r]), self.done[r], None if lps is None else lps[r])
+                 for r in range(b * n, (b + 1) * n)] for b in range(len(self.limits) // n)]
+
+
 def greedy(state: DecodeState, batch: int, bos: int, eos: int, opts: SearchOptions,
            limits: np.ndarray | None = None, stop: np.ndarray | None = None) -> list[list[Hypothesis]]:
-    """Pick the most likely token each step; finished rows leave the batch, so only live rows are computed.
-
-    `limits` gives each input its own most new tokens (default: opts.max_new_tokens for all): a row leaves when
-    it reaches its limit, with the tokens and score an unbatched search with that limit gives. `stop` is a bool
-    array the caller may set from another thread while the search runs (a server's client went away): that
-    input's row leaves at the next step and its hypothesis is what it had so far.
-    """
-    limits = np.full(batch, opts.max_new_tokens) if limits is None else np.asarray(limits)
-    stop = np.zeros(batch, dtype=bool) if stop is None else stop
-    tokens: list[list[int]] = [[] for _ in range(batch)]
-    scores = np.zeros(batch, dtype=np.float64)
-    done = [False] * batch
-    live = np.flatnonzero((limits > 0) & ~stop)     # which inputs the state's rows belong to
-    last = np.full(len(live), bos, dtype=np.int64)  # the token each live row feeds next
-    keep = None if len(live) == batch else live
-    for step in range(int(limits.max(initial=0))):
-        if len(live) == 0:
-            break
-        logits = state.step(last, keep)             # [live, V]
-        if opts.ignore_eos:
-            logits[:, eos] = -np.inf
-        nxt, logprob = greedy_pick(logits, opts.suppress)
-        scores[live] += logprob
-        for row, item in enumerate(live):
-            tokens[item].append(int(nxt[row]))
-            done[item] = bool(nxt[row] == eos)
-        alive = np.flatnonzero((nxt != eos) & (limits[live] > step + 1) & ~stop[live])
-        keep = None if len(alive) == len(live) else alive
-        live, last = live[alive], nxt[alive].astype(np.int64)
-    return [[Hypothesis(tokens[i], float(scores[i]), done[i])] for i in range(batch)]
+    """Pick the most likely token each step (or draw one: opts.sample); see GreedySearch."""
+    search = GreedySearch(state, batch, bos, eos, opts, limits, stop)
+    for _ in search.steps():
+        pass
+    return search.hypotheses()
 
 
 def greedy_pick(logits: np.ndarray, suppressed: tuple[int, ...] = ()) -> tuple[np.ndarray, np.ndarray]:
@@ -142,66 +308,117 @@ def beam_search(state: DecodeState, batch: int, bos: int, eos: int, opts: Search
     (the heuristic of early_stopping=False, the live score normalized at the current length, closed too early).
     A closed input's rows leave the state: they cost no more decoder work.
 
-    `stop` (as in greedy): an input set there leaves at the next step with what it has.
+    A prefix (opts.prefix_ids) is forced on beam 0 first; lengths (normalization, max_new_tokens) count the tokens
+    after it, as transformers counts them after decoder_input_ids. `stop` (as in greedy): an input set there
+    leaves at the next step with what it has.
     """
-    k, lp = opts.beam, opts.length_penalty
-    live = np.arange(batch)                                          # open inputs; live[i] owns rows i*K..i*K+K-1
-    seqs = np.zeros((batch * k, 0), dtype=np.int64)                  # tokens of each row's beam
-    scores = np.tile(np.r_[0.0, np.full(k - 1, -np.inf)], batch)    # log-prob sums; only beam 0 starts live
-    finished: list[list[Hypothesis]] = [[] for _ in range(batch)]   # the K best finished, best first
-    last, keep = np.full(batch * k, bos, dtype=np.int64), None
-
-    def norm(score: float, length: int) -> float:
-        return float(score / (length ** lp))
-
-    for step in range(opts.max_new_tokens):
-        if stop is not None and stop[live].any():                    # nobody waits for these any more
-            for i in np.flatnonzero(stop[live]):
-                if not finished[live[i]]:                            # what its live beams had
-                    finished[live[i]] = sorted((Hypothesis(seqs[r].tolist(), norm(scores[r], max(seqs.shape[1], 1)), False)
-                                                for r in range(i * k, (i + 1) * k) if np.isfinite(scores[r])),
-                                               key=lambda h: -h.score)
-            go = np.flatnonzero(~stop[live])
-            rows = (go[:, None] * k + np.arange(k)).ravel()          # the rows of the inputs that go on
-            keep = rows if keep is None else keep[rows]
-            live, last, scores, seqs = live[go], last[rows], scores[rows], seqs[rows]
-            if len(live) == 0:
-                break
-        logits = state.step(last, keep)                              # [open inputs * K, V]
+    k = opts.beam
+    b = _Beams(batch, k, bos, opts, Controls.of(opts, batch, k, bos, eos))
+    for step in range(opts.max_new_tokens + int(b.prefix_len.max(initial=0))):
+        if stop is not None and stop[b.live].any() and not b.drop(np.flatnonzero(stop[b.live])):
+            break
+        logits = state.step(b.last, b.keep)                          # [open inputs * K, V]
         if opts.ignore_eos:
             logits[:, eos] = -np.inf
-        logp = suppress(log_softmax(logits), opts.suppress)          # suppressed after normalizing, as HF does
+        raw = log_softmax(logits)
+        logp = suppress(raw, opts.suppress) if b.controls is None else b.processed(raw, step)
         vocab = logp.shape[-1]
-        cand = (scores[:, None] + logp).reshape(len(live), k * vocab)
+        cand = (b.scores[:, None] + logp).reshape(len(b.live), k * vocab)
         top = top_k_stable(cand, 2 * k)                              # best 2K continuations per open input
-        final = step == opts.max_new_tokens - 1
-        rows, toks, vals, still = [], [], [], []
-        for i, b in enumerate(live):
-            picked = []
-            for rank, c in enumerate(top[i]):
-                src, tok, score = i * k + c // vocab, int(c % vocab), float(cand[i, c])
-                if tok == eos or final:
-                    if rank < k and np.isfinite(score):
-                        done = seqs[src].tolist() + [tok]
-                        finished[b].append(Hypothesis(done, norm(score, len(done)), tok == eos))
-                    continue
-                if len(picked) < k:
-                    picked.append((src, tok, score))
-            finished[b] = sorted(finished[b], key=lambda h: -h.score)[:k]   # stable: earlier ones win ties
+        rows, toks, still = [], [], []
+        for i, inp in enumerate(b.live):
+            at = step - int(b.prefix_len[inp])                       # this input's step after its prefix
+            if at < 0:                                               # forced: beam 0 takes the prefix token
+                picked = [(i * k, int(b.controls.prefix[inp * k, step]), b.scores[i * k])]
+            else:
+                picked = b.rank(i, inp, top[i], cand[i], vocab, at, raw, eos)
+                if picked is None:
+                    continue                                         # the input closes: its rows leave
             picked += [(i * k, eos, -np.inf)] * (k - len(picked))    # every continuation ended: dead rows
-            if final or _done(finished[b], max(p[2] for p in picked), step + 1, opts):
-                continue                                             # the input closes: its rows leave
-            still.append(b)
-            for src, tok, score in picked:
-                rows.append(src), toks.append(tok), vals.append(score)
+            still.append(inp)
+            rows += [p[0] for p in picked]
+            toks += [p[1:] for p in picked]
         if not still:
             break
-        live, keep = np.asarray(still, dtype=np.int64), np.asarray(rows, dtype=np.int64)
-        last, scores = np.asarray(toks, dtype=np.int64), np.asarray(vals, dtype=np.float64)
-        seqs = np.concatenate([seqs[keep], last[:, None]], axis=1)
-        if len(keep) == len(logits) and (keep == np.arange(len(keep))).all():
-            keep = None
-    return [finished[b][: opts.num_return] for b in range(batch)]
+        b.advance(still, rows, toks, raw)
+    return [b.finished[i][: opts.num_return] for i in range(batch)]
+
+
+class _Beams:
+    """beam_search's state: the open inputs, their K rows each (live[i] owns rows i*K..i*K+K-1), the rows' tokens,
+    summed scores and (return_logprobs) per-token log-probabilities, and each input's K best finished hypotheses."""
+
+    def __init__(self, batch: int, k: int, bos: int, opts: SearchOptions, controls: Controls | None):
+        self.k, self.bos, self.opts, self.controls = k, bos, opts, controls
+        self.prefix_len = np.zeros(batch, dtype=np.int64) if controls is None else controls.prefix_len[::k]
+        self.live = np.arange(batch)
+        self.seqs = np.zeros((batch * k, 0), dtype=np.int64)
+        self.lps = np.zeros((batch * k, 0)) if opts.return_logprobs else None
+        self.scores = np.tile(np.r_[0.0, np.full(k - 1, -np.inf)], batch)   # only beam 0 starts live
+        self.finished: list[list[Hypothesis]] = [[] for _ in range(batch)]   # best first
+        self.last, self.keep = np.full(batch * k, bos, dtype=np.int64), None
+
+    def norm(self, score: float, length: int) -> float:
+        return float(score / (length ** self.opts.length_penalty))
+
+    def hypothesis(self, tokens: list[int], score: float, inp: int, finished: bool, lps=None):
+        length = max(len(tokens) - int(self.prefix_len[inp]), 1)
+        return Hypothesis(tokens, self.norm(score, length), finished, lps)
+
+    def processed(self, raw: np.ndarray, step: int) -> np.ndarray:
+        """The controls' processing of the rows' log-probabilities (transformers' beam search processes these)."""
+        rows = (self.live[:, None] * self.k + np.arange(self.k)).ravel()
+        history = None
+        if self.controls.needs_history:
+            history = np.concatenate([np.full((len(self.seqs), 1), self.bos), self.seqs], axis=1)
+        return self.controls.process(raw, history, self.controls.generated(step, rows))
+
+    def rank(self, i: int, inp: int, top: np.ndarray, cand: np.ndarray, vocab: int, at: int, raw, eos: int):
+        """Input i's continuations this step (its `at`-th after the prefix): finished ones are kept, the first K
+        live ones returned as (row, token, score, log-prob); None when the input is done."""
+        k, final, picked = self.k, at == self.opts.max_new_tokens - 1, []
+        for rank, c in enumerate(top):
+            src, tok, score = i * k + c // vocab, int(c % vocab), float(cand[c])
+            if tok == eos or final:
+                if rank < k and np.isfinite(score):
+                    lps = None if self.lps is None else self.lps[src].tolist() + [float(raw[src, tok])]
+                    self.finished[inp].append(self.hypothesis(self.seqs[src].tolist() + [tok], score, inp,
+                                                              tok == eos, lps))
+                continue
+            if len(picked) < k:
+                picked.append((src, tok, score))
+        self.finished[inp] = sorted(self.finished[inp], key=lambda h: -h.score)[:k]   # stable: earlier ones win ties
+        if final or _done(self.finished[inp], max((p[2] for p in picked), default=-np.inf), at + 1, self.opts):
+            return None
+        return picked
+
+    def drop(self, gone: np.ndarray) -> bool:
+        """Open inputs `gone` (positions in live) leave with what their live beams had; False when none is left."""
+        k = self.k
+        for i in gone:
+            inp = self.live[i]
+            if not self.finished[inp]:
+                self.finished[inp] = sorted(
+                    (self.hypothesis(self.seqs[r].tolist(), self.scores[r], inp, False,
+                                     None if self.lps is None else self.lps[r].tolist())
+                     for r in range(i * k, (i + 1) * k) if np.isfinite(self.scores[r])), key=lambda h: -h.score)
+        go = np.setdiff1d(np.arange(len(self.live)), gone)
+        rows = (go[:, None] * k + np.arange(k)).ravel()              # the rows of the inputs that go on
+        self.keep = rows if self.keep is None else self.keep[rows]
+        self.live, self.last, self.scores, self.seqs = self.live[go], self.last[rows], self.scores[rows], self.seqs[rows]
+        if self.lps is not None:
+            self.lps = self.lps[rows]
+        return len(self.live) > 0
+
+    def advance(self, still: list[int], rows: list[int], picks: list[tuple], raw: np.ndarray) -> None:
+        """The open inputs after a step, and their rows: each from row `rows[j]` with token and score `picks[j]`."""
+        keep = np.asarray(rows, dtype=np.int64)
+        self.last = np.asarray([p[0] for p in picks], dtype=np.int64)
+        if self.lps is not None:
+            self.lps = np.concatenate([self.lps[keep], raw[keep, self.last][:, None]], axis=1)
+        self.live, self.scores = np.asarray(still, dtype=np.int64), np.asarray([p[1] for p in picks], dtype=np.float64)
+        self.seqs = np.concatenate([self.seqs[keep], self.last[:, None]], axis=1)
+        self.keep = None if len(keep) == len(raw) and (keep == np.arange(len(keep))).all() else keep
 
 
 def _done(finished: list[Hypothesis], best_live: float, length: int, opts: SearchOptions) -> bool:
@@ -216,12 +433,13 @@ def _done(finished: list[Hypothesis], best_live: float, length: int, opts: Searc
 
 def search(state: DecodeState, batch: int, bos: int, eos: int, opts: SearchOptions,
            limits: np.ndarray | None = None, stop: np.ndarray | None = None) -> list[list[Hypothesis]]:
-    """Greedy when beam == 1, else beam search; one list of hypotheses per input, best first.
+    """Greedy (or sampling) when beam == 1, else beam search; one list of hypotheses per input, best first (samples
+    in the order of their seeds).
 
     `limits` (greedy only: per-input max new tokens) and `stop` (inputs nobody waits for any more): see greedy.
     """
-    if opts.max_new_tokens == 0 and limits is None:
-        return [[Hypothesis([], 0.0, False)] for _ in range(batch)]
+    if opts.max_new_tokens == 0 and limits is None:                  # (check_options refuses a prefix here)
+        return [[Hypothesis([], 0.0, False, [] if opts.return_logprobs else None)] for _ in range(batch)]
     if opts.beam == 1:
         return greedy(state, batch, bos, eos, opts, limits, stop)
     if limits is not None and len(set(np.asarray(limits).tolist())) > 1:

@@ -89,17 +89,25 @@ def generate_ids(engine: Engine, sequences: Sequence[Sequence[int]], opts: Searc
     lengths: each gets what it would alone); opts.max_new_tokens must then be their maximum. `stop`: inputs the
     caller no longer needs, set while the search runs (runtime.search.greedy).
     """
+    if limits is not None:                                             # a caller's mistake, before any work
+        limits = np.asarray(limits, dtype=np.int64)
+        if len(limits) != len(sequences) or not len(limits) or int(limits.max()) != opts.max_new_tokens \
+                or int(limits.min()) < 0:
+            raise ValueError("limits must give one max_new_tokens per input, at most opts.max_new_tokens")
+    state, opts = start_search(engine, sequences, opts)
+    return search(state, len(sequences), engine.bos_id, engine.eos_id, opts, limits, stop)
+
+
+def start_search(engine: Engine, sequences: Sequence[Sequence[int]],
+                 opts: SearchOptions) -> tuple[DecodeState | None, SearchOptions]:
+    """The checked request's decoder state (None when no token is to be generated: no encoder run) and its options
+    with the model's suppressed ids: what runtime.search (or runtime.stream) runs."""
     check_request(sequences, opts, engine.src_vocab_size, engine.max_len, engine.eos_id, engine.vocab_size)
     opts = replace(opts, suppress=tuple(engine.suppress_ids))
-    if limits is not None:
-        limits = np.asarray(limits, dtype=np.int64)
-        if len(limits) != len(sequences) or int(limits.max()) != opts.max_new_tokens or int(limits.min()) < 0:
-            raise ValueError("limits must give one max_new_tokens per input, at most opts.max_new_tokens")
     if opts.max_new_tokens == 0:
-        return search(None, len(sequences), engine.bos_id, engine.eos_id, opts)
+        return None, opts
     ids, mask = pad_batch(sequences, engine.src_pad_id)
-    state = engine.start(ids, mask, rows_per_input(opts), max_steps(opts))   # encoder runs once here
-    return search(state, len(sequences), engine.bos_id, engine.eos_id, opts, limits, stop)
+    return engine.start(ids, mask, rows_per_input(opts), max_steps(opts)), opts   # encoder runs once here
 
 
 def to_outputs(hyps: list[list[Hypothesis]], eos_id: int, tokenizer=None) -> list[Output]:

@@ -5,6 +5,7 @@ engines can differ only in their numbers, never in how tokens are chosen. An eng
 `DecodeState` per request:
 
     state.step(tokens [N] int64, keep [N'] int64 | None) -> logits [N', vocab] float32
+    state.feed(tokens [N, T] int64) -> logits [N, T, vocab]     (T given tokens at once: runtime.score)
 
 `keep` selects, before the step, which current rows go on (and in what order): beam search
 reorders hypotheses with it, greedy search drops finished rows with it. The state reorders its
@@ -24,6 +25,8 @@ from runtime.processors import Controls
 
 class DecodeState(Protocol):
     def step(self, tokens: np.ndarray, keep: np.ndarray | None) -> np.ndarray: ...
+
+    def feed(self, tokens: np.ndarray) -> np.ndarray: ...
 
 
 @dataclass

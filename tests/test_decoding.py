@@ -205,3 +205,23 @@ def test_detokenizer_waits_for_the_rest_of_a_character():
     detok = Detokenizer(Bytes(), eos=256)
     pieces = [detok.push(b) for b in "aé€😀b".encode("utf-8")] + [detok.push(256), detok.flush()]
     assert [p for p in pieces if p] == ["a", "é", "€", "😀", "b"]
+
+
+class Words:
+    """A tokenizer that cleans up spaces around punctuation, as transformers decodes SentencePiece models."""
+
+    clean_up = True
+    words = ["", "", "", "it", "'", "s", "ok", ".", "do", "n't"]
+
+    def decode(self, ids) -> str:
+        from runtime.tokenizer import _clean_up_spaces
+
+        return _clean_up_spaces(" ".join(self.words[i] for i in ids if i > 2))
+
+
+def test_detokenizer_sends_whole_words_where_a_later_token_may_remove_a_space():
+    detok = Detokenizer(Words(), eos=2)
+    ids = [3, 4, 5, 6, 7, 8, 9, 7]
+    pieces = [detok.push(i) for i in ids] + [detok.flush()]
+    assert "".join(pieces) == Words().decode(ids) == "it's ok. don't."
+    assert [p for p in pieces if p] == ["it", "'s", " ok.", " don't."]   # never "it '", which "s" undoes

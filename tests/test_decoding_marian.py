@@ -20,7 +20,9 @@ pytest.importorskip("transformers")
 pytest.importorskip("sentencepiece")
 
 from runtime.generate import generate_ids, pad_batch  # noqa: E402
+from runtime.score import score_ids  # noqa: E402
 from runtime.search import SearchOptions  # noqa: E402
+from runtime.stream import stream  # noqa: E402
 from toolkit.parity.original import hf_pad, load_marian  # noqa: E402
 from toolkit.reference.checkpoint import load_checkpoint  # noqa: E402
 from toolkit.reference.importers import import_model  # noqa: E402
@@ -36,12 +38,12 @@ def marian(tmp_path_factory):
     """(our TorchEngine over the imported checkpoint, MarianMTModel, token ids of TEXTS, plain greedy outputs)."""
     root = tmp_path_factory.mktemp("marian-decoding")
     directory = build_tiny_marian(root / "opus-mt-tiny", steps=150)
-    engine = TorchEngine(load_checkpoint(import_model(directory, root / "checkpoint")).model)
+    checkpoint = load_checkpoint(import_model(directory, root / "checkpoint"))
     model, tok = load_marian(directory)
     seqs = [tok(t)["input_ids"] for t in TEXTS]
     plain = hf_generate(model, seqs, 1)
     assert len({tuple(p) for p in plain}) >= 16                    # outputs that vary: token equality means something
-    return engine, model, seqs, plain
+    return TorchEngine(checkpoint.model), model, seqs, plain, checkpoint.tokenizer
 
 
 def hf_generate(model, seqs: list[list[int]], beam: int, prefix=None, **controls) -> list[list[int]]:
@@ -93,7 +95,7 @@ CASES = [pytest.param(control, beam, marks=() if FAST[control] == beam else pyte
 
 @pytest.mark.parametrize("control,beam", CASES)
 def test_control_ids_equal_marian_generate(marian, control, beam):
-    engine, model, seqs, plain = marian
+    engine, model, seqs, plain, _ = marian
     settings = dict(cases(plain, engine.eos_id)[control])
     prefix = settings.pop("prefix", None)
     want = hf_generate(model, seqs, beam, prefix=prefix, **settings)
@@ -104,3 +106,33 @@ def test_control_ids_equal_marian_generate(marian, control, beam):
     baseline = plain if beam == 1 else hf_generate(model, seqs, beam)
     assert sum(w != b for w, b in zip(want, baseline)) >= 4        # the control changed outputs
     assert got == want
+
+
+def test_scores_equal_marian_labels(marian):
+    """score_ids on the imported model: each target token's log-probability as MarianMTModel computes it from
+    labels= (its loss's terms), within 1e-5 in float32; targets of varied lengths in one padded batch."""
+    engine, model, seqs, plain, _ = marian
+    targets = [p[:-1] if p and p[-1] == engine.eos_id else p for p in plain]
+    targets = [t[::-1] if i % 2 else t for i, t in enumerate(targets)]     # some unlikely targets too
+    scored = score_ids(engine, seqs, targets)
+    ids, mask = pad_batch(seqs, hf_pad(model))
+    labels = torch.tensor(pad_batch([t + [engine.eos_id] for t in targets], -100)[0])
+    with torch.no_grad():
+        logits = model(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask),
+                       labels=labels).logits
+    logp = torch.log_softmax(logits, dim=-1)
+    for row, (s, t) in enumerate(zip(scored, targets)):
+        want = logp[row, torch.arange(len(t) + 1), labels[row, :len(t) + 1]].numpy()
+        np.testing.assert_allclose(s.logprobs, want, atol=1e-5)
+    assert len({round(s.score, 3) for s in scored}) >= 16
+
+
+def test_stream_pieces_join_to_the_generated_text(marian):
+    engine, _, seqs, _, tokenizer = marian
+    opts, spaced = SearchOptions(max_new_tokens=MAX_NEW), 0
+    for text in TEXTS[:6]:
+        pieces = list(stream(engine, tokenizer, text, opts))
+        hyp = generate_ids(engine, [tokenizer.encode(text)], opts)[0][0]
+        assert "".join(pieces) == tokenizer.decode(hyp.tokens) and len(pieces) >= 3
+        spaced += sum(p.startswith(" ") for p in pieces)
+    assert spaced >= 2                                                  # SentencePiece word starts became spaces

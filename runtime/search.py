@@ -86,28 +86,30 @@ class GreedySearch:
     def steps(self):
         """Run the search; after each step yield (rows, tokens): the live rows (input b's j-th is row b * n + j)
         and the token each took."""
-        n, eos = self.n, self.eos
-        live = np.flatnonzero((self.limits > 0) & ~self.stop[np.arange(len(self.limits)) // n])
+        n, eos, limits, stop = self.n, self.eos, self.limits, self.stop
+        tokens, done, scores, lps = self.tokens, self.done, self.scores, self.logprobs
+        live = np.flatnonzero((limits > 0) & ~stop[np.arange(len(limits)) // n])
         last = np.full(len(live), self.bos, dtype=np.int64)           # the token each live row feeds next
-        keep = None if len(live) == len(self.limits) else live
+        keep = None if len(live) == len(limits) else live
         history = None                                                 # start token and tokens so far, per live row
         if self.controls is not None and self.controls.needs_history:
             history = last[:, None]
-        for step in range(int(self.limits.max(initial=0))):
+        for step in range(int(limits.max(initial=0))):
             if len(live) == 0:
                 break
             logits = self.state.step(last, keep)                       # [live, V]
             if self.opts.ignore_eos:
                 logits[:, eos] = -np.inf
             nxt, logprob, chosen = self.pick(logits, step, live, history)
-            self.scores[live] += logprob if chosen is None else np.where(chosen, logprob, 0.0)
-            for row, item in enumerate(live):
-                self.tokens[item].append(int(nxt[row]))
-                self.done[item] = bool(nxt[row] == eos)
-                if self.logprobs is not None:
-                    self.logprobs[item].append(float(logprob[row]))
+            scores[live] += logprob if chosen is None else np.where(chosen, logprob, 0.0)
+            for item, token in zip(live.tolist(), nxt.tolist()):
+                tokens[item].append(token)
+                done[item] = token == eos
+            if lps is not None:
+                for item, value in zip(live.tolist(), logprob.tolist()):
+                    lps[item].append(value)
             yield live, nxt
-            alive = np.flatnonzero((nxt != eos) & (self.limits[live] > step + 1) & ~self.stop[live // n])
+            alive = np.flatnonzero((nxt != eos) & (limits[live] > step + 1) & ~stop[live if n == 1 else live // n])
             keep = None if len(alive) == len(live) else alive
             live, last = live[alive], nxt[alive].astype(np.int64)
             if history is not None:

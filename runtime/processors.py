@@ -35,8 +35,8 @@ class Controls:
         self.bans = [tuple(w) for w in opts.bad_words_ids]
         self.generators = None
         if opts.sample:
-            seed = np.random.SeedSequence().entropy if opts.seed is None else opts.seed
-            self.generators = [np.random.default_rng([seed, r // n, r % n]) for r in range(batch * n)]
+            seed = request_seed(opts)
+            self.generators = [row_generator(seed, r // n, r % n) for r in range(batch * n)]
 
     @classmethod
     def of(cls, opts, batch: int, n: int, bos: int, eos: int) -> "Controls | None":
@@ -75,6 +75,29 @@ class Controls:
         """A token per row, drawn from softmax(warp(logits)) with row r's own generator (rows: row ids)."""
         u = np.array([self.generators[r].random() for r in rows])
         return draw(warp(logits, self.opts.temperature, self.opts.top_k, self.opts.top_p), u)
+
+
+def request_seed(opts) -> int:
+    """The seed of a sampling request: its own, or fresh entropy (not reproducible) when it gives none."""
+    return np.random.SeedSequence().entropy if opts.seed is None else opts.seed
+
+
+def row_generator(seed: int, index: int, ret: int) -> np.random.Generator:
+    """The generator of the ret-th sample of input `index` of a request with this seed: the one source of its draws."""
+    return np.random.default_rng([seed, index, ret])
+
+
+class RowSampler:
+    """Sampling for one row decoded outside runtime.search (an in-flight row, runtime.inflight): the draws the
+    search makes for sample `ret` of input `index` of a request with these options, so the row gets its tokens."""
+
+    def __init__(self, opts, index: int = 0, ret: int = 0, seed: int | None = None):
+        self.opts, self.generator = opts, row_generator(request_seed(opts) if seed is None else seed, index, ret)
+
+    def draw(self, logits: np.ndarray) -> int:
+        """The token drawn from one row's logits [V] (suppressed ids already at -inf)."""
+        warped = warp(logits[None], self.opts.temperature, self.opts.top_k, self.opts.top_p)
+        return int(draw(warped, np.array([self.generator.random()]))[0])
 
 
 def repetition_penalty(scores: np.ndarray, history: np.ndarray, penalty: float) -> None:

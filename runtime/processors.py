@@ -1,6 +1,6 @@
 """What the search does to a step's logits before it chooses a token: the decoding controls, in one place.
 
-    controls = Controls.of(opts, batch, n, bos, eos)     # None when no control is set: the plain search runs
+    controls = Controls.of(opts, batch, n, eos)          # None when no control is set: the plain search runs
     forced = controls.forced(step, rows)                 # each row's prefix token at this step, -1 where it chooses
     processed = controls.process(logp, history, generated)      # transformers' logits processors, on a copy
     tokens = controls.draw(processed, rows)              # sampling: one draw from each row's own generator
@@ -24,8 +24,8 @@ from numpy.lib.stride_tricks import sliding_window_view
 class Controls:
     """The per-search state of the decoding controls of one SearchOptions (see the module docstring)."""
 
-    def __init__(self, opts, batch: int, n: int, bos: int, eos: int):
-        self.opts, self.n, self.bos, self.eos = opts, n, bos, eos
+    def __init__(self, opts, batch: int, n: int, eos: int):
+        self.opts, self.n, self.eos = opts, n, eos
         lengths = [len(p) for p in opts.prefix_ids] or [0] * batch
         self.prefix_len = np.repeat(np.asarray(lengths, dtype=np.int64), n)        # per row (input b, return j)
         self.prefix = np.full((batch * n, max(lengths, default=0)), -1, dtype=np.int64)
@@ -39,11 +39,11 @@ class Controls:
             self.generators = [row_generator(seed, r // n, r % n) for r in range(batch * n)]
 
     @classmethod
-    def of(cls, opts, batch: int, n: int, bos: int, eos: int) -> "Controls | None":
+    def of(cls, opts, batch: int, n: int, eos: int) -> "Controls | None":
         """The controls of `opts` over batch inputs of n rows each, or None when none is set (nothing to do)."""
         active = (opts.sample or opts.repetition_penalty != 1.0 or opts.no_repeat_ngram_size or opts.min_new_tokens
                   or opts.bad_words_ids or opts.prefix_ids or opts.return_logprobs)
-        return cls(opts, batch, n, bos, eos) if active else None
+        return cls(opts, batch, n, eos) if active else None
 
     def forced(self, step: int, rows: np.ndarray) -> np.ndarray:
         """Each row's forced prefix token at `step` (its step-th target token), -1 where the row chooses."""
@@ -67,14 +67,19 @@ class Controls:
             bad_words(out, history, self.bans)
         if o.min_new_tokens:
             out[generated < o.min_new_tokens, self.eos] = -np.inf
-        if o.suppress:
-            out[:, list(o.suppress)] = -np.inf
-        return out
+        return suppress(out, o.suppress)
 
     def draw(self, logits: np.ndarray, rows: np.ndarray) -> np.ndarray:
         """A token per row, drawn from softmax(warp(logits)) with row r's own generator (rows: row ids)."""
         u = np.array([self.generators[r].random() for r in rows])
         return draw(warp(logits, self.opts.temperature, self.opts.top_k, self.opts.top_p), u)
+
+
+def suppress(logits: np.ndarray, ids: tuple[int, ...]) -> np.ndarray:
+    """Tokens the model never generates (Marian's pad) get -inf, in place."""
+    if ids:
+        logits[:, list(ids)] = -np.inf
+    return logits
 
 
 def request_seed(opts) -> int:

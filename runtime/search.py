@@ -20,7 +20,7 @@ import numpy as np
 
 from runtime.options import (Hypothesis, SearchOptions, check_options, max_steps,  # noqa: F401  (re-exported)
                              rows_per_input)
-from runtime.processors import Controls
+from runtime.processors import Controls, suppress
 
 
 class DecodeState(Protocol):
@@ -71,7 +71,7 @@ class GreedySearch:
     def __init__(self, state: DecodeState, batch: int, bos: int, eos: int, opts: SearchOptions,
                  limits: np.ndarray | None = None, stop: np.ndarray | None = None):
         self.state, self.bos, self.eos, self.opts, self.n = state, bos, eos, opts, rows_per_input(opts)
-        self.controls = Controls.of(opts, batch, self.n, bos, eos)
+        self.controls = Controls.of(opts, batch, self.n, eos)
         limits = np.full(batch, opts.max_new_tokens) if limits is None else np.asarray(limits)
         self.limits = np.repeat(limits, self.n)                        # steps of each row: the prefix, then its limit
         if self.controls is not None:
@@ -154,13 +154,6 @@ def greedy_pick(logits: np.ndarray, suppressed: tuple[int, ...] = ()) -> tuple[n
     return nxt, chosen_logprob(logits, nxt)
 
 
-def suppress(logits: np.ndarray, ids: tuple[int, ...]) -> np.ndarray:
-    """Tokens the model never generates (Marian's pad) get -inf, in place."""
-    if ids:
-        logits[:, list(ids)] = -np.inf
-    return logits
-
-
 def attainable(score: float, length: int, max_new_tokens: int, length_penalty: float) -> float:
     """The best normalized score a hypothesis grown from a live beam (log-probability sum `score` over `length`
     tokens) can still reach. Exact, as log-probabilities are <= 0 and a sum only falls: for length_penalty >= 0
@@ -190,7 +183,7 @@ def beam_search(state: DecodeState, batch: int, bos: int, eos: int, opts: Search
     leaves at the next step with what it has.
     """
     k = opts.beam
-    b = _Beams(batch, k, bos, opts, Controls.of(opts, batch, k, bos, eos))
+    b = _Beams(batch, k, bos, opts, Controls.of(opts, batch, k, eos))
     for step in range(opts.max_new_tokens + int(b.prefix_len.max(initial=0))):
         if stop is not None and stop[b.live].any() and not b.drop(np.flatnonzero(stop[b.live])):
             break

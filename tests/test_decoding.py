@@ -3,7 +3,7 @@ streaming. (Ids against MarianMTModel.generate: tests/test_decoding_marian.py; s
 
 from __future__ import annotations
 
-from dataclasses import fields, replace
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -63,14 +63,12 @@ def test_out_of_range_options_are_refused_by_name(engines, options, message):
 
 
 def test_no_control_set_means_no_controls():
-    """The default options take the plain path (Controls.of is None): no extra work per step."""
-    assert Controls.of(SearchOptions(), 2, 1, 1, 2) is None
-    for f in fields(SearchOptions):
-        if f.name in ("sample", "repetition_penalty", "no_repeat_ngram_size", "min_new_tokens", "bad_words_ids",
-                      "prefix_ids", "return_logprobs"):
-            value = {"sample": True, "repetition_penalty": 1.2, "no_repeat_ngram_size": 2, "min_new_tokens": 1,
-                     "bad_words_ids": ((5,),), "prefix_ids": ((5,), ()), "return_logprobs": True}[f.name]
-            assert Controls.of(replace(SearchOptions(), **{f.name: value}), 2, 1, 1, 2) is not None, f.name
+    """The default options take the plain path (Controls.of is None): no extra work per step; each control alone
+    does not."""
+    assert Controls.of(SearchOptions(), 2, 1, 2) is None
+    for name, value in {"sample": True, "repetition_penalty": 1.2, "no_repeat_ngram_size": 2, "min_new_tokens": 1,
+                        "bad_words_ids": ((5,),), "prefix_ids": ((5,), ()), "return_logprobs": True}.items():
+        assert Controls.of(replace(SearchOptions(), **{name: value}), 2, 1, 2) is not None, name
 
 
 def test_processors_equal_transformers_processors():
@@ -84,7 +82,7 @@ def test_processors_equal_transformers_processors():
     t_logits, t_hist = torch.from_numpy(logits), torch.from_numpy(history)
     opts = SearchOptions(repetition_penalty=1.7, no_repeat_ngram_size=2, min_new_tokens=3,
                          bad_words_ids=((7,), (3, 4), (history[0, -2], history[0, -1], 9)))
-    controls = Controls(opts, 6, 1, 1, 2)
+    controls = Controls(opts, 6, 1, 2)
     generated = np.array([0, 1, 2, 3, 4, 5])
     want = t_logits
     for proc in (lp.RepetitionPenaltyLogitsProcessor(1.7), lp.NoRepeatNGramLogitsProcessor(2),

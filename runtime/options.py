@@ -66,7 +66,9 @@ def check_options(opts: SearchOptions, inputs: int, vocab_size: int, max_len: in
     if not isinstance(lp, (int, float)) or not -MAX_LENGTH_PENALTY <= lp <= MAX_LENGTH_PENALTY:   # NaN fails too
         raise InputError(f"length penalty must be a number between {-MAX_LENGTH_PENALTY:g} and "
                          f"{MAX_LENGTH_PENALTY:g} (1.0 divides a beam's log-probability by its length), got {lp!r}")
-    _flag("sample", opts.sample), _flag("return_logprobs", opts.return_logprobs), _flag("ignore_eos", opts.ignore_eos)
+    for name in ("sample", "return_logprobs", "ignore_eos"):
+        if not isinstance(getattr(opts, name), (bool, np.bool_)):
+            raise InputError(f"{name} must be true or false, got {getattr(opts, name)!r}")
     if opts.sample:
         if opts.beam != 1:
             raise InputError(f"sample draws one token at a time (beam 1), got beam {opts.beam}; drop beam or sample")
@@ -109,19 +111,12 @@ def check_options(opts: SearchOptions, inputs: int, vocab_size: int, max_len: in
 
 
 def _number(name: str, value, low, high, integer: bool = False, low_open: bool = False, what: str = "") -> None:
-    kind = "an integer" if integer else "a number"
+    """InputError unless value is an integer (or number) in [low, high] ((low, high] with low_open)."""
     ok = isinstance(value, (int, np.integer)) if integer else isinstance(value, (int, float, np.number))
-    ok = ok and not isinstance(value, bool) and (value > low if low_open else value >= low)   # NaN fails here
-    ok = ok and (high is None or value <= high)
-    if not ok:
-        span = f"{'above' if low_open else 'at least'} {low:g}" if high is None else \
-            f"{'in (' if low_open else 'in ['}{low:g}, {high:g}]"
-        raise InputError(f"{name} must be {kind} {span}{f' ({what})' if what else ''}, got {value!r}")
-
-
-def _flag(name: str, value) -> None:
-    if not isinstance(value, (bool, np.bool_)):
-        raise InputError(f"{name} must be true or false, got {value!r}")
+    ok = ok and not isinstance(value, bool) and (value > low if low_open else value >= low) and value <= high
+    if not ok:                                                         # NaN too: every comparison fails
+        raise InputError(f"{name} must be {'an integer' if integer else 'a number'} in {'(' if low_open else '['}"
+                         f"{low:g}, {high if integer else f'{high:g}'}]{f' ({what})' if what else ''}, got {value!r}")
 
 
 def _ids(name: str, ids, vocab_size: int, empty: bool) -> None:

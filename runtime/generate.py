@@ -18,7 +18,7 @@ import numpy as np
 
 from runtime.errors import NumericsError
 from runtime.request import Request
-from runtime.search import DecodeState, Hypothesis, SearchOptions, search
+from runtime.search import DecodeState, Hypothesis, SearchOptions, max_steps, rows_per_input, search
 
 
 class Engine(Protocol):
@@ -69,11 +69,10 @@ def generate(engine: Engine, request: Request, stop: np.ndarray | None = None) -
     non-finite logit raises NumericsError naming, in `inputs`, the inputs whose rows gave it.
     """
     opts, n = request.opts, len(request.sequences)
-    if opts.max_new_tokens == 0:
+    state = start_search(engine, request)
+    if state is None:
         return search(None, n, engine.bos_id, engine.eos_id, opts)
     limits = np.asarray(request.limits, dtype=np.int64) if opts.beam == 1 else None
-    ids, mask = pad_batch(request.sequences, engine.src_pad_id)
-    state = RowsOf(engine.start(ids, mask, opts.beam, opts.max_new_tokens), n, opts.beam)   # encoder runs once here
     try:
         return search(state, n, engine.bos_id, engine.eos_id, opts, limits, stop)
     except NumericsError as exc:
@@ -99,6 +98,20 @@ class RowsOf:
         if keep is not None:
             self.inputs = self.inputs[keep]
         return self.state.step(tokens, keep)
+
+    def feed(self, tokens: np.ndarray) -> np.ndarray:
+        return self.state.feed(tokens)
+
+
+def start_search(engine: Engine, request: Request) -> "RowsOf | None":
+    """The validated request's decoder state (None when no token is to be generated: no encoder run): what
+    runtime.search (or runtime.stream) runs. Its rows know their inputs (RowsOf)."""
+    opts = request.opts
+    if opts.max_new_tokens == 0:
+        return None
+    ids, mask = pad_batch(request.sequences, engine.src_pad_id)
+    expand = rows_per_input(opts)                                      # beams, or samples, per input
+    return RowsOf(engine.start(ids, mask, expand, max_steps(opts)), len(ids), expand)   # encoder runs once here
 
 
 def to_outputs(hyps: list[list[Hypothesis]], eos_id: int, tokenizer=None) -> list[Output]:

@@ -38,7 +38,7 @@ from runtime.errors import InputError
 from runtime.feed import Feed
 from runtime.generate import pad_batch
 from runtime.request import check_sources
-from runtime.search import Hypothesis, SearchOptions, greedy_pick
+from runtime.search import Hypothesis, SearchOptions, chosen_logprob, greedy_pick, suppress
 from runtime.spec import DYNAMIC, STATIC_PER_ROW
 
 ROW_BUCKET = 2          # rows bound per step: the live rows rounded up to a multiple (few shapes, few rebinds)
@@ -74,6 +74,7 @@ class Row:
     left: bool = False              # no longer in the batch (its hypothesis is final)
     ignore_eos: bool = False        # never stop at EOS (the batch's opts.ignore_eos applies to every row)
     last: int = 0                   # the token it feeds next
+    sampler: Any = None             # a runtime.processors.RowSampler: the row samples instead of taking the best
 
     def hypothesis(self) -> Hypothesis:
         return Hypothesis(list(self.tokens), float(self.score), self.finished)
@@ -110,9 +111,11 @@ class InflightBatch:
 
     # --- rows in ---
 
-    def join(self, sequences: Sequence[Sequence[int]], limits: Sequence[int], keys: Sequence | None = None) -> list[Row]:
+    def join(self, sequences: Sequence[Sequence[int]], limits: Sequence[int], keys: Sequence | None = None,
+             samplers: Sequence | None = None) -> list[Row]:
         """Add rows (at most `free`): the encoder runs for them only; they decode from the next step on. Rows
-        with limit 0 are returned finished-empty and never join (as greedy gives them)."""
+        with limit 0 are returned finished-empty and never join (as greedy gives them). samplers: per row, a
+        runtime.processors.RowSampler for a row that samples, None for a greedy one."""
         keys = list(range(len(sequences))) if keys is None else list(keys)
         if len(sequences) > self.free:
             raise ValueError(f"{len(sequences)} rows do not fit: {self.free} of {self.slots} slots are free")
@@ -122,7 +125,9 @@ class InflightBatch:
             raise InputError(f"max new tokens must be between 0 and the batch's cache of {self.capacity} positions, "
                              f"got {bad[:5]}")
         check_sources(sequences, self.e)                              # a server checked them before: runtime.request
-        rows = [Row(k, n, src_len=len(s), left=n == 0, last=self.e.bos_id) for k, s, n in zip(keys, sequences, limits)]
+        samplers = [None] * len(sequences) if samplers is None else list(samplers)
+        rows = [Row(k, n, src_len=len(s), left=n == 0, last=self.e.bos_id, sampler=sampler)
+                for k, s, n, sampler in zip(keys, sequences, limits, samplers)]
         joining = [i for i, r in enumerate(rows) if r.limit > 0]
         if not joining:
             return rows
@@ -182,6 +187,11 @@ class InflightBatch:
         no_eos = [i for i, r in enumerate(self.rows) if r.ignore_eos] if not self.opts.ignore_eos else slice(None)
         logits[no_eos, self.e.eos_id] = -np.inf
         nxt, scores = greedy_pick(logits, self.suppress)
+        sampling = [i for i, r in enumerate(self.rows) if r.sampler is not None]
+        for i in sampling:                                            # sampling rows draw from their own generator
+            nxt[i] = self.rows[i].sampler.draw(suppress(logits[i].copy()[None], self.suppress)[0])
+        if sampling:
+            scores = chosen_logprob(logits, nxt)
         for r, token, score in zip(self.rows, nxt, scores):
             r.length += 1
             r.tokens.append(int(token))

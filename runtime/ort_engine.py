@@ -97,9 +97,16 @@ class OrtState:
                 self.host_mask = self.host_mask[keep]
                 self.mask = self.path.mask(self.host_mask)
             self.sources = moved
-        new = np.ascontiguousarray(tokens, dtype=np.int64)[:, None]    # [N, 1]
-        logits, self.past = self.path.decode(new, self.mask, self.past, self.cross)
-        return logits[:, -1]                                           # [N, V]
+        return self.feed(np.asarray(tokens, dtype=np.int64)[:, None])[:, -1]   # [N, V]
+
+    def feed(self, tokens: np.ndarray) -> np.ndarray:
+        """T given tokens per row [N, T] -> logits [N, T, V] (teacher forcing; the cache grows by T): one decoder
+        run in the dynamic layout, one run per token for a static cache (its graph takes one token a step)."""
+        tokens = np.ascontiguousarray(tokens, dtype=np.int64)
+        if isinstance(self.path, StaticPath) and tokens.shape[1] > 1:
+            return np.stack([self.feed(tokens[:, t:t + 1])[:, 0] for t in range(tokens.shape[1])], axis=1)
+        logits, self.past = self.path.decode(tokens, self.mask, self.past, self.cross)
+        return logits
 
 
 class OrtEngine:

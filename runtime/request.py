@@ -22,10 +22,10 @@ from dataclasses import dataclass, fields, replace
 from typing import Protocol, Sequence
 
 from runtime.errors import InputError
+from runtime.options import check_options as check_search_options
 from runtime.search import SearchOptions
 
 DEFAULT_MAX_NEW_TOKENS = 64          # most new tokens when a request names none (capped at the model's max_len)
-MAX_LENGTH_PENALTY = 10.0            # |length_penalty| above this overflows len ** lp and means nothing anyway
 PER_INPUT = ("max_new_tokens",)      # greedy options each input of a merged batch keeps for itself (`limits`)
 
 
@@ -35,6 +35,7 @@ class Model(Protocol):
     vocab_size: int                 # target vocabulary (logits)
     src_vocab_size: int             # source vocabulary (input ids)
     suppress_ids: tuple[int, ...]   # ids the model never generates
+    eos_id: int                     # the end token (options may not ban it alone or hold it in a prefix)
     max_len: int
 
 
@@ -65,7 +66,7 @@ class Request:
         opts = replace(opts, suppress=tuple(sorted({*opts.suppress, *model.suppress_ids})))
         sequences = encode_inputs(inputs, tokenizer)
         check_sources(sequences, model)
-        check_options(opts, model)
+        check_options(opts, model, len(sequences))
         limits = [opts.max_new_tokens] * len(sequences) if limits is None else [int(n) for n in limits]
         if len(limits) != len(sequences) or any(not 0 <= n <= opts.max_new_tokens for n in limits) or \
                 (opts.beam != 1 and len(set(limits)) > 1):
@@ -75,7 +76,11 @@ class Request:
 
     @property
     def batch_key(self) -> tuple:
-        """Requests with equal keys decode in one search: every option but those an input keeps for itself."""
+        """Requests with equal keys decode in one search: every option but those an input keeps for itself. A
+        request with per-input options (prefix_ids) or sampling (each input's generator is seeded by its index in
+        its request) decodes alone: its key is its own."""
+        if self.opts.prefix_ids or self.opts.sample:
+            return ("alone", id(self))
         own = PER_INPUT if self.opts.beam == 1 else ()
         return tuple((f.name, getattr(self.opts, f.name)) for f in fields(self.opts) if f.name not in own)
 
@@ -128,20 +133,11 @@ def check_sources(sequences: Sequence[Sequence[int]], model: Model) -> None:
                              f"use source ids 0..{vocab - 1}")
 
 
-def check_options(opts: SearchOptions, model: Model) -> None:
-    """Refuse options the search cannot honour on this model, naming the option and its range."""
-    if not 0 <= opts.max_new_tokens <= model.max_len:
-        raise InputError(f"max new tokens must be between 0 and the model's maximum length {model.max_len}, "
-                         f"got {opts.max_new_tokens}")
-    if opts.beam < 1:
-        raise InputError(f"beam width must be at least 1, got {opts.beam}")
-    if not 1 <= opts.num_return <= opts.beam:
-        raise InputError(f"number of returned hypotheses ({opts.num_return}) must be between 1 and the beam width "
-                         f"({opts.beam})")
-    lp = opts.length_penalty
-    if not isinstance(lp, (int, float)) or not -MAX_LENGTH_PENALTY <= lp <= MAX_LENGTH_PENALTY:   # NaN fails too
-        raise InputError(f"length penalty must be a number between {-MAX_LENGTH_PENALTY:g} and "
-                         f"{MAX_LENGTH_PENALTY:g} (1.0 divides a beam's log-probability by its length), got {lp!r}")
+def check_options(opts: SearchOptions, model: Model, inputs: int = 1) -> None:
+    """Refuse options the search cannot honour on this model for `inputs` inputs, naming the option and its range
+    (runtime.options.check_options, the one check of every decoding control), and suppressed ids outside the target
+    vocabulary."""
+    check_search_options(opts, inputs, model.vocab_size, model.max_len, model.eos_id)
     check_target_ids("suppressed", opts.suppress, model)
 
 

@@ -5,6 +5,7 @@ engines can differ only in their numbers, never in how tokens are chosen. An eng
 `DecodeState` per request:
 
     state.step(tokens [N] int64, keep [N'] int64 | None) -> logits [N', vocab] float32
+    state.feed(tokens [N, T] int64) -> logits [N, T, vocab]     (T given tokens at once: runtime.score)
 
 `keep` selects, before the step, which current rows go on (and in what order): beam search
 reorders hypotheses with it, greedy search drops finished rows with it. The state reorders its
@@ -13,12 +14,14 @@ self-attention cache by `keep`; rows that stay with their source need no cross-a
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 
 from runtime.errors import NumericsError
+from runtime.options import (Hypothesis, SearchOptions, check_options, max_steps,  # noqa: F401  (re-exported)
+                             rows_per_input)
+from runtime.processors import Controls, suppress
 
 NON_FINITE = ("the model gave a non-finite logit (NaN or inf) while decoding; its numbers overflow or its weights "
               "are broken: check the bundle with onnxformer parity, or use its fp32 version")
@@ -27,24 +30,7 @@ NON_FINITE = ("the model gave a non-finite logit (NaN or inf) while decoding; it
 class DecodeState(Protocol):
     def step(self, tokens: np.ndarray, keep: np.ndarray | None) -> np.ndarray: ...
 
-
-@dataclass
-class Hypothesis:
-    """One generated sequence: token ids (without the start token, with EOS if reached) and its score."""
-
-    tokens: list[int]
-    score: float                  # sum of token log-probabilities, divided by len ** length_penalty (beam)
-    finished: bool = True         # ended with EOS (False: stopped at max_new_tokens)
-
-
-@dataclass
-class SearchOptions:
-    max_new_tokens: int = 64
-    beam: int = 1                 # 1 = greedy
-    length_penalty: float = 1.0   # beam scores are log-prob / len ** length_penalty
-    num_return: int = 1           # hypotheses returned per input (<= beam)
-    ignore_eos: bool = False      # never stop at EOS (benchmarks: every engine does the same work)
-    suppress: tuple[int, ...] = ()  # token ids never generated (the model's, e.g. Marian's pad; set by generate_ids)
+    def feed(self, tokens: np.ndarray) -> np.ndarray: ...
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
@@ -83,38 +69,94 @@ def top_k_stable(x: np.ndarray, k: int) -> np.ndarray:
     return out
 
 
+class GreedySearch:
+    """Greedy search, and sampling (opts.sample: num_return rows per input, each its own draws), one step at a time:
+    `steps()` runs the search and yields after each step, `hypotheses()` gives the result (runtime.stream reads
+    the steps; `greedy` runs them all).
+
+    Finished rows leave the batch, so only live rows are computed. `limits` gives each input its own most new
+    tokens (default: opts.max_new_tokens for all): a row leaves when it reaches its limit, with the tokens and score
+    an unbatched search with that limit gives. `stop` is a bool array (per input) the caller may set from another
+    thread while the search runs (a server's client went away): that input's rows leave at the next step and its
+    hypotheses are what they had so far.
+    """
+
+    def __init__(self, state: DecodeState, batch: int, bos: int, eos: int, opts: SearchOptions,
+                 limits: np.ndarray | None = None, stop: np.ndarray | None = None):
+        self.state, self.bos, self.eos, self.opts, self.n = state, bos, eos, opts, rows_per_input(opts)
+        self.controls = Controls.of(opts, batch, self.n, eos)
+        limits = np.full(batch, opts.max_new_tokens) if limits is None else np.asarray(limits)
+        self.limits = np.repeat(limits, self.n)                        # steps of each row: the prefix, then its limit
+        if self.controls is not None:
+            self.limits = np.where(self.limits > 0, self.limits + self.controls.prefix_len, 0)
+        self.stop = np.zeros(batch, dtype=bool) if stop is None else stop
+        rows = batch * self.n
+        self.tokens: list[list[int]] = [[] for _ in range(rows)]
+        self.scores = np.zeros(rows, dtype=np.float64)
+        self.done = [False] * rows
+        self.logprobs = [[] for _ in range(rows)] if opts.return_logprobs else None
+
+    def steps(self):
+        """Run the search; after each step yield (rows, tokens): the live rows (input b's j-th is row b * n + j)
+        and the token each took."""
+        n, eos, limits, stop = self.n, self.eos, self.limits, self.stop
+        tokens, done, scores, lps = self.tokens, self.done, self.scores, self.logprobs
+        live = np.flatnonzero((limits > 0) & ~stop[np.arange(len(limits)) // n])
+        last = np.full(len(live), self.bos, dtype=np.int64)           # the token each live row feeds next
+        keep = None if len(live) == len(limits) else live
+        history = None                                                 # start token and tokens so far, per live row
+        if self.controls is not None and self.controls.needs_history:
+            history = last[:, None]
+        for step in range(int(limits.max(initial=0))):
+            if len(live) == 0:
+                break
+            logits = self.state.step(last, keep)                       # [live, V]
+            if self.opts.ignore_eos:
+                logits[:, eos] = -np.inf
+            nxt, logprob, chosen = self.pick(logits, step, live, history)
+            scores[live] += logprob if chosen is None else np.where(chosen, logprob, 0.0)
+            for item, token in zip(live.tolist(), nxt.tolist()):
+                tokens[item].append(token)
+                done[item] = token == eos
+            if lps is not None:
+                for item, value in zip(live.tolist(), logprob.tolist()):
+                    lps[item].append(value)
+            yield live, nxt
+            alive = np.flatnonzero((nxt != eos) & (limits[live] > step + 1) & ~stop[live if n == 1 else live // n])
+            keep = None if len(alive) == len(live) else alive
+            live, last = live[alive], nxt[alive].astype(np.int64)
+            if history is not None:
+                history = np.concatenate([history, nxt[:, None]], axis=1)[alive]
+
+    def pick(self, logits: np.ndarray, step: int, live: np.ndarray, history: np.ndarray | None):
+        """Each live row's token [N], its log-probability under the model [N], and whether the row chose it (None:
+        all did) rather than having it forced by its prefix."""
+        c = self.controls
+        if c is None:                                                  # the plain path: nothing else to do
+            nxt, logprob = greedy_pick(logits, self.opts.suppress)
+            return nxt, logprob, None
+        nxt = c.forced(step, live)
+        chosen = nxt < 0
+        if chosen.any():                                               # only choosing rows draw: a row's draws
+            mine = np.flatnonzero(chosen)                              # never depend on its neighbours' prefixes
+            past = None if history is None else history[mine]
+            processed = c.process(logits[mine], past, c.generated(step, live[mine]))
+            nxt[mine] = c.draw(processed, live[mine]) if self.opts.sample else processed.argmax(axis=-1)
+        return nxt, chosen_logprob(logits, nxt), chosen
+
+    def hypotheses(self) -> list[list[Hypothesis]]:
+        n, lps = self.n, self.logprobs
+        return [[Hypothesis(self.tokens[r], float(self.scores[r]), self.done[r], None if lps is None else lps[r])
+                 for r in range(b * n, (b + 1) * n)] for b in range(len(self.limits) // n)]
+
+
 def greedy(state: DecodeState, batch: int, bos: int, eos: int, opts: SearchOptions,
            limits: np.ndarray | None = None, stop: np.ndarray | None = None) -> list[list[Hypothesis]]:
-    """Pick the most likely token each step; finished rows leave the batch, so only live rows are computed.
-
-    `limits` gives each input its own most new tokens (default: opts.max_new_tokens for all): a row leaves when
-    it reaches its limit, with the tokens and score an unbatched search with that limit gives. `stop` is a bool
-    array the caller may set from another thread while the search runs (a server's client went away): that
-    input's row leaves at the next step and its hypothesis is what it had so far.
-    """
-    limits = np.full(batch, opts.max_new_tokens) if limits is None else np.asarray(limits)
-    stop = np.zeros(batch, dtype=bool) if stop is None else stop
-    tokens: list[list[int]] = [[] for _ in range(batch)]
-    scores = np.zeros(batch, dtype=np.float64)
-    done = [False] * batch
-    live = np.flatnonzero((limits > 0) & ~stop)     # which inputs the state's rows belong to
-    last = np.full(len(live), bos, dtype=np.int64)  # the token each live row feeds next
-    keep = None if len(live) == batch else live
-    for step in range(int(limits.max(initial=0))):
-        if len(live) == 0:
-            break
-        logits = state.step(last, keep)             # [live, V]
-        if opts.ignore_eos:
-            logits[:, eos] = -np.inf
-        nxt, logprob = greedy_pick(logits, opts.suppress)
-        scores[live] += logprob
-        for row, item in enumerate(live):
-            tokens[item].append(int(nxt[row]))
-            done[item] = bool(nxt[row] == eos)
-        alive = np.flatnonzero((nxt != eos) & (limits[live] > step + 1) & ~stop[live])
-        keep = None if len(alive) == len(live) else alive
-        live, last = live[alive], nxt[alive].astype(np.int64)
-    return [[Hypothesis(tokens[i], float(scores[i]), done[i])] for i in range(batch)]
+    """Pick the most likely token each step (or draw one: opts.sample); see GreedySearch."""
+    search = GreedySearch(state, batch, bos, eos, opts, limits, stop)
+    for _ in search.steps():
+        pass
+    return search.hypotheses()
 
 
 def greedy_pick(logits: np.ndarray, suppressed: tuple[int, ...] = ()) -> tuple[np.ndarray, np.ndarray]:
@@ -123,13 +165,6 @@ def greedy_pick(logits: np.ndarray, suppressed: tuple[int, ...] = ()) -> tuple[n
     `greedy`, runtime.inflight's rows)."""
     nxt = suppress(logits.copy(), suppressed).argmax(axis=-1) if suppressed else logits.argmax(axis=-1)
     return nxt, chosen_logprob(logits, nxt)
-
-
-def suppress(logits: np.ndarray, ids: tuple[int, ...]) -> np.ndarray:
-    """Tokens the model never generates (Marian's pad) get -inf, in place."""
-    if ids:
-        logits[:, list(ids)] = -np.inf
-    return logits
 
 
 def attainable(score: float, length: int, max_new_tokens: int, length_penalty: float) -> float:
@@ -156,66 +191,118 @@ def beam_search(state: DecodeState, batch: int, bos: int, eos: int, opts: Search
     (the heuristic of early_stopping=False, the live score normalized at the current length, closed too early).
     A closed input's rows leave the state: they cost no more decoder work.
 
-    `stop` (as in greedy): an input set there leaves at the next step with what it has.
+    A prefix (opts.prefix_ids) is forced on beam 0 first; lengths (normalization, max_new_tokens) count the tokens
+    after it, as transformers counts them after decoder_input_ids. `stop` (as in greedy): an input set there
+    leaves at the next step with what it has.
     """
-    k, lp = opts.beam, opts.length_penalty
-    live = np.arange(batch)                                          # open inputs; live[i] owns rows i*K..i*K+K-1
-    seqs = np.zeros((batch * k, 0), dtype=np.int64)                  # tokens of each row's beam
-    scores = np.tile(np.r_[0.0, np.full(k - 1, -np.inf)], batch)    # log-prob sums; only beam 0 starts live
-    finished: list[list[Hypothesis]] = [[] for _ in range(batch)]   # the K best finished, best first
-    last, keep = np.full(batch * k, bos, dtype=np.int64), None
-
-    def norm(score: float, length: int) -> float:
-        return float(score / (length ** lp))
-
-    for step in range(opts.max_new_tokens):
-        if stop is not None and stop[live].any():                    # nobody waits for these any more
-            for i in np.flatnonzero(stop[live]):
-                if not finished[live[i]]:                            # what its live beams had
-                    finished[live[i]] = sorted((Hypothesis(seqs[r].tolist(), norm(scores[r], max(seqs.shape[1], 1)), False)
-                                                for r in range(i * k, (i + 1) * k) if np.isfinite(scores[r])),
-                                               key=lambda h: -h.score)
-            go = np.flatnonzero(~stop[live])
-            rows = (go[:, None] * k + np.arange(k)).ravel()          # the rows of the inputs that go on
-            keep = rows if keep is None else keep[rows]
-            live, last, scores, seqs = live[go], last[rows], scores[rows], seqs[rows]
-            if len(live) == 0:
-                break
-        logits = state.step(last, keep)                              # [open inputs * K, V]
+    k = opts.beam
+    b = _Beams(batch, k, bos, opts, Controls.of(opts, batch, k, eos))
+    for step in range(opts.max_new_tokens + int(b.prefix_len.max(initial=0))):
+        if stop is not None and stop[b.live].any() and not b.drop(np.flatnonzero(stop[b.live])):
+            break
+        logits = state.step(b.last, b.keep)                          # [open inputs * K, V]
         if opts.ignore_eos:
             logits[:, eos] = -np.inf
-        logp = suppress(log_softmax(logits), opts.suppress)          # suppressed after normalizing, as HF does
+        raw = log_softmax(logits)
+        logp = suppress(raw, opts.suppress) if b.controls is None else b.processed(raw, step)
         vocab = logp.shape[-1]
-        cand = (scores[:, None] + logp).reshape(len(live), k * vocab)
+        cand = (b.scores[:, None] + logp).reshape(len(b.live), k * vocab)
         top = top_k_stable(cand, 2 * k)                              # best 2K continuations per open input
-        final = step == opts.max_new_tokens - 1
-        rows, toks, vals, still = [], [], [], []
-        for i, b in enumerate(live):
-            picked = []
-            for rank, c in enumerate(top[i]):
-                src, tok, score = i * k + c // vocab, int(c % vocab), float(cand[i, c])
-                if tok == eos or final:
-                    if rank < k and np.isfinite(score):
-                        done = seqs[src].tolist() + [tok]
-                        finished[b].append(Hypothesis(done, norm(score, len(done)), tok == eos))
-                    continue
-                if len(picked) < k:
-                    picked.append((src, tok, score))
-            finished[b] = sorted(finished[b], key=lambda h: -h.score)[:k]   # stable: earlier ones win ties
+        rows, toks, still = [], [], []
+        for i, inp in enumerate(b.live):
+            at = step - int(b.prefix_len[inp])                       # this input's step after its prefix
+            if at < 0:                                               # forced: beam 0 takes the prefix token
+                picked = [(i * k, int(b.controls.prefix[inp * k, step]), b.scores[i * k])]
+            else:
+                picked = b.rank(i, inp, top[i], cand[i], vocab, at, raw, eos)
+                if picked is None:
+                    continue                                         # the input closes: its rows leave
             picked += [(i * k, eos, -np.inf)] * (k - len(picked))    # every continuation ended: dead rows
-            if final or _done(finished[b], max(p[2] for p in picked), step + 1, opts):
-                continue                                             # the input closes: its rows leave
-            still.append(b)
-            for src, tok, score in picked:
-                rows.append(src), toks.append(tok), vals.append(score)
+            still.append(inp)
+            rows += [p[0] for p in picked]
+            toks += [p[1:] for p in picked]
         if not still:
             break
-        live, keep = np.asarray(still, dtype=np.int64), np.asarray(rows, dtype=np.int64)
-        last, scores = np.asarray(toks, dtype=np.int64), np.asarray(vals, dtype=np.float64)
-        seqs = np.concatenate([seqs[keep], last[:, None]], axis=1)
-        if len(keep) == len(logits) and (keep == np.arange(len(keep))).all():
-            keep = None
-    return [finished[b][: opts.num_return] for b in range(batch)]
+        b.advance(still, rows, toks, raw)
+    return [b.finished[i][: opts.num_return] for i in range(batch)]
+
+
+class _Beams:
+    """beam_search's state: the open inputs, their K rows each (live[i] owns rows i*K..i*K+K-1), the rows' tokens,
+    summed scores and (return_logprobs) per-token log-probabilities, and each input's K best finished hypotheses."""
+
+    def __init__(self, batch: int, k: int, bos: int, opts: SearchOptions, controls: Controls | None):
+        self.k, self.bos, self.opts, self.controls = k, bos, opts, controls
+        self.prefix_len = np.zeros(batch, dtype=np.int64) if controls is None else controls.prefix_len[::k]
+        self.live = np.arange(batch)
+        self.seqs = np.zeros((batch * k, 0), dtype=np.int64)
+        self.lps = np.zeros((batch * k, 0)) if opts.return_logprobs else None
+        self.scores = np.tile(np.r_[0.0, np.full(k - 1, -np.inf)], batch)   # only beam 0 starts live
+        self.finished: list[list[Hypothesis]] = [[] for _ in range(batch)]   # best first
+        self.last, self.keep = np.full(batch * k, bos, dtype=np.int64), None
+
+    def norm(self, score: float, length: int) -> float:
+        return float(score / (length ** self.opts.length_penalty))
+
+    def hypothesis(self, tokens: list[int], score: float, inp: int, finished: bool, lps=None):
+        length = max(len(tokens) - int(self.prefix_len[inp]), 1)
+        return Hypothesis(tokens, self.norm(score, length), finished, lps)
+
+    def processed(self, raw: np.ndarray, step: int) -> np.ndarray:
+        """The controls' processing of the rows' log-probabilities (transformers' beam search processes these)."""
+        rows = (self.live[:, None] * self.k + np.arange(self.k)).ravel()
+        history = None
+        if self.controls.needs_history:
+            history = np.concatenate([np.full((len(self.seqs), 1), self.bos), self.seqs], axis=1)
+        return self.controls.process(raw, history, self.controls.generated(step, rows))
+
+    def rank(self, i: int, inp: int, top: np.ndarray, cand: np.ndarray, vocab: int, at: int, raw, eos: int):
+        """Input i's continuations this step (its `at`-th after the prefix): finished ones are kept, the first K
+        live ones returned as (row, token, score, log-prob); None when the input is done."""
+        k, final, picked = self.k, at == self.opts.max_new_tokens - 1, []
+        for rank, c in enumerate(top):
+            src, tok, score = i * k + c // vocab, int(c % vocab), float(cand[c])
+            if tok == eos or final:
+                if rank < k and np.isfinite(score):
+                    lps = None if self.lps is None else self.lps[src].tolist() + [float(raw[src, tok])]
+                    self.finished[inp].append(self.hypothesis(self.seqs[src].tolist() + [tok], score, inp,
+                                                              tok == eos, lps))
+                continue
+            if len(picked) < k:
+                picked.append((src, tok, score))
+        self.finished[inp] = sorted(self.finished[inp], key=lambda h: -h.score)[:k]   # stable: earlier ones win ties
+        if final or _done(self.finished[inp], max((p[2] for p in picked), default=-np.inf), at + 1, self.opts):
+            return None
+        return picked
+
+    def drop(self, gone: np.ndarray) -> bool:
+        """Open inputs `gone` (positions in live) leave with what their live beams had; False when none is left."""
+        k = self.k
+        for i in gone:
+            inp = self.live[i]
+            if not self.finished[inp]:
+                self.finished[inp] = sorted(
+                    (self.hypothesis(self.seqs[r].tolist(), self.scores[r], inp, False,
+                                     None if self.lps is None else self.lps[r].tolist())
+                     for r in range(i * k, (i + 1) * k) if np.isfinite(self.scores[r])), key=lambda h: -h.score)
+        go = np.setdiff1d(np.arange(len(self.live)), gone)
+        rows = (go[:, None] * k + np.arange(k)).ravel()              # the rows of the inputs that go on
+        self.keep = rows if self.keep is None else self.keep[rows]
+        self.live, self.last = self.live[go], self.last[rows]
+        self.scores, self.seqs = self.scores[rows], self.seqs[rows]
+        if self.lps is not None:
+            self.lps = self.lps[rows]
+        return len(self.live) > 0
+
+    def advance(self, still: list[int], rows: list[int], picks: list[tuple], raw: np.ndarray) -> None:
+        """The open inputs after a step, and their rows: each from row `rows[j]` with token and score `picks[j]`."""
+        keep = np.asarray(rows, dtype=np.int64)
+        self.last = np.asarray([p[0] for p in picks], dtype=np.int64)
+        if self.lps is not None:
+            self.lps = np.concatenate([self.lps[keep], raw[keep, self.last][:, None]], axis=1)
+        self.live, self.scores = np.asarray(still, dtype=np.int64), np.asarray([p[1] for p in picks], dtype=np.float64)
+        self.seqs = np.concatenate([self.seqs[keep], self.last[:, None]], axis=1)
+        self.keep = None if len(keep) == len(raw) and (keep == np.arange(len(keep))).all() else keep
 
 
 def _done(finished: list[Hypothesis], best_live: float, length: int, opts: SearchOptions) -> bool:
@@ -230,12 +317,13 @@ def _done(finished: list[Hypothesis], best_live: float, length: int, opts: Searc
 
 def search(state: DecodeState, batch: int, bos: int, eos: int, opts: SearchOptions,
            limits: np.ndarray | None = None, stop: np.ndarray | None = None) -> list[list[Hypothesis]]:
-    """Greedy when beam == 1, else beam search; one list of hypotheses per input, best first.
+    """Greedy (or sampling) when beam == 1, else beam search; one list of hypotheses per input, best first (samples
+    in the order of their seeds).
 
     `limits` (greedy only: per-input max new tokens) and `stop` (inputs nobody waits for any more): see greedy.
     """
-    if opts.max_new_tokens == 0 and limits is None:
-        return [[Hypothesis([], 0.0, False)] for _ in range(batch)]
+    if opts.max_new_tokens == 0 and limits is None:                  # (check_options refuses a prefix here)
+        return [[Hypothesis([], 0.0, False, [] if opts.return_logprobs else None)] for _ in range(batch)]
     if opts.beam == 1:
         return greedy(state, batch, bos, eos, opts, limits, stop)
     if limits is not None and len(set(np.asarray(limits).tolist())) > 1:

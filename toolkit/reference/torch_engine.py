@@ -35,13 +35,18 @@ class TorchState:
                 self.cross = [(k.index_select(0, idx), v.index_select(0, idx)) for k, v in self.cross]
                 self.src_mask = self.src_mask.index_select(0, idx)
             self.rows = new_rows
-        new = torch.from_numpy(np.asarray(tokens, dtype=np.int64)).to(self.src_mask.device)[:, None]  # [N, 1]
+        return self.feed(np.asarray(tokens, dtype=np.int64)[:, None])[:, -1]   # [N, V]
+
+    @torch.no_grad()
+    def feed(self, tokens: np.ndarray) -> np.ndarray:
+        """T given tokens per row [N, T] -> logits [N, T, V] (teacher forcing; the cache grows by T)."""
+        new = torch.from_numpy(np.ascontiguousarray(tokens, dtype=np.int64)).to(self.src_mask.device)
         if self.use_cache:
             logits, self.past = self.model.decode_step(new, self.src_mask, self.past, self.cross)
         else:  # recompute the whole prefix every step (the uncached baseline); self.past stays empty
             self.prefix = torch.cat([self.prefix, new], dim=1)
             logits, _ = self.model.decode_step(self.prefix, self.src_mask, self.past, self.cross)
-        return logits[:, -1].float().cpu().numpy()
+        return logits[:, -new.shape[1]:].float().cpu().numpy()
 
 
 class TorchEngine:

@@ -1,0 +1,250 @@
+"""Decoding controls on the trained toy model: validation, transformers' processors, sampling, prefixes, logprobs,
+streaming. (Ids against MarianMTModel.generate: tests/test_decoding_marian.py; scoring: tests/test_score.py.)"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+from runtime.bundle import load_bundle
+from runtime.errors import InputError
+from runtime.generate import generate_ids
+from runtime.processors import Controls, draw, warp
+from runtime.score import score_ids
+from runtime.search import SearchOptions
+from runtime.stream import Detokenizer, stream
+from toolkit.reference.torch_engine import TorchEngine
+from toolkit.testing.toy import toy_inputs
+
+
+@pytest.fixture(scope="module")
+def engines(toy_exported):
+    """(PyTorch engine, fp32 bundle engine, bundle tokenizer) of conftest's exported toy."""
+    from toolkit.reference.checkpoint import load_checkpoint
+
+    checkpoint, bundle = toy_exported
+    loaded = load_bundle(bundle, "cpu")
+    return TorchEngine(load_checkpoint(checkpoint).model), loaded.engine, loaded.tokenizer
+
+
+@pytest.fixture(scope="module")
+def inputs(toy_model):
+    return toy_inputs(toy_model.config, 8, min_len=3, max_len=12, seed=5)
+
+
+BAD = [(dict(sample=True, beam=2), "sample draws one token"),
+       (dict(sample=True, temperature=0.0), r"temperature must be a number in \(0, 100\]"),
+       (dict(sample=True, top_k=-1), r"top_k must be an integer in \[0, 64\]"),
+       (dict(sample=True, top_p=1.5), r"top_p must be a number in \(0, 1\]"),
+       (dict(sample=True, top_p=float("nan")), "top_p must be"),
+       (dict(sample=True, seed=-1), "seed must be an integer"),
+       (dict(sample=True, num_return=65), r"num_return must be an integer in \[1, 64\]"),
+       (dict(temperature=0.7), "temperature shapes sampling only; set sample"),
+       (dict(sample=1), "sample must be true or false"),
+       (dict(repetition_penalty=0.0), r"repetition_penalty must be a number in \(0, 100\]"),
+       (dict(no_repeat_ngram_size=-2), "no_repeat_ngram_size must be an integer"),
+       (dict(min_new_tokens=2.5), "min_new_tokens must be an integer"),
+       (dict(bad_words_ids=((),)), r"bad_words_ids\[0\] must be a non-empty list"),
+       (dict(bad_words_ids=((5, 64),)), r"bad_words_ids\[0\] has token id\(s\) \[64\] outside"),
+       (dict(bad_words_ids=((2,),)), r"bad_words_ids\[0\] bans the end token 2 alone"),
+       (dict(prefix_ids=((5,),), max_new_tokens=8), "prefix_ids must give one prefix per input"),
+       (dict(prefix_ids=((5,), (2,)), max_new_tokens=8), r"prefix_ids\[1\] holds the end token"),
+       (dict(prefix_ids=((5,), (6,)), max_new_tokens=0), "prefix_ids need max_new_tokens of at least 1"),
+       (dict(prefix_ids=((5,) * 60, ()), max_new_tokens=8), r"prefix_ids\[0\] has 60 tokens")]
+
+
+@pytest.mark.parametrize("options,message", BAD)
+def test_out_of_range_options_are_refused_by_name(engines, options, message):
+    with pytest.raises(InputError, match=message):
+        generate_ids(engines[0], [[5, 6], [7, 8]], SearchOptions(**options))
+
+
+def test_no_control_set_means_no_controls():
+    """The default options take the plain path (Controls.of is None): no extra work per step; each control alone
+    does not."""
+    assert Controls.of(SearchOptions(), 2, 1, 2) is None
+    for name, value in {"sample": True, "repetition_penalty": 1.2, "no_repeat_ngram_size": 2, "min_new_tokens": 1,
+                        "bad_words_ids": ((5,),), "prefix_ids": ((5,), ()), "return_logprobs": True}.items():
+        assert Controls.of(replace(SearchOptions(), **{name: value}), 2, 1, 2) is not None, name
+
+
+def test_processors_equal_transformers_processors():
+    """Each processor and warper gives exactly what transformers' gives, on logits that vary and histories that
+    repeat tokens and n-grams."""
+    from transformers.generation import logits_process as lp
+
+    rng = np.random.default_rng(0)
+    logits = rng.normal(0, 3, size=(6, 40)).astype(np.float32)
+    history = rng.integers(0, 8, size=(6, 9))                          # small ids: repeats, n-grams recur
+    t_logits, t_hist = torch.from_numpy(logits), torch.from_numpy(history)
+    opts = SearchOptions(repetition_penalty=1.7, no_repeat_ngram_size=2, min_new_tokens=3,
+                         bad_words_ids=((7,), (3, 4), (history[0, -2], history[0, -1], 9)))
+    controls = Controls(opts, 6, 1, 2)
+    generated = np.array([0, 1, 2, 3, 4, 5])
+    want = t_logits
+    for proc in (lp.RepetitionPenaltyLogitsProcessor(1.7), lp.NoRepeatNGramLogitsProcessor(2),
+                 lp.NoBadWordsLogitsProcessor([list(map(int, w)) for w in opts.bad_words_ids], eos_token_id=2)):
+        want = proc(t_hist, want)
+    want = want.numpy().copy()
+    want[generated < 3, 2] = -np.inf                                    # MinNewTokensLength, per row's count
+    got = controls.process(logits, history, generated)
+    np.testing.assert_array_equal(got, want)
+    assert np.isinf(got).sum() > 6 and (got != logits).any(axis=1).all()    # the processors did bite
+    for temperature, k, p in ((0.7, 0, 1.0), (1.0, 5, 1.0), (1.0, 0, 0.8), (1.3, 12, 0.6)):
+        want = t_logits
+        for warper, on in ((lp.TemperatureLogitsWarper(temperature), temperature != 1.0),
+                           (lp.TopKLogitsWarper(max(k, 1)), k > 0), (lp.TopPLogitsWarper(p), p < 1.0)):
+            want = warper(None, want) if on else want
+        np.testing.assert_allclose(warp(logits, temperature, k, p), want.numpy(), rtol=1e-6)
+
+
+def chi_square_p(counts: np.ndarray, probs: np.ndarray) -> float:
+    """The p-value of Pearson's chi-square test of counts against probabilities (cells with probability > 0)."""
+    expected = probs * counts.sum()
+    stat = float(((counts - expected) ** 2 / expected).sum())
+    df = len(counts) - 1
+    return float(1 - torch.special.gammainc(torch.tensor(df / 2, dtype=torch.float64),
+                                            torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.6, 0, 1.0), (1.0, 4, 1.0), (1.0, 0, 0.7),
+                                                     (1.4, 6, 0.9)])
+def test_sampling_follows_the_warped_distribution(temperature, top_k, top_p):
+    """20000 draws on fixed logits: filtered tokens never come, the others at their warped softmax probability
+    (chi-square p > 0.001 with a fixed seed, so the test cannot flake), and the distribution is not the unwarped one."""
+    logits = np.array([[2.0, 1.5, 1.2, 0.9, 0.5, 0.2, 0.0, -0.4, -1.0, -2.0]], dtype=np.float32)
+    warped = warp(logits, temperature, top_k, top_p)[0]
+    probs = np.exp(warped - warped.max())
+    probs /= probs.sum()
+    n = 20000
+    u = np.random.default_rng(1).random(n)
+    tokens = draw(np.repeat(warp(logits, temperature, top_k, top_p), n, axis=0), u)
+    counts = np.bincount(tokens, minlength=logits.shape[1])
+    kept = probs > 0
+    assert counts[~kept].sum() == 0
+    assert kept.sum() == (top_k or 10) if top_p == 1.0 else kept.sum() < 10
+    assert chi_square_p(counts[kept], probs[kept]) > 1e-3
+    plain = np.exp(logits[0] - logits.max())
+    if (temperature, top_k, top_p) != (1.0, 0, 1.0):                   # the warping shows
+        assert chi_square_p(counts, plain / plain.sum()) < 1e-3
+
+
+def test_samples_are_reproducible_per_row_and_equal_across_engines(engines, inputs):
+    """Same seed, same tokens: on the PyTorch checkpoint and its fp32 bundle, alone or beside other inputs; each
+    of num_return samples its own; another seed gives other samples."""
+    torch_engine, bundle_engine, _ = engines
+    opts = SearchOptions(max_new_tokens=14, sample=True, temperature=1.5, top_p=0.95, seed=7, num_return=3)
+    ours = [[h.tokens for h in per] for per in generate_ids(torch_engine, inputs, opts)]
+    assert ours == [[h.tokens for h in per] for per in generate_ids(bundle_engine, inputs, opts)]
+    assert len({tuple(t) for per in ours for t in per}) >= len(inputs) * 2       # samples differ
+    first = generate_ids(bundle_engine, inputs[:1] + inputs[5:], opts)[0]     # other neighbours
+    assert [h.tokens for h in first] == ours[0]
+    greedy = [h[0].tokens for h in generate_ids(torch_engine, inputs, SearchOptions(max_new_tokens=14))]
+    assert sum(g not in per for g, per in zip(greedy, ours)) >= len(inputs) // 2   # not greedy in disguise
+    other = [[h.tokens for h in per] for per in generate_ids(torch_engine, inputs, replace(opts, seed=8))]
+    assert other != ours
+
+
+@pytest.mark.parametrize("beam", [1, 3])
+def test_prefix_is_forced_unscored_and_returned(engines, inputs, beam):
+    """The ids start with the prefix; the bundle and PyTorch agree; the score counts only chosen tokens (beam: and
+    normalizes by their number); logprobs give every token's log-probability, forced ones included, as teacher
+    forcing (runtime.score) computes them."""
+    torch_engine, bundle_engine, _ = engines
+    prefixes = tuple(tuple(seq[-1:-3:-1]) if i % 3 else () for i, seq in enumerate(inputs))   # some inputs none
+    opts = SearchOptions(max_new_tokens=10, beam=beam, prefix_ids=prefixes, return_logprobs=True)
+    hyps = [h[0] for h in generate_ids(torch_engine, inputs, opts)]
+    assert [h.tokens for h in hyps] == [h[0].tokens for h in generate_ids(bundle_engine, inputs, opts)]
+    plain = [h[0].tokens for h in generate_ids(torch_engine, inputs, replace(opts, prefix_ids=()))]
+    assert sum(h.tokens != p for h, p in zip(hyps, plain)) >= 3
+    scored = score_ids(torch_engine, inputs, [h.tokens for h in hyps])
+    for h, prefix, s in zip(hyps, prefixes, scored):
+        assert tuple(h.tokens[:len(prefix)]) == prefix and len(h.logprobs) == len(h.tokens)
+        np.testing.assert_allclose(h.logprobs, s.logprobs[:len(h.tokens)], atol=1e-5)
+        chosen = sum(h.logprobs[len(prefix):])
+        expected = chosen / (len(h.tokens) - len(prefix)) if beam > 1 else chosen
+        assert h.score == pytest.approx(expected, abs=1e-5)
+
+
+def test_greedy_logprobs_sum_to_the_score_and_sampling_logprobs_are_the_models(engines, inputs):
+    torch_engine = engines[0]
+    for opts in (SearchOptions(max_new_tokens=12, return_logprobs=True),
+                 SearchOptions(max_new_tokens=12, return_logprobs=True, sample=True, seed=3, temperature=2.0)):
+        hyps = [h[0] for h in generate_ids(torch_engine, inputs, opts)]
+        scored = score_ids(torch_engine, inputs, [h.tokens for h in hyps])
+        for h, s in zip(hyps, scored):
+            assert sum(h.logprobs) == pytest.approx(h.score, abs=1e-9)
+            np.testing.assert_allclose(h.logprobs, s.logprobs[:len(h.tokens)], atol=1e-5)
+    assert generate_ids(torch_engine, inputs, SearchOptions(max_new_tokens=4))[0][0].logprobs is None
+
+
+def test_stream_pieces_join_to_the_generated_text(engines):
+    _, bundle_engine, tokenizer = engines
+    for opts in (SearchOptions(max_new_tokens=12), SearchOptions(max_new_tokens=12, sample=True, seed=1)):
+        for text in ("abcdef", "HelloWorld42"):
+            pieces = list(stream(bundle_engine, tokenizer, text, opts))
+            hyp = generate_ids(bundle_engine, [tokenizer.encode(text)], opts)[0][0]
+            assert "".join(pieces) == tokenizer.decode(hyp.tokens) and len(pieces) >= 3
+    with pytest.raises(InputError, match="beam search .* knows its best hypothesis only at the end"):
+        stream(bundle_engine, tokenizer, "abc", SearchOptions(beam=2))
+
+
+class Bytes:
+    """A byte-level tokenizer: token id = one UTF-8 byte (eos 256)."""
+
+    def decode(self, ids) -> str:
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+
+def test_detokenizer_waits_for_the_rest_of_a_character():
+    detok = Detokenizer(Bytes(), eos=256)
+    pieces = [detok.push(b) for b in "aé€😀b".encode("utf-8")] + [detok.push(256), detok.flush()]
+    assert [p for p in pieces if p] == ["a", "é", "€", "😀", "b"]
+
+
+class Words:
+    """A tokenizer that cleans up spaces around punctuation, as transformers decodes SentencePiece models."""
+
+    clean_up = True
+    words = ["", "", "", "it", "'", "s", "ok", ".", "do", "n't"]
+
+    def decode(self, ids) -> str:
+        from runtime.tokenizer import _clean_up_spaces
+
+        return _clean_up_spaces(" ".join(self.words[i] for i in ids if i > 2))
+
+
+def test_detokenizer_sends_whole_words_where_a_later_token_may_remove_a_space():
+    detok = Detokenizer(Words(), eos=2)
+    ids = [3, 4, 5, 6, 7, 8, 9, 7]
+    pieces = [detok.push(i) for i in ids] + [detok.flush()]
+    assert "".join(pieces) == Words().decode(ids) == "it's ok. don't."
+    assert [p for p in pieces if p] == ["it", "'s", " ok.", " don't."]   # never "it '", which "s" undoes
+
+
+def test_an_in_flight_row_samples_what_the_search_samples(toy_exported, inputs, tmp_path):
+    """A row sampling in an in-flight batch (RowSampler: the search's generator of its input and sample) gets the
+    tokens generate_ids samples for it, beside greedy rows that keep their greedy tokens."""
+    from exporters.optimize import optimize_bundle
+    from runtime.inflight import InflightBatch
+    from runtime.processors import RowSampler
+
+    static, report = optimize_bundle(toy_exported[1], tmp_path / "static")
+    assert report.kv_cache == "static"
+    engine = load_bundle(static, "cpu").engine
+    opts = SearchOptions(max_new_tokens=12, sample=True, temperature=1.5, seed=4, num_return=2)
+    want = generate_ids(engine, inputs[:3], opts)
+    greedy = generate_ids(engine, inputs[:3], SearchOptions(max_new_tokens=12))
+    batch = InflightBatch(engine, slots=8)
+    rows = batch.join(inputs[:3] * 2 + inputs[:2], [12] * 8,
+                      samplers=[RowSampler(opts, i, j) for j in range(2) for i in range(3)] + [None, None])
+    while batch.live:
+        batch.step()
+    for k, row in enumerate(rows[:6]):
+        assert row.tokens == want[k % 3][k // 3].tokens
+        assert row.score == pytest.approx(want[k % 3][k // 3].score, abs=1e-4)
+    assert [r.tokens for r in rows[6:]] == [g[0].tokens for g in greedy[:2]]
+    assert sum(row.tokens != g[0].tokens for row, g in zip(rows[:3], greedy)) >= 2

@@ -23,7 +23,7 @@ from runtime.generate import generate_ids, pad_batch  # noqa: E402
 from runtime.score import score_ids  # noqa: E402
 from runtime.search import SearchOptions  # noqa: E402
 from runtime.stream import stream  # noqa: E402
-from toolkit.parity.original import hf_pad, load_marian  # noqa: E402
+from toolkit.parity.original import hf_pad, load_original  # noqa: E402
 from toolkit.reference.checkpoint import load_checkpoint  # noqa: E402
 from toolkit.reference.importers import import_model  # noqa: E402
 from toolkit.reference.torch_engine import TorchEngine  # noqa: E402
@@ -39,7 +39,7 @@ def marian(tmp_path_factory):
     root = tmp_path_factory.mktemp("marian-decoding")
     directory = build_tiny_marian(root / "opus-mt-tiny", steps=150)
     checkpoint = load_checkpoint(import_model(directory, root / "checkpoint"))
-    model, tok = load_marian(directory)
+    model, tok = load_original(directory)
     seqs = [tok(t)["input_ids"] for t in TEXTS]
     plain = hf_generate(model, seqs, 1)
     assert len({tuple(p) for p in plain}) >= 16                    # outputs that vary: token equality means something

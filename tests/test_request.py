@@ -17,14 +17,14 @@ from runtime.generate import generate, generate_ids
 from runtime.request import PER_INPUT, Request, differing, merge, search_options
 from runtime.search import SearchOptions
 
-MODEL = SimpleNamespace(vocab_size=64, src_vocab_size=40, suppress_ids=(0,), max_len=20)
+MODEL = SimpleNamespace(vocab_size=64, src_vocab_size=40, suppress_ids=(0,), eos_id=2, max_len=20)
 
 
 @dataclasses.dataclass
 class Extended(SearchOptions):
     """SearchOptions with one more option, as a new decoding control adds one."""
 
-    temperature: float = 1.0
+    diversity: float = 0.0
 
 
 def test_source_ids_are_checked_against_the_source_vocabulary_and_targets_against_the_target():
@@ -59,7 +59,7 @@ def test_batch_keys_and_merges_carry_every_option_a_new_one_included():
     greedy = Request.build(MODEL, [[5]], opts=Extended(max_new_tokens=4))
     assert {name for name, _ in greedy.batch_key} == names - set(PER_INPUT)
     longer = Request.build(MODEL, [[6], [7]], opts=Extended(max_new_tokens=9))
-    warmer = Request.build(MODEL, [[6]], opts=Extended(max_new_tokens=4, temperature=0.5))
+    warmer = Request.build(MODEL, [[6]], opts=Extended(max_new_tokens=4, diversity=0.5))
     assert longer.batch_key == greedy.batch_key and warmer.batch_key != greedy.batch_key
     merged = merge([greedy, longer])
     assert type(merged.opts) is Extended and merged.opts.max_new_tokens == 9 and merged.limits == [4, 9, 9]
@@ -68,7 +68,7 @@ def test_batch_keys_and_merges_carry_every_option_a_new_one_included():
         merge([greedy, warmer])
     beam = Request.build(MODEL, [[5]], opts=Extended(max_new_tokens=4, beam=2))
     assert ("max_new_tokens", 4) in beam.batch_key                # beam inputs share one length
-    assert differing(warmer.opts, greedy.opts, ("max_new_tokens",)) == ["temperature"]
+    assert differing(warmer.opts, greedy.opts, ("max_new_tokens",)) == ["diversity"]
 
 
 class Poisoned:
@@ -132,3 +132,13 @@ def test_generate_on_separate_vocabularies(tmp_path, toy_model_factory):
     assert refused.stderr.count("\n") == 1 and "Traceback" not in refused.output
     blank = CliRunner().invoke(main, ["generate", str(checkpoint), " "])
     assert blank.exit_code == 2 and "input 0 is empty" in blank.stderr
+
+
+def test_requests_with_prefixes_or_sampling_decode_alone():
+    """A prefix is per input and a sample's generator is seeded by the input's index in its request: merging such a
+    request with another would change its output, so its batch key is its own."""
+    plain = [Request.build(MODEL, [[5]], opts=SearchOptions(max_new_tokens=4)) for _ in range(2)]
+    assert plain[0].batch_key == plain[1].batch_key
+    for opts in (SearchOptions(max_new_tokens=4, sample=True, seed=3), SearchOptions(max_new_tokens=4, prefix_ids=((7,),))):
+        a, b = (Request.build(MODEL, [[5]], opts=opts) for _ in range(2))
+        assert a.batch_key != b.batch_key and a.batch_key != plain[0].batch_key

@@ -399,7 +399,7 @@ def test_the_batch_window_opens_when_the_engine_frees_up(bundle):
 
 def test_scheduler_queue_is_bounded():
     scheduler = Scheduler(engine=None, max_batch=2, max_queue=3)
-    model = SimpleNamespace(vocab_size=64, src_vocab_size=64, suppress_ids=(), max_len=64)
+    model = SimpleNamespace(vocab_size=64, src_vocab_size=64, suppress_ids=(), eos_id=2, max_len=64)
     for _ in range(3):
         scheduler.submit(queued(model, [[5]], SearchOptions(max_new_tokens=2)))
     with pytest.raises(Overloaded, match="queue is full"):

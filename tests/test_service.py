@@ -373,6 +373,7 @@ def test_translation_client_that_leaves_frees_its_rows(dates_bundle):
     gated.gate.set()                                                    # warm-up runs ungated
     with serving(create_app(models)) as url:
         gated.gate.clear()
+        gated.started_rows.clear()                                      # the warm-up's
         holder = threading.Thread(target=httpx.post, args=(url + "/v1/generate",),
                                   kwargs={"json": {"inputs": ["11/30/26"]}, "timeout": 60})
         holder.start()                                                  # occupies the engine (gated)

@@ -1,0 +1,213 @@
+"""BART, mBART, M2M100 (NLLB) and Pegasus converted to the reference model, against transformers.
+
+Each family's tiny model is built OFFLINE from its Config class, given random weights large enough that its
+greedy outputs vary with the input (LayerNorm gains and biases, logits bias and learned positions included, so
+a swapped or dropped tensor shows), saved with save_pretrained and read back by the importer's real loading
+code. Proofs: teacher-forced logits within 1e-5 on batched, right-padded inputs (float64 where float32
+rounding alone exceeds it), and greedy ids identical to `generate` with the same settings, including a forced
+first token (forced_bos_token_id, the target language of mBART-50 and NLLB) after decoder_start_token_id.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from runtime.generate import generate_ids, pad_batch  # noqa: E402
+from runtime.search import SearchOptions  # noqa: E402
+from toolkit.reference.importers import ImportRefused  # noqa: E402
+from toolkit.reference.importers.bart import BART, convert, fairseq_table, load_family, model_config  # noqa: E402
+from toolkit.reference.importers.m2m100 import M2M100  # noqa: E402
+from toolkit.reference.torch_engine import TorchEngine  # noqa: E402
+
+SIZES = dict(vocab_size=96, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+             decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=48,
+             dropout=0.0, attention_dropout=0.0, activation_dropout=0.0)
+FAMILIES = {   # name: (Config, Model, config overrides beside SIZES)
+    "bart": ("BartConfig", "BartForConditionalGeneration", {}),
+    "mbart": ("MBartConfig", "MBartForConditionalGeneration", dict(decoder_start_token_id=2, scale_embedding=True)),
+    "m2m100": ("M2M100Config", "M2M100ForConditionalGeneration", {}),
+    "pegasus": ("PegasusConfig", "PegasusForConditionalGeneration",
+                dict(pad_token_id=0, eos_token_id=1, decoder_start_token_id=0, scale_embedding=True)),
+}
+FIRST = 3          # first ordinary id: 0..2 are specials in every family here
+MATRIX, EMBED = 1.0, 1.2   # weight scales: large enough that random models answer differently per input
+FORCED = 7         # the "target language" token forced first
+
+
+def tiny_original(name: str, directory):
+    """A random transformers model of the family, saved in `directory` (forced EOS off: the runtime has none)."""
+    config_cls, model_cls, overrides = FAMILIES[name]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        config = getattr(transformers, config_cls)(**SIZES, **overrides)
+        config.forced_eos_token_id = None
+        model = getattr(transformers, model_cls)(config).eval()
+    gen = torch.Generator().manual_seed(sorted(FAMILIES).index(name))
+    embed = EMBED / (config.d_model ** 0.5 if config.scale_embedding else 1.0)   # scaled or not: O(1) inputs
+    with torch.no_grad():
+        for key, p in model.named_parameters():
+            if key.endswith("embed_positions.weight") and name == "pegasus":
+                continue                                         # Pegasus' table is its fixed sinusoids
+            scale = 0.1 if key.endswith("bias") else embed if "embed" in key or "shared" in key else MATRIX
+            p.copy_(torch.randn(p.shape, generator=gen) * scale + (1.0 if "norm" in key and key.endswith("weight")
+                                                                  else 0.0))
+        if hasattr(model, "final_logits_bias"):
+            model.final_logits_bias.copy_(torch.randn(model.final_logits_bias.shape, generator=gen))
+    model.generation_config.forced_eos_token_id = None
+    model.save_pretrained(directory)
+    return model
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request, tmp_path_factory):
+    """(name, transformers model, our converted Transformer, source id lists)."""
+    directory = tmp_path_factory.mktemp(request.param)
+    original = tiny_original(request.param, directory)
+    rng = np.random.default_rng(0)
+    eos = original.config.eos_token_id
+    seqs = [rng.integers(FIRST, SIZES["vocab_size"], size=int(n)).tolist() + [eos]
+            for n in rng.integers(1, 14, size=24)]
+    return request.param, original, load_family(directory), seqs
+
+
+def test_config_is_the_familys(family):
+    name, original, ours, _ = family
+    c, hf = ours.config, original.config
+    assert (c.norm, c.positions, c.layernorm_embedding, c.logits_bias) == {
+        "bart": ("post", "table", True, True), "mbart": ("pre", "table", True, True),
+        "m2m100": ("pre", "table", False, False), "pegasus": ("pre", "halves", False, True)}[name]
+    assert (c.bos_id, c.eos_id, c.pad_id, c.scale_embeddings) == \
+        (hf.decoder_start_token_id, hf.eos_token_id, hf.pad_token_id, hf.scale_embedding)
+    assert c.suppress_pad == (name == "pegasus")                 # decoding from pad never generates it
+
+
+def test_logits_equal_the_originals_on_padded_batches(family):
+    name, original, ours, seqs = family
+    hf = original.config
+    ids, mask = (torch.from_numpy(a) for a in pad_batch(seqs, hf.pad_token_id))
+    assert len({len(s) for s in seqs}) > 5 and int((mask == 0).sum()) > 0
+    tgt = torch.from_numpy(np.random.default_rng(1).integers(FIRST, SIZES["vocab_size"], size=(len(seqs), 9)))
+    tgt[:, 0] = hf.decoder_start_token_id
+
+    def both(a, b):
+        with torch.no_grad():
+            return a(input_ids=ids, attention_mask=mask, decoder_input_ids=tgt).logits, b(ids, mask, tgt)
+
+    want, got = both(original, ours)
+    assert float(want.std()) > 0.5                                # logits that vary
+    err = float((want - got).abs().max())
+    if err > 1e-5:                                                # float32 rounding of two implementations
+        want, got = both(copy.deepcopy(original).double(), copy.deepcopy(ours).double())
+        err = float((want - got).abs().max())
+    assert err <= 1e-5, f"{name}: max abs logits error {err:.2e}"
+
+
+class ForcedFirst:
+    """An engine whose first step can only pick `token` (transformers' forced_bos_token_id, the same rule)."""
+
+    def __init__(self, engine, token: int):
+        self.engine, self.token = engine, token
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def start(self, *args, **kwargs):
+        return ForcedState(self.engine.start(*args, **kwargs), self.token)
+
+
+class ForcedState:
+    def __init__(self, state, token: int):
+        self.state, self.token, self.steps = state, token, 0
+
+    def step(self, tokens, keep):
+        logits = self.state.step(tokens, keep)
+        if self.steps == 0:
+            logits[:] = -np.inf
+            logits[:, self.token] = 0.0
+        self.steps += 1
+        return logits
+
+
+def original_greedy(original, seqs, max_new_tokens: int, forced: int | None) -> list[list[int]]:
+    hf = original.config
+    ids, mask = (torch.from_numpy(a) for a in pad_batch(seqs, hf.pad_token_id))
+    settings = transformers.GenerationConfig(
+        num_beams=1, do_sample=False, max_new_tokens=max_new_tokens, decoder_start_token_id=hf.decoder_start_token_id,
+        eos_token_id=hf.eos_token_id, pad_token_id=hf.pad_token_id, forced_bos_token_id=forced,
+        bad_words_ids=[[hf.pad_token_id]] if hf.decoder_start_token_id == hf.pad_token_id else None)
+    with torch.no_grad():
+        out = original.generate(input_ids=ids, attention_mask=mask, generation_config=settings)
+    eos = hf.eos_token_id
+    return [row[: row.index(eos) + 1] if eos in row else row for row in out[:, 1:].tolist()]
+
+
+@pytest.mark.parametrize("forced", [None, FORCED])
+def test_greedy_ids_equal_generate(family, forced):
+    name, original, ours, seqs = family
+    if forced is not None and name not in ("mbart", "m2m100"):
+        pytest.skip("only mBART-50 and NLLB force a first token")
+    want = original_greedy(original, seqs, 12, forced)
+    assert len({tuple(w) for w in want}) >= len(seqs) // 2, want  # outputs that vary with the input
+    engine = TorchEngine(ours) if forced is None else ForcedFirst(TorchEngine(ours), forced)
+    got = [h[0].tokens for h in generate_ids(engine, seqs, SearchOptions(max_new_tokens=12))]
+    assert got == want
+
+
+def test_fairseq_table_is_m2m100s():
+    from transformers.models.m2m_100.modeling_m2m_100 import M2M100SinusoidalPositionalEmbedding as Theirs
+
+    for d, pad in ((32, 1), (33, 0)):
+        hf = {**SIZES, "model_type": "m2m_100", "d_model": d, "activation_function": "relu", "scale_embedding": True,
+              "pad_token_id": pad, "eos_token_id": 2, "decoder_start_token_id": 2, "encoder_attention_heads": 1,
+              "decoder_attention_heads": 1}
+        config = model_config(M2M100, hf, "config.json")
+        theirs = Theirs.get_embedding(config.max_len + pad + 1, d, pad)[pad + 1:]
+        assert torch.equal(fairseq_table(config), theirs)
+
+
+@pytest.fixture(scope="module")
+def bart_parts(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("bart-parts")
+    original = tiny_original("bart", directory)
+    return json.loads((directory / "config.json").read_text()), original.state_dict()
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(activation_function="gelu_new"), "activation 'gelu_new' cannot be represented"),
+    (dict(decoder_ffn_dim=128), "different feed-forward sizes"),
+    (dict(model_type="mbart"), "model_type 'mbart', not 'bart'"),
+    (dict(decoder_start_token_id=None), "has no decoder_start_token_id"),
+    (dict(eos_token_id=[2, 3]), "several EOS ids"),
+    (dict(scale_embedding=...), "lacks scale_embedding"),
+])
+def test_config_features_are_refused_by_name(bart_parts, change, message):
+    hf, state = bart_parts
+    hf = {k: v for k, v in {**hf, **change}.items() if v is not ...}          # ...: the key is removed
+
+    with pytest.raises(ImportRefused, match=message):
+        convert(BART, hf, state)
+
+
+@pytest.mark.parametrize("drop,add,message", [
+    ("model.encoder.layernorm_embedding.weight", None, "lacks encoder.layernorm_embedding.weight"),
+    (None, "model.decoder.layer_norm.weight", "has decoder.layer_norm.weight, but BartForConditionalGeneration lacks"),
+    ("model.decoder.embed_positions.weight", None, "decoder.embed_positions.weight is missing"),
+    (None, "model.encoder.extra_proj.weight", "cannot be represented"),
+])
+def test_weights_the_family_lacks_or_needs_are_refused(bart_parts, drop, add, message):
+    hf, state = bart_parts
+    state = dict(state)
+    if drop:
+        del state[drop]
+    if add:
+        state[add] = torch.ones(SIZES["d_model"])
+    with pytest.raises(ImportRefused, match=message):
+        convert(BART, hf, state)

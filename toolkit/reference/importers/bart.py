@@ -1,0 +1,214 @@
+"""Hugging Face BART and its family (mBART, M2M100 / NLLB, Pegasus) -> the reference model.
+
+Each family is the paper's Transformer with variants, all set in the imported ModelConfig:
+
+    family    norm  positions (ours)                          embedding LayerNorm  logits bias  decoder start
+    bart      post  learned, offset 2        -> "table"       yes                  yes          eos
+    mbart     pre   learned, offset 2        -> "table"       yes                  yes          config's
+    m2m_100   pre   fairseq sin|cos, past pad -> "table"      no                   no           eos
+    pegasus   pre   sin|cos halves           -> "halves"      no                   yes          pad
+
+Pre-norm stacks end with a LayerNorm (encoder.layer_norm, decoder.layer_norm), as ours do; FFN activations,
+embedding scale (scale_embedding), tied output matrix and ids come from config.json. A learned table keeps the
+rows the original reads (position p reads row p + offset), so positions 0..max_len-1 are exactly the original's.
+Every tensor of the checkpoint must be used (toolkit/reference/importers/marian.py's map_state maps the shared
+layer names), so a feature the reference model lacks is refused by name, never dropped.
+
+    model = convert(BART, hf_config_dict, state_dict)     # a Transformer in eval mode
+    model = load_family(directory)                          # config.json + model.safetensors / pytorch_model.bin
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from toolkit.reference.config import ModelConfig
+from toolkit.reference.importers import ImportRefused
+from toolkit.reference.importers.marian import ACTIVATIONS, load_state, map_state, read_json
+
+REQUIRED = ("vocab_size", "d_model", "encoder_layers", "decoder_layers", "encoder_attention_heads",
+            "decoder_attention_heads", "encoder_ffn_dim", "decoder_ffn_dim", "max_position_embeddings",
+            "activation_function", "scale_embedding", "pad_token_id", "eos_token_id")
+
+
+@dataclass(frozen=True)
+class Family:
+    """What a model_type's architecture fixes (its config.json cannot switch these)."""
+
+    model_type: str          # config.json's model_type
+    title: str               # the transformers class, for messages
+    norm: str                # "post" or "pre" (pre-norm stacks end with a LayerNorm)
+    positions: str           # "learned" (offset rows dropped), "fairseq" (sinusoids past the pad id), "halves"
+    layernorm_embedding: bool
+    logits_bias: bool        # final_logits_bias
+
+
+BART = Family("bart", "BartForConditionalGeneration", "post", "learned", True, True)
+LEARNED_OFFSET = 2           # BART-family learned tables start with two unused rows
+
+
+def model_config(family: Family, hf: dict, where: Path) -> ModelConfig:
+    """The ModelConfig of a family's config.json, refusing by name what the reference model cannot represent."""
+    missing = [k for k in REQUIRED if k not in hf]
+    if missing:
+        raise ImportRefused(f"{where} lacks {', '.join(missing)}; save the model again with save_pretrained")
+    act = hf["activation_function"]
+    if act not in ACTIVATIONS:
+        raise ImportRefused(f"{where}: activation {act!r} cannot be represented (supported: "
+                            f"{', '.join(sorted(ACTIVATIONS))})")
+    for what, (a, b) in {"attention heads": ("encoder_attention_heads", "decoder_attention_heads"),
+                         "feed-forward sizes": ("encoder_ffn_dim", "decoder_ffn_dim")}.items():
+        if hf[a] != hf[b]:
+            raise ImportRefused(f"{where}: encoder and decoder have different {what} ({hf[a]} vs {hf[b]}); "
+                                f"the reference model has one value for both")
+    eos, pad = hf["eos_token_id"], hf["pad_token_id"]
+    if isinstance(eos, list):
+        if len(eos) != 1:
+            raise ImportRefused(f"{where}: several EOS ids {eos}; the reference model stops at one")
+        eos = eos[0]
+    start = hf.get("decoder_start_token_id")
+    if start is None:
+        raise ImportRefused(f"{where} has no decoder_start_token_id; set it (mBART-50 and NLLB start from eos, "
+                            f"{eos}) and import again")
+    if family.positions == "fairseq" and pad is None:
+        raise ImportRefused(f"{where}: fairseq positions are counted past pad_token_id, which is not set")
+    fields = dict(vocab_size=hf["vocab_size"], d_model=hf["d_model"], n_heads=hf["encoder_attention_heads"],
+                  n_encoder_layers=hf["encoder_layers"], n_decoder_layers=hf["decoder_layers"],
+                  d_ff=hf["encoder_ffn_dim"], max_len=hf["max_position_embeddings"],
+                  dropout=float(hf.get("dropout", 0.1)), norm=family.norm, activation=ACTIVATIONS[act],
+                  tie_embeddings=bool(hf.get("tie_word_embeddings", True)), layer_norm_eps=1e-5,
+                  pad_id=pad, bos_id=start, eos_id=eos,
+                  positions="halves" if family.positions == "halves" else "table",
+                  scale_embeddings=bool(hf["scale_embedding"]), logits_bias=family.logits_bias,
+                  layernorm_embedding=family.layernorm_embedding,
+                  suppress_pad=start == pad)          # decoding from pad (Pegasus) never generates pad, as Marian
+    try:
+        return ModelConfig(**fields)
+    except Exception as exc:
+        raise ImportRefused(f"{where}: the config cannot be represented ({exc})") from None
+
+
+def fairseq_table(config: ModelConfig) -> torch.Tensor:
+    """[max_len, d] fairseq sinusoids as M2M100 computes them (float32, sin | cos halves, frequencies spaced
+    1/(half-1)): position p reads row p + pad_id + 1 of fairseq's table."""
+    half = config.d_model // 2
+    freq = torch.exp(torch.arange(half, dtype=torch.int64).float() * -(math.log(10000) / (half - 1)))
+    rows = torch.arange(config.pad_id + 1, config.pad_id + 1 + config.max_len, dtype=torch.int64).float()
+    angle = rows.unsqueeze(1) * freq.unsqueeze(0)
+    table = torch.cat([torch.sin(angle), torch.cos(angle)], dim=1)
+    return torch.cat([table, torch.zeros(config.max_len, 1)], dim=1) if config.d_model % 2 else table
+
+
+def take_positions(family: Family, state: dict, config: ModelConfig, where: Path) -> dict[str, torch.Tensor]:
+    """Each side's position table, popped from `state` (ours: pos.pe is the decoder's, src_pos.pe the encoder's)."""
+    from toolkit.reference.model import sinusoid_table
+
+    tables = {side: state.pop(f"{side}.embed_positions.weight", None) for side in ("encoder", "decoder")}
+    if family.positions == "fairseq":
+        if any(t is not None for t in tables.values()):
+            raise ImportRefused(f"{where}: the weights carry a position table; {family.title} computes its "
+                                f"sinusoids, so this checkpoint is not one")
+        table = fairseq_table(config)
+        return {"src_pos.pe": table, "pos.pe": table.clone()}
+    if family.positions == "halves":
+        want = sinusoid_table(config)
+        for side, got in tables.items():
+            if got is not None and (got.shape != want.shape or not torch.allclose(got.float(), want, atol=1e-6,
+                                                                                   rtol=0)):
+                raise ImportRefused(f"{where}: {side}.embed_positions.weight is not the sin|cos sinusoid table "
+                                    f"{family.title} uses; learned positions cannot be represented here")
+        return {}
+    out = {}
+    for side, ours in (("encoder", "src_pos.pe"), ("decoder", "pos.pe")):
+        got = tables[side]
+        if got is None or tuple(got.shape) != (config.max_len + LEARNED_OFFSET, config.d_model):
+            shape = "missing" if got is None else f"of shape {tuple(got.shape)}"
+            raise ImportRefused(f"{where}: {side}.embed_positions.weight is {shape}; {family.title} needs "
+                                f"[max_position_embeddings + {LEARNED_OFFSET}, d_model]")
+        out[ours] = got[LEARNED_OFFSET:]
+    return out
+
+
+def take_norms(family: Family, state: dict, config: ModelConfig, where: Path) -> dict[str, torch.Tensor]:
+    """The embedding LayerNorms and the final stack LayerNorms, popped from `state`; a family that has them must
+    carry them, one that lacks them must not (a checkpoint that disagrees with its model_type is refused)."""
+    wanted = {}
+    for side, ours in (("encoder", "src_pos"), ("decoder", "pos")):
+        wanted[f"{side}.layernorm_embedding"] = (f"{ours}.norm", family.layernorm_embedding,
+                                                 "an embedding LayerNorm (layernorm_embedding)")
+        wanted[f"{side}.layer_norm"] = (f"{side}.norm", config.norm == "pre", "a final stack LayerNorm (layer_norm)")
+    out = {}
+    for theirs, (ours, expected, feature) in wanted.items():
+        for kind in ("weight", "bias"):
+            got = state.pop(f"{theirs}.{kind}", None)
+            if (got is not None) != expected:
+                verb = "lacks" if expected else "has"
+                raise ImportRefused(f"{where}: the weights {verb} {theirs}.{kind}, but {family.title} "
+                                    f"{'has' if expected else 'lacks'} {feature}; the checkpoint is not a "
+                                    f"{family.title}")
+            if got is not None:
+                out[f"{ours}.{kind}"] = got
+    return out
+
+
+def convert(family: Family, hf: dict, state: dict[str, torch.Tensor], where: Path = Path("config.json")):
+    """The reference Transformer (eval mode) holding a family checkpoint's weights: config.json as a dict and the
+    state dict of its *ForConditionalGeneration (keys with or without the "model." prefix)."""
+    from toolkit.reference.model import Transformer
+
+    if hf.get("model_type") != family.model_type:
+        raise ImportRefused(f"{where} has model_type {hf.get('model_type')!r}, not {family.model_type!r}")
+    config = model_config(family, hf, where)
+    state = {k[len("model."):] if k.startswith("model.") else k: v for k, v in state.items()}
+    extra = {**take_positions(family, state, config, where), **take_norms(family, state, config, where)}
+    if not family.logits_bias and "final_logits_bias" in state:
+        raise ImportRefused(f"{where}: the weights have final_logits_bias, which {family.title} lacks")
+    mapped = map_state(state, config, where)          # embeddings, output matrix, logits bias, every layer
+    if not family.logits_bias:
+        mapped.pop("generator.bias")                  # map_state's zeros: this family has no bias
+    mapped.update({k: v.detach().to(torch.float32).contiguous() for k, v in extra.items()})
+    model = Transformer(config, seed=0)
+    expected = model.state_dict()
+    wrong = [k for k, v in mapped.items() if k not in expected or tuple(expected[k].shape) != tuple(v.shape)]
+    missing = sorted(set(expected) - set(mapped))
+    if wrong or missing:
+        raise ImportRefused(f"{where}: the weights do not match config.json (shape or name: "
+                            f"{', '.join((wrong + missing)[:4])})")
+    model.load_state_dict(mapped)
+    return model.eval()
+
+
+def load_family(directory: str | Path, family: Family | None = None):
+    """The reference Transformer of a save_pretrained directory of any family here (from its model_type)."""
+    directory = Path(directory)
+    hf = read_json(directory / "config.json")
+    if family is None:
+        family = family_of(hf, directory / "config.json")
+    if hf.get("decoder_start_token_id") is None and (directory / "generation_config.json").is_file():
+        start = read_json(directory / "generation_config.json").get("decoder_start_token_id")
+        hf = {**hf, "decoder_start_token_id": start}
+    return convert(family, hf, load_state(directory), directory / "config.json")
+
+
+def families() -> dict[str, Family]:
+    """model_type -> Family, for every family here."""
+    from toolkit.reference.importers.m2m100 import M2M100
+    from toolkit.reference.importers.mbart import MBART
+    from toolkit.reference.importers.pegasus import PEGASUS
+
+    return {f.model_type: f for f in (BART, MBART, M2M100, PEGASUS)}
+
+
+def family_of(hf: dict, where: Path) -> Family:
+    known = families()
+    if hf.get("model_type") not in known:
+        raise ImportRefused(f"{where} has model_type {hf.get('model_type')!r}; this importer reads "
+                            f"{', '.join(known)}")
+    return known[hf["model_type"]]
+
+
+__all__ = ["BART", "Family", "convert", "fairseq_table", "families", "load_family", "model_config"]

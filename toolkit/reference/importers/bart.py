@@ -16,6 +16,11 @@ layer names), so a feature the reference model lacks is refused by name, never d
 
     model = convert(BART, hf_config_dict, state_dict)     # a Transformer in eval mode
     model = load_family(directory)                          # config.json + model.safetensors / pytorch_model.bin
+    tokenizer = family_tokenizer(directory, model.config)   # runtime.tokenizer.FastTokenizer, or None
+    import_family(directory, "out/ckpt")                    # both, written as an onnxformer checkpoint
+
+How each tokenizer frames a source is data (FRAMINGS): "{bos}" and "{eos}" are resolved here from
+tokenizer_config.json, "{src_lang}" is kept for the runtime tokenizer, which puts spec["src_lang"] there.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import torch
 
 from toolkit.reference.config import ModelConfig
 from toolkit.reference.importers import ImportRefused
-from toolkit.reference.importers.marian import ACTIVATIONS, load_state, map_state, read_json
+from toolkit.reference.importers.marian import ACTIVATIONS, _token, load_state, map_state, read_json, resolve_source
 
 REQUIRED = ("vocab_size", "d_model", "encoder_layers", "decoder_layers", "encoder_attention_heads",
             "decoder_attention_heads", "encoder_ffn_dim", "decoder_ffn_dim", "max_position_embeddings",
@@ -194,6 +199,51 @@ def load_family(directory: str | Path, family: Family | None = None):
     return convert(family, hf, load_state(directory), directory / "config.json")
 
 
+FRAMINGS = {   # tokenizer_config.json's tokenizer_class (without "Fast") -> (source prefix, suffix, default src_lang)
+    "BartTokenizer": (["{bos}"], ["{eos}"], None),
+    "RobertaTokenizer": (["{bos}"], ["{eos}"], None),                     # what BartTokenizer saves as
+    "PegasusTokenizer": ([], ["{eos}"], None),
+    "NllbTokenizer": (["{src_lang}"], ["{eos}"], "eng_Latn"),
+    "NllbTokenizer legacy": ([], ["{eos}", "{src_lang}"], "eng_Latn"),   # legacy_behaviour true
+    "MBartTokenizer": ([], ["{eos}", "{src_lang}"], "en_XX"),             # mbart-large-cc25
+    "MBart50Tokenizer": (["{src_lang}"], ["{eos}"], "en_XX"),
+}
+TOKENIZER_OF = {"bart": "BartTokenizer", "mbart": "MBartTokenizer", "pegasus": "PegasusTokenizer",
+                "m2m_100": "NllbTokenizer"}       # when tokenizer_config.json names no tokenizer_class
+
+
+def family_tokenizer(directory: Path, config: ModelConfig):
+    """The runtime FastTokenizer of a directory's tokenizer.json and tokenizer_config.json; None without a
+    tokenizer.json (the model is then used with ids)."""
+    from runtime.errors import TokenizerError
+    from runtime.tokenizer import FastTokenizer
+
+    directory = Path(directory)
+    if not (directory / "tokenizer.json").is_file():
+        return None
+    tc = read_json(directory / "tokenizer_config.json") if (directory / "tokenizer_config.json").is_file() else {}
+    model_type = read_json(directory / "config.json").get("model_type")
+    cls = str(tc.get("tokenizer_class") or TOKENIZER_OF.get(model_type, "")).removesuffix("Fast")
+    key = f"{cls} legacy" if cls == "NllbTokenizer" and tc.get("legacy_behaviour") else cls
+    if key not in FRAMINGS:
+        raise ImportRefused(f"{directory}/tokenizer_config.json names tokenizer_class {tc.get('tokenizer_class')!r}, "
+                            f"whose source framing is unknown (known: {', '.join(sorted(FRAMINGS))})")
+    prefix, suffix, default_lang = FRAMINGS[key]
+    names = {"{bos}": _token(tc.get("bos_token", "<s>")), "{eos}": _token(tc.get("eos_token", "</s>"))}
+    spec = {"file": "hf_tokenizer.json", "source_prefix": [names.get(t, t) for t in prefix],
+            "source_suffix": [names.get(t, t) for t in suffix], "src_lang": tc.get("src_lang") or default_lang,
+            "eos": names["{eos}"], "pad": _token(tc.get("pad_token", "<pad>")),
+            "clean_up_tokenization_spaces": bool(tc.get("clean_up_tokenization_spaces", False))}
+    try:                                                  # saved beside our tokenizer.json as spec["file"]
+        tok = FastTokenizer(directory, spec, source=directory / "tokenizer.json")
+    except TokenizerError as exc:
+        raise ImportRefused(f"{directory}: {exc}") from None
+    if (tok.eos_id, tok.pad_id) != (config.eos_id, config.pad_id):
+        raise ImportRefused(f"{directory}: the tokenizer's eos and pad ids ({tok.eos_id}, {tok.pad_id}) differ from "
+                            f"config.json's ({config.eos_id}, {config.pad_id})")
+    return tok
+
+
 def families() -> dict[str, Family]:
     """model_type -> Family, for every family here."""
     from toolkit.reference.importers.m2m100 import M2M100
@@ -211,4 +261,22 @@ def family_of(hf: dict, where: Path) -> Family:
     return known[hf["model_type"]]
 
 
-__all__ = ["BART", "Family", "convert", "fairseq_table", "families", "load_family", "model_config"]
+def import_family(source: str | Path, out: str | Path, force: bool = False, progress=None) -> Path:
+    """Import a BART-family save_pretrained directory (or hub name) into an onnxformer checkpoint at OUT."""
+    from toolkit.reference.checkpoint import check_checkpoint_output, save_checkpoint
+
+    progress = progress or (lambda msg: None)
+    check_checkpoint_output(out, force)
+    directory = resolve_source(source, progress)
+    model = load_family(directory)
+    tokenizer = family_tokenizer(directory, model.config)
+    if tokenizer is None:
+        progress(f"{directory} has no tokenizer.json: the checkpoint takes token ids only")
+    progress(f"mapped {len(model.state_dict())} tensors ({model.num_parameters():,} parameters) from {directory}")
+    record = {"format": read_json(directory / "config.json").get("model_type"), "source": str(source),
+              "files": sorted(p.name for p in directory.iterdir() if p.is_file())}
+    return save_checkpoint(out, model, tokenizer, force=force, imported=record)
+
+
+__all__ = ["BART", "FRAMINGS", "Family", "convert", "fairseq_table", "families", "family_tokenizer", "import_family",
+           "load_family", "model_config"]

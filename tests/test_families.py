@@ -1,9 +1,8 @@
 """BART, mBART, M2M100 (NLLB) and Pegasus converted to the reference model, against transformers.
 
-Each family's tiny model is built OFFLINE from its Config class, given random weights large enough that its
-greedy outputs vary with the input (LayerNorm gains and biases, logits bias and learned positions included, so
-a swapped or dropped tensor shows), saved with save_pretrained and read back by the importer's real loading
-code. Proofs: teacher-forced logits within 1e-5 on batched, right-padded inputs (float64 where float32
+Each family's tiny model is built OFFLINE from its Config class with random weights whose greedy outputs vary
+with the input (toolkit/testing/tiny_families.py), saved with save_pretrained and read back by the importer's
+real loading code. Proofs: teacher-forced logits within 1e-5 on batched, right-padded inputs (float64 where float32
 rounding alone exceeds it), and greedy ids identical to `generate` with the same settings, including a forced
 first token (forced_bos_token_id, the target language of mBART-50 and NLLB) after decoder_start_token_id.
 """
@@ -12,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import json
-import warnings
 
 import numpy as np
 import pytest
@@ -26,51 +24,17 @@ from toolkit.reference.importers import ImportRefused  # noqa: E402
 from toolkit.reference.importers.bart import BART, convert, fairseq_table, load_family, model_config  # noqa: E402
 from toolkit.reference.importers.m2m100 import M2M100  # noqa: E402
 from toolkit.reference.torch_engine import TorchEngine  # noqa: E402
+from toolkit.testing.tiny_families import FAMILIES, SIZES, tiny_original  # noqa: E402
 
-SIZES = dict(vocab_size=96, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
-             decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=48,
-             dropout=0.0, attention_dropout=0.0, activation_dropout=0.0)
-FAMILIES = {   # name: (Config, Model, config overrides beside SIZES)
-    "bart": ("BartConfig", "BartForConditionalGeneration", {}),
-    "mbart": ("MBartConfig", "MBartForConditionalGeneration", dict(decoder_start_token_id=2, scale_embedding=True)),
-    "m2m100": ("M2M100Config", "M2M100ForConditionalGeneration", {}),
-    "pegasus": ("PegasusConfig", "PegasusForConditionalGeneration",
-                dict(pad_token_id=0, eos_token_id=1, decoder_start_token_id=0, scale_embedding=True)),
-}
 FIRST = 3          # first ordinary id: 0..2 are specials in every family here
-MATRIX, EMBED = 1.0, 1.2   # weight scales: large enough that random models answer differently per input
 FORCED = 7         # the "target language" token forced first
-
-
-def tiny_original(name: str, directory):
-    """A random transformers model of the family, saved in `directory` (forced EOS off: the runtime has none)."""
-    config_cls, model_cls, overrides = FAMILIES[name]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        config = getattr(transformers, config_cls)(**SIZES, **overrides)
-        config.forced_eos_token_id = None
-        model = getattr(transformers, model_cls)(config).eval()
-    gen = torch.Generator().manual_seed(sorted(FAMILIES).index(name))
-    embed = EMBED / (config.d_model ** 0.5 if config.scale_embedding else 1.0)   # scaled or not: O(1) inputs
-    with torch.no_grad():
-        for key, p in model.named_parameters():
-            if key.endswith("embed_positions.weight") and name == "pegasus":
-                continue                                         # Pegasus' table is its fixed sinusoids
-            scale = 0.1 if key.endswith("bias") else embed if "embed" in key or "shared" in key else MATRIX
-            p.copy_(torch.randn(p.shape, generator=gen) * scale + (1.0 if "norm" in key and key.endswith("weight")
-                                                                  else 0.0))
-        if hasattr(model, "final_logits_bias"):
-            model.final_logits_bias.copy_(torch.randn(model.final_logits_bias.shape, generator=gen))
-    model.generation_config.forced_eos_token_id = None
-    model.save_pretrained(directory)
-    return model
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def family(request, tmp_path_factory):
     """(name, transformers model, our converted Transformer, source id lists)."""
     directory = tmp_path_factory.mktemp(request.param)
-    original = tiny_original(request.param, directory)
+    original = tiny_original(request.param, directory, seed=sorted(FAMILIES).index(request.param))
     rng = np.random.default_rng(0)
     eos = original.config.eos_token_id
     seqs = [rng.integers(FIRST, SIZES["vocab_size"], size=int(n)).tolist() + [eos]
@@ -211,3 +175,32 @@ def test_weights_the_family_lacks_or_needs_are_refused(bart_parts, drop, add, me
         state[add] = torch.ones(SIZES["d_model"])
     with pytest.raises(ImportRefused, match=message):
         convert(BART, hf, state)
+
+
+def test_import_family_writes_a_checkpoint_and_bundle_with_the_tokenizer(tmp_path):
+    from exporters.export import export_checkpoint
+    from runtime.bundle import load_bundle
+    from runtime.tokenizer import FastTokenizer
+    from toolkit.reference.checkpoint import load_checkpoint
+    from toolkit.reference.importers.bart import import_family
+    from toolkit.testing.tiny_families import CONDITIONED, tiny_tokenizer
+
+    original = tiny_original("bart", tmp_path / "bart", matrix=CONDITIONED)
+    theirs = tiny_tokenizer("bart")
+    theirs.save_pretrained(tmp_path / "bart")
+    ckpt = load_checkpoint(import_family(tmp_path / "bart", tmp_path / "ckpt"))
+    assert isinstance(ckpt.tokenizer, FastTokenizer) and ckpt.config.positions == "table"
+    assert json.loads((tmp_path / "ckpt" / "import.json").read_text())["format"] == "bart"
+    text = "the quick fox jumps"
+    ids = ckpt.tokenizer.encode(text)
+    assert ids == theirs(text)["input_ids"]
+    bundle = load_bundle(export_checkpoint(tmp_path / "ckpt", tmp_path / "bundle"), "cpu")
+    assert isinstance(bundle.tokenizer, FastTokenizer) and bundle.tokenizer.encode(text) == ids
+    opts = SearchOptions(max_new_tokens=8)
+    want = original_greedy(original, [ids], 8, None)
+    assert [h[0].tokens for h in generate_ids(bundle.engine, [ids], opts)] == want
+    with pytest.raises(ImportRefused, match="not 'bart'|model_type"):
+        cfg = json.loads((tmp_path / "bart" / "config.json").read_text())
+        (tmp_path / "bart" / "config.json").write_text(json.dumps({**cfg, "model_type": "t5"}))
+        import_family(tmp_path / "bart", tmp_path / "ckpt2")
+    assert not (tmp_path / "ckpt2").exists()                      # nothing half-written

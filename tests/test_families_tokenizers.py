@@ -10,7 +10,6 @@ must equal `tok.decode(ids, skip_special_tokens=True)`.
 from __future__ import annotations
 
 import json
-import warnings
 
 import numpy as np
 import pytest
@@ -23,40 +22,12 @@ from runtime.tokenizer import FastTokenizer, load_tokenizer  # noqa: E402
 from toolkit.reference.config import preset  # noqa: E402
 from toolkit.reference.importers import ImportRefused  # noqa: E402
 from toolkit.reference.importers.bart import family_tokenizer  # noqa: E402
+from toolkit.testing.tiny_families import tiny_tokenizer  # noqa: E402
 
-WORDS = "the quick brown fox jumps over the lazy dog while seven wizards quietly hex a jolly box".split()
 TEXTS = ["the fox jumps", "Quick brown dogs hex seven boxes.", "  the  lazy   wizard ", "ω über naïve", "a", "",
          "the </s> box", "jolly, jolly; the end!"]
 IDS = {"bart": (1, 2), "nllb": (1, 2), "mbart": (1, 2), "mbart50": (1, 2), "pegasus": (0, 1)}   # (pad, eos)
 MODEL_TYPE = {"bart": "bart", "nllb": "m2m_100", "mbart": "mbart", "mbart50": "mbart", "pegasus": "pegasus"}
-
-
-def bpe_vocab(space: str) -> tuple[dict[str, int], list[tuple[str, str]]]:
-    vocab = {"<s>": 0, "<pad>": 1, "</s>": 2, "<unk>": 3}
-    for ch in sorted(set("".join(WORDS)) | {space}):
-        vocab.setdefault(ch, len(vocab))
-    merges = [("t", "h"), ("th", "e"), (space, "t"), ("o", "x"), ("q", "u"), ("e", "r"), ("j", "o")]
-    for a, b in merges:
-        vocab.setdefault(a + b, len(vocab))
-    vocab["<mask>"] = len(vocab)
-    return vocab, merges
-
-
-def original(name: str):
-    """transformers' tokenizer of the family, built from a small vocabulary."""
-    bpe, merges = bpe_vocab("\u0120" if name == "bart" else "\u2581")
-    scored = [(piece, -float(i)) for piece, i in bpe.items()]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        if name == "bart":
-            return transformers.BartTokenizer(vocab=bpe, merges=merges)
-        if name == "nllb":
-            return transformers.NllbTokenizer(vocab=bpe, merges=merges, src_lang="fra_Latn")
-        if name == "mbart":
-            return transformers.MBartTokenizer(vocab=scored, src_lang="de_DE")
-        if name == "mbart50":
-            return transformers.MBart50Tokenizer(vocab=scored, src_lang="de_DE")
-        return transformers.PegasusTokenizer(vocab=[("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0)] + scored[4:])
 
 
 @pytest.fixture(scope="module", params=sorted(IDS))
@@ -64,7 +35,7 @@ def pair(request, tmp_path_factory):
     """(name, transformers tokenizer, our FastTokenizer imported from its save_pretrained directory)."""
     name = request.param
     directory = tmp_path_factory.mktemp(name)
-    theirs = original(name)
+    theirs = tiny_tokenizer(name)
     theirs.save_pretrained(directory)
     (directory / "config.json").write_text(json.dumps({"model_type": MODEL_TYPE[name]}))
     pad, eos = IDS[name]
@@ -109,7 +80,7 @@ def test_saved_and_loaded_without_the_original_directory(pair, tmp_path):
 
 
 def test_bad_tokenizer_files_are_refused(tmp_path):
-    theirs = original("nllb")
+    theirs = tiny_tokenizer("nllb")
     theirs.save_pretrained(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "m2m_100"}))
     config = preset("tiny", vocab_size=len(theirs), pad_id=1, bos_id=2, eos_id=2)

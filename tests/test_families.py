@@ -204,3 +204,19 @@ def test_import_family_writes_a_checkpoint_and_bundle_with_the_tokenizer(tmp_pat
         (tmp_path / "bart" / "config.json").write_text(json.dumps({**cfg, "model_type": "t5"}))
         import_family(tmp_path / "bart", tmp_path / "ckpt2")
     assert not (tmp_path / "ckpt2").exists()                      # nothing half-written
+
+
+def test_m2m100_checkpoints_that_saved_their_sinusoids_import(tmp_path):
+    """Older M2M100 / NLLB files carry the computed table (embed_positions.weights): it is checked, not mapped."""
+    from transformers.models.m2m_100.modeling_m2m_100 import M2M100SinusoidalPositionalEmbedding as Theirs
+
+    original = tiny_original("m2m100", tmp_path / "m2m", seed=1)
+    hf = json.loads((tmp_path / "m2m" / "config.json").read_text())
+    table = Theirs.get_embedding(SIZES["max_position_embeddings"] + 2, SIZES["d_model"], 1)
+    state = {**original.state_dict(), "model.encoder.embed_positions.weights": table,
+             "model.decoder.embed_positions.weights": table}
+    ours = convert(M2M100, hf, state)
+    assert torch.equal(ours.pos.pe, fairseq_table(ours.config))
+    state["model.decoder.embed_positions.weights"] = table * 2
+    with pytest.raises(ImportRefused, match="decoder.embed_positions.weights is not M2M100"):
+        convert(M2M100, hf, state)

@@ -79,8 +79,9 @@ def model_config(family: Family, hf: dict, where: Path) -> ModelConfig:
     if start is None:
         raise ImportRefused(f"{where} has no decoder_start_token_id; set it (mBART-50 and NLLB start from eos, "
                             f"{eos}) and import again")
-    if family.positions == "fairseq" and pad is None:
-        raise ImportRefused(f"{where}: fairseq positions are counted past pad_token_id, which is not set")
+    if family.positions == "fairseq" and (pad is None or not isinstance(hf["d_model"], int) or hf["d_model"] < 4):
+        raise ImportRefused(f"{where}: fairseq positions need pad_token_id (they are counted past it) and d_model of "
+                            f"at least 4, got {pad} and {hf['d_model']}")
     fields = dict(vocab_size=hf["vocab_size"], d_model=hf["d_model"], n_heads=hf["encoder_attention_heads"],
                   n_encoder_layers=hf["encoder_layers"], n_decoder_layers=hf["decoder_layers"],
                   d_ff=hf["encoder_ffn_dim"], max_len=hf["max_position_embeddings"],
@@ -115,9 +116,16 @@ def take_positions(family: Family, state: dict, config: ModelConfig, where: Path
     tables = {side: state.pop(f"{side}.embed_positions.weight", None) for side in ("encoder", "decoder")}
     if family.positions == "fairseq":
         if any(t is not None for t in tables.values()):
-            raise ImportRefused(f"{where}: the weights carry a position table; {family.title} computes its "
-                                f"sinusoids, so this checkpoint is not one")
+            raise ImportRefused(f"{where}: the weights carry a learned position table; {family.title} computes "
+                                f"its sinusoids, so this checkpoint is not one")
         table = fairseq_table(config)
+        rows = slice(config.pad_id + 1, config.pad_id + 1 + config.max_len)
+        for side in ("encoder", "decoder"):           # older checkpoints saved the computed table: it must agree
+            got = state.pop(f"{side}.embed_positions.weights", None)
+            if got is not None and (got.shape[0] < rows.stop or got.shape[1:] != table.shape[1:] or
+                                    not torch.allclose(got[rows].float(), table, atol=1e-6, rtol=0)):
+                raise ImportRefused(f"{where}: {side}.embed_positions.weights is not {family.title}'s sinusoid "
+                                    f"table; other positions cannot be represented")
         return {"src_pos.pe": table, "pos.pe": table.clone()}
     if family.positions == "halves":
         want = sinusoid_table(config)

@@ -28,12 +28,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from toolkit.reference.config import ModelConfig
 from toolkit.reference.importers import ImportRefused
 from toolkit.reference.importers.marian import ACTIVATIONS, _token, load_state, map_state, read_json, resolve_source
+
+if TYPE_CHECKING:
+    import torch
 
 REQUIRED = ("vocab_size", "d_model", "encoder_layers", "decoder_layers", "encoder_attention_heads",
             "decoder_attention_heads", "encoder_ffn_dim", "decoder_ffn_dim", "max_position_embeddings",
@@ -41,7 +43,7 @@ REQUIRED = ("vocab_size", "d_model", "encoder_layers", "decoder_layers", "encode
 
 
 @dataclass(frozen=True)
-class Family:
+class Architecture:
     """What a model_type's architecture fixes (its config.json cannot switch these)."""
 
     model_type: str          # config.json's model_type
@@ -52,11 +54,11 @@ class Family:
     logits_bias: bool        # final_logits_bias
 
 
-BART = Family("bart", "BartForConditionalGeneration", "post", "learned", True, True)
+BART = Architecture("bart", "BartForConditionalGeneration", "post", "learned", True, True)
 LEARNED_OFFSET = 2           # BART-family learned tables start with two unused rows
 
 
-def model_config(family: Family, hf: dict, where: Path) -> ModelConfig:
+def model_config(arch: Architecture, hf: dict, where: Path) -> ModelConfig:
     """The ModelConfig of a family's config.json, refusing by name what the reference model cannot represent."""
     missing = [k for k in REQUIRED if k not in hf]
     if missing:
@@ -79,18 +81,18 @@ def model_config(family: Family, hf: dict, where: Path) -> ModelConfig:
     if start is None:
         raise ImportRefused(f"{where} has no decoder_start_token_id; set it (mBART-50 and NLLB start from eos, "
                             f"{eos}) and import again")
-    if family.positions == "fairseq" and (pad is None or not isinstance(hf["d_model"], int) or hf["d_model"] < 4):
+    if arch.positions == "fairseq" and (pad is None or not isinstance(hf["d_model"], int) or hf["d_model"] < 4):
         raise ImportRefused(f"{where}: fairseq positions need pad_token_id (they are counted past it) and d_model of "
                             f"at least 4, got {pad} and {hf['d_model']}")
     fields = dict(vocab_size=hf["vocab_size"], d_model=hf["d_model"], n_heads=hf["encoder_attention_heads"],
                   n_encoder_layers=hf["encoder_layers"], n_decoder_layers=hf["decoder_layers"],
                   d_ff=hf["encoder_ffn_dim"], max_len=hf["max_position_embeddings"],
-                  dropout=float(hf.get("dropout", 0.1)), norm=family.norm, activation=ACTIVATIONS[act],
+                  dropout=float(hf.get("dropout", 0.1)), norm=arch.norm, activation=ACTIVATIONS[act],
                   tie_embeddings=bool(hf.get("tie_word_embeddings", True)), layer_norm_eps=1e-5,
                   pad_id=pad, bos_id=start, eos_id=eos,
-                  positions="halves" if family.positions == "halves" else "table",
-                  scale_embeddings=bool(hf["scale_embedding"]), logits_bias=family.logits_bias,
-                  layernorm_embedding=family.layernorm_embedding,
+                  positions="halves" if arch.positions == "halves" else "table",
+                  scale_embeddings=bool(hf["scale_embedding"]), logits_bias=arch.logits_bias,
+                  layernorm_embedding=arch.layernorm_embedding,
                   suppress_pad=start == pad)          # decoding from pad (Pegasus) never generates pad, as Marian
     try:
         return ModelConfig(**fields)
@@ -101,6 +103,8 @@ def model_config(family: Family, hf: dict, where: Path) -> ModelConfig:
 def fairseq_table(config: ModelConfig) -> torch.Tensor:
     """[max_len, d] fairseq sinusoids as M2M100 computes them (float32, sin | cos halves, frequencies spaced
     1/(half-1)): position p reads row p + pad_id + 1 of fairseq's table."""
+    import torch
+
     half = config.d_model // 2
     freq = torch.exp(torch.arange(half, dtype=torch.int64).float() * -(math.log(10000) / (half - 1)))
     rows = torch.arange(config.pad_id + 1, config.pad_id + 1 + config.max_len, dtype=torch.int64).float()
@@ -109,14 +113,16 @@ def fairseq_table(config: ModelConfig) -> torch.Tensor:
     return torch.cat([table, torch.zeros(config.max_len, 1)], dim=1) if config.d_model % 2 else table
 
 
-def take_positions(family: Family, state: dict, config: ModelConfig, where: Path) -> dict[str, torch.Tensor]:
+def take_positions(arch: Architecture, state: dict, config: ModelConfig, where: Path) -> dict[str, torch.Tensor]:
     """Each side's position table, popped from `state` (ours: pos.pe is the decoder's, src_pos.pe the encoder's)."""
+    import torch
+
     from toolkit.reference.model import sinusoid_table
 
     tables = {side: state.pop(f"{side}.embed_positions.weight", None) for side in ("encoder", "decoder")}
-    if family.positions == "fairseq":
+    if arch.positions == "fairseq":
         if any(t is not None for t in tables.values()):
-            raise ImportRefused(f"{where}: the weights carry a learned position table; {family.title} computes "
+            raise ImportRefused(f"{where}: the weights carry a learned position table; {arch.title} computes "
                                 f"its sinusoids, so this checkpoint is not one")
         table = fairseq_table(config)
         rows = slice(config.pad_id + 1, config.pad_id + 1 + config.max_len)
@@ -124,34 +130,34 @@ def take_positions(family: Family, state: dict, config: ModelConfig, where: Path
             got = state.pop(f"{side}.embed_positions.weights", None)
             if got is not None and (got.shape[0] < rows.stop or got.shape[1:] != table.shape[1:] or
                                     not torch.allclose(got[rows].float(), table, atol=1e-6, rtol=0)):
-                raise ImportRefused(f"{where}: {side}.embed_positions.weights is not {family.title}'s sinusoid "
+                raise ImportRefused(f"{where}: {side}.embed_positions.weights is not {arch.title}'s sinusoid "
                                     f"table; other positions cannot be represented")
         return {"src_pos.pe": table, "pos.pe": table.clone()}
-    if family.positions == "halves":
+    if arch.positions == "halves":
         want = sinusoid_table(config)
         for side, got in tables.items():
             if got is not None and (got.shape != want.shape or not torch.allclose(got.float(), want, atol=1e-6,
                                                                                    rtol=0)):
                 raise ImportRefused(f"{where}: {side}.embed_positions.weight is not the sin|cos sinusoid table "
-                                    f"{family.title} uses; learned positions cannot be represented here")
+                                    f"{arch.title} uses; learned positions cannot be represented here")
         return {}
     out = {}
     for side, ours in (("encoder", "src_pos.pe"), ("decoder", "pos.pe")):
         got = tables[side]
         if got is None or tuple(got.shape) != (config.max_len + LEARNED_OFFSET, config.d_model):
             shape = "missing" if got is None else f"of shape {tuple(got.shape)}"
-            raise ImportRefused(f"{where}: {side}.embed_positions.weight is {shape}; {family.title} needs "
+            raise ImportRefused(f"{where}: {side}.embed_positions.weight is {shape}; {arch.title} needs "
                                 f"[max_position_embeddings + {LEARNED_OFFSET}, d_model]")
         out[ours] = got[LEARNED_OFFSET:]
     return out
 
 
-def take_norms(family: Family, state: dict, config: ModelConfig, where: Path) -> dict[str, torch.Tensor]:
+def take_norms(arch: Architecture, state: dict, config: ModelConfig, where: Path) -> dict[str, torch.Tensor]:
     """The embedding LayerNorms and the final stack LayerNorms, popped from `state`; a family that has them must
     carry them, one that lacks them must not (a checkpoint that disagrees with its model_type is refused)."""
     wanted = {}
     for side, ours in (("encoder", "src_pos"), ("decoder", "pos")):
-        wanted[f"{side}.layernorm_embedding"] = (f"{ours}.norm", family.layernorm_embedding,
+        wanted[f"{side}.layernorm_embedding"] = (f"{ours}.norm", arch.layernorm_embedding,
                                                  "an embedding LayerNorm (layernorm_embedding)")
         wanted[f"{side}.layer_norm"] = (f"{side}.norm", config.norm == "pre", "a final stack LayerNorm (layer_norm)")
     out = {}
@@ -160,28 +166,30 @@ def take_norms(family: Family, state: dict, config: ModelConfig, where: Path) ->
             got = state.pop(f"{theirs}.{kind}", None)
             if (got is not None) != expected:
                 verb = "lacks" if expected else "has"
-                raise ImportRefused(f"{where}: the weights {verb} {theirs}.{kind}, but {family.title} "
+                raise ImportRefused(f"{where}: the weights {verb} {theirs}.{kind}, but {arch.title} "
                                     f"{'has' if expected else 'lacks'} {feature}; the checkpoint is not a "
-                                    f"{family.title}")
+                                    f"{arch.title}")
             if got is not None:
                 out[f"{ours}.{kind}"] = got
     return out
 
 
-def convert(family: Family, hf: dict, state: dict[str, torch.Tensor], where: Path = Path("config.json")):
+def convert(arch: Architecture, hf: dict, state: dict[str, torch.Tensor], where: Path = Path("config.json")):
     """The reference Transformer (eval mode) holding a family checkpoint's weights: config.json as a dict and the
     state dict of its *ForConditionalGeneration (keys with or without the "model." prefix)."""
+    import torch
+
     from toolkit.reference.model import Transformer
 
-    if hf.get("model_type") != family.model_type:
-        raise ImportRefused(f"{where} has model_type {hf.get('model_type')!r}, not {family.model_type!r}")
-    config = model_config(family, hf, where)
+    if hf.get("model_type") != arch.model_type:
+        raise ImportRefused(f"{where} has model_type {hf.get('model_type')!r}, not {arch.model_type!r}")
+    config = model_config(arch, hf, where)
     state = {k[len("model."):] if k.startswith("model.") else k: v for k, v in state.items()}
-    extra = {**take_positions(family, state, config, where), **take_norms(family, state, config, where)}
-    if not family.logits_bias and "final_logits_bias" in state:
-        raise ImportRefused(f"{where}: the weights have final_logits_bias, which {family.title} lacks")
+    extra = {**take_positions(arch, state, config, where), **take_norms(arch, state, config, where)}
+    if not arch.logits_bias and "final_logits_bias" in state:
+        raise ImportRefused(f"{where}: the weights have final_logits_bias, which {arch.title} lacks")
     mapped = map_state(state, config, where)          # embeddings, output matrix, logits bias, every layer
-    if not family.logits_bias:
+    if not arch.logits_bias:
         mapped.pop("generator.bias")                  # map_state's zeros: this family has no bias
     mapped.update({k: v.detach().to(torch.float32).contiguous() for k, v in extra.items()})
     model = Transformer(config, seed=0)
@@ -195,16 +203,16 @@ def convert(family: Family, hf: dict, state: dict[str, torch.Tensor], where: Pat
     return model.eval()
 
 
-def load_family(directory: str | Path, family: Family | None = None):
+def load_family(directory: str | Path, arch: Architecture | None = None):
     """The reference Transformer of a save_pretrained directory of any family here (from its model_type)."""
     directory = Path(directory)
     hf = read_json(directory / "config.json")
-    if family is None:
-        family = family_of(hf, directory / "config.json")
+    if arch is None:
+        arch = architecture_of(hf, directory / "config.json")
     if hf.get("decoder_start_token_id") is None and (directory / "generation_config.json").is_file():
         start = read_json(directory / "generation_config.json").get("decoder_start_token_id")
         hf = {**hf, "decoder_start_token_id": start}
-    return convert(family, hf, load_state(directory), directory / "config.json")
+    return convert(arch, hf, load_state(directory), directory / "config.json")
 
 
 FRAMINGS = {   # tokenizer_config.json's tokenizer_class (without "Fast") -> (source prefix, suffix, default src_lang)
@@ -252,8 +260,8 @@ def family_tokenizer(directory: Path, config: ModelConfig):
     return tok
 
 
-def families() -> dict[str, Family]:
-    """model_type -> Family, for every family here."""
+def architectures() -> dict[str, Architecture]:
+    """model_type -> Architecture, for every family here."""
     from toolkit.reference.importers.m2m100 import M2M100
     from toolkit.reference.importers.mbart import MBART
     from toolkit.reference.importers.pegasus import PEGASUS
@@ -261,8 +269,8 @@ def families() -> dict[str, Family]:
     return {f.model_type: f for f in (BART, MBART, M2M100, PEGASUS)}
 
 
-def family_of(hf: dict, where: Path) -> Family:
-    known = families()
+def architecture_of(hf: dict, where: Path) -> Architecture:
+    known = architectures()
     if hf.get("model_type") not in known:
         raise ImportRefused(f"{where} has model_type {hf.get('model_type')!r}; this importer reads "
                             f"{', '.join(known)}")
@@ -286,5 +294,5 @@ def import_family(source: str | Path, out: str | Path, force: bool = False, prog
     return save_checkpoint(out, model, tokenizer, force=force, imported=record)
 
 
-__all__ = ["BART", "FRAMINGS", "Family", "convert", "fairseq_table", "families", "family_tokenizer", "import_family",
-           "load_family", "model_config"]
+__all__ = ["BART", "FRAMINGS", "Architecture", "architectures", "convert", "fairseq_table", "family_tokenizer",
+           "import_family", "load_family", "model_config"]

@@ -13,8 +13,8 @@ a generated pad (trained models do not emit one) would be positioned differently
 
 from __future__ import annotations
 
-from toolkit.reference.importers.bart import Family
+from toolkit.reference.importers.bart import Architecture
 
-M2M100 = Family("m2m_100", "M2M100ForConditionalGeneration", "pre", "fairseq", False, False)
+M2M100 = Architecture("m2m_100", "M2M100ForConditionalGeneration", "pre", "fairseq", False, False)
 
 __all__ = ["M2M100"]

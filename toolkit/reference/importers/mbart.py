@@ -7,8 +7,8 @@ positions (offset 2). mbart-large-50 starts decoding from eos and forces the tar
 
 from __future__ import annotations
 
-from toolkit.reference.importers.bart import Family
+from toolkit.reference.importers.bart import Architecture
 
-MBART = Family("mbart", "MBartForConditionalGeneration", "pre", "learned", True, True)
+MBART = Architecture("mbart", "MBartForConditionalGeneration", "pre", "learned", True, True)
 
 __all__ = ["MBART"]

@@ -7,8 +7,8 @@ is never generated: suppress_pad, as in Marian). Conversion: bart.convert.
 
 from __future__ import annotations
 
-from toolkit.reference.importers.bart import Family
+from toolkit.reference.importers.bart import Architecture
 
-PEGASUS = Family("pegasus", "PegasusForConditionalGeneration", "pre", "halves", False, True)
+PEGASUS = Architecture("pegasus", "PegasusForConditionalGeneration", "pre", "halves", False, True)
 
 __all__ = ["PEGASUS"]

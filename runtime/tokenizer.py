@@ -1,5 +1,4 @@
-"""Tokenizers stored as tokenizer.json: characters, SentencePiece with a vocabulary (Marian), or a Hugging Face fast
-tokenizer (BART, mBART, NLLB, Pegasus). Torch-free: they ship in bundles."""
+"""Tokenizers stored as tokenizer.json: characters, or SentencePiece with a vocabulary (Marian). Torch-free: they ship in bundles."""
 
 from __future__ import annotations
 
@@ -197,7 +196,7 @@ def _read_vocab(path: Path) -> dict[str, int]:
 
 
 def load_tokenizer(path: str | Path):
-    """The tokenizer described by a tokenizer.json: a CharTokenizer, SentencePieceTokenizer or FastTokenizer."""
+    """The tokenizer described by a tokenizer.json: a CharTokenizer or a SentencePieceTokenizer."""
     path = Path(path)
     data = read_json(path, TokenizerError, "regenerate it")
     kind = data.get("type") if isinstance(data, dict) else None
@@ -226,7 +225,8 @@ def tokenizer_files(tokenizer) -> list[str]:
 
 
 class FastTokenizer:
-    """A Hugging Face fast tokenizer (its tokenizer.json, read by the `tokenizers` library, never transformers):
+    """A Hugging Face fast tokenizer (its tokenizer.json, read by the `tokenizers` library, never transformers; the
+    `type` "hf-tokenizers" of our tokenizer.json, loaded by load_tokenizer like the others):
     BART's byte-level BPE, the SentencePiece-derived tokenizers of NLLB, mBART and Pegasus.
 
     The original's file is kept beside our tokenizer.json as spec["file"] (`source`: where it is read from
@@ -272,6 +272,11 @@ class FastTokenizer:
     @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def src_vocab_size(self) -> int:
+        """One vocabulary for both sides."""
+        return self.vocab_size
 
     @property
     def files(self) -> list[str]:

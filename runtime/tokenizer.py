@@ -250,8 +250,9 @@ class FastTokenizer:
         try:
             self._tok = Tokenizer.from_file(str(self.source))
         except Exception as exc:                        # the library raises its own Exception for bad files
-            raise TokenizerError(f"{self.source} is not a Hugging Face tokenizer.json ({str(exc).splitlines()[0][:120]}); "
-                                 f"copy the model's tokenizer.json again") from None
+            first = str(exc).splitlines()[0][:120] if str(exc) else type(exc).__name__
+            raise TokenizerError(f"{self.source} is not a Hugging Face tokenizer.json ({first}); copy the model's "
+                                 f"tokenizer.json again") from None
         self.prefix, self.suffix = (self._ids(spec.get(k, []), k) for k in ("source_prefix", "source_suffix"))
         self.eos_id, self.pad_id = (self._ids([spec[k]], k)[0] for k in ("eos", "pad"))
         self.clean_up = bool(spec.get("clean_up_tokenization_spaces", False))

@@ -1,4 +1,4 @@
-"""Per-step decode time of several bundles of one model, and where the time goes (ad-hoc study; not a test).
+"""Per-step decode time of several bundles of one model, and where the time goes (ORT's profiler, per op type).
 
     python benchmarks/fusion_step_time.py unfused=out/base fused=out/base-fused int8=out/base-int8 --batches 1,8
     python benchmarks/fusion_step_time.py int8=out/base-int8 --batches 1 --profile out/profiles   # + op table

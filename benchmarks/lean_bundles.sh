@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Size, peak resident memory of `onnxformer generate` (batch 1, 64 new tokens) and decode step time of int8/int4
-# bundles side by side, in one run (issue 16's targets). Run it under the shared lock:
+# bundles side by side, in one run (what the lean-bundle targets are judged by). Run it under the shared lock:
 #
 #   flock /tmp/onnxformer-bench.lock bash benchmarks/lean_bundles.sh NAME=BUNDLE[@PROGRAM]... [-- BENCH_OPTIONS]
 #   e.g. bash benchmarks/lean_bundles.sh before=out/base-int8-before int8=out/base-int8 int4=out/base-int4

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The opus-mt-en-de shape (vocab 58101, d_model 512, 6+6 layers, 8 heads, FFN 2048, swish, tied embeddings) with
-# random weights, through the real import path: a Marian directory (toolkit/reference/tasks/tiny_marian.random_marian) ->
+# random weights, through the real import path: a Marian directory (toolkit/testing/tiny_marian.random_marian) ->
 # onnxformer import -> export -> optimize fp32 (fused) and int8 -> bench against PyTorch eager with KV cache in
 # one run. Writes benchmarks/opus-mt.json (tables to stdout); models go to $WORK (default out/bench/opus-mt).
 #

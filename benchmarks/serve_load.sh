@@ -7,8 +7,8 @@
 #
 #   flock /tmp/onnxformer-bench.lock bash benchmarks/serve_load.sh [BUNDLE]     (default out/bench/base/base-int8)
 #
-# A bundle made before the per-row static cache (no position_ids, or one past_sequence_length for all rows, in its
-# manifest) cannot batch in-flight: it is rebuilt first from the base checkpoint beside it (CHECKPOINT, default BUNDLE/../base-checkpoint;
+# A bundle whose manifest does not declare the per-row static cache (decoder_layout "static-per-row"; an older
+# format, or another layout) cannot batch in-flight: it is rebuilt first from the base checkpoint beside it (CHECKPOINT, default BUNDLE/../base-checkpoint;
 # export, then optimize --precision int8 --allow-unverified as benchmarks/run.sh does for the random-weight base).
 #
 # Writes benchmarks/serve_load.json (one report per setting) and prints a table row per setting.
@@ -24,12 +24,11 @@ OUT=${OUT:-benchmarks/serve_load.json}
 SETTINGS=${SETTINGS:-"one-at-a-time:--max-batch 1 --batching request|request-level:--max-batch 32 --batching request|in-flight:--max-batch 32 --batching inflight"}
 [ -f "$BUNDLE/manifest.json" ] || { echo "error: $BUNDLE is not a bundle; build it with benchmarks/run.sh" >&2; exit 2; }
 per_row=$("${PYTHON:-.venv/bin/python}" -c 'import json, sys
-ins = {i["name"]: i for i in json.load(open(sys.argv[1]))["graphs"]["decoder"]["inputs"]}
-print(int("position_ids" in ins and ins.get("past_sequence_length", {}).get("shape") == ["batch"]))' "$BUNDLE/manifest.json")
+print(int(json.load(open(sys.argv[1])).get("decoder_layout") == "static-per-row"))' "$BUNDLE/manifest.json")
 if [ "$per_row" != 1 ]; then
   CHECKPOINT=${CHECKPOINT:-$(dirname "$BUNDLE")/base-checkpoint}
-  [ -d "$CHECKPOINT" ] || { echo "error: $BUNDLE predates per-row positions and $CHECKPOINT is missing; rebuild it with benchmarks/run.sh" >&2; exit 2; }
-  echo "rebuilding $BUNDLE from $CHECKPOINT (its decoder predates the per-row static cache)" >&2
+  [ -d "$CHECKPOINT" ] || { echo "error: $BUNDLE is not a per-row static-cache bundle and $CHECKPOINT is missing; rebuild it with benchmarks/run.sh" >&2; exit 2; }
+  echo "rebuilding $BUNDLE from $CHECKPOINT (its manifest declares no per-row static cache)" >&2
   "$OX" export "$CHECKPOINT" --out "$BUNDLE.fp32-unfused" --force
   "$OX" optimize "$BUNDLE.fp32-unfused" --out "$BUNDLE" --target cpu --precision int8 --allow-unverified --force
   rm -rf "$BUNDLE.fp32-unfused"

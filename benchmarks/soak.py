@@ -4,7 +4,7 @@ it goes. Run in a fresh process, so the curve is this engine's alone:
     python benchmarks/soak.py BUNDLE [--requests 10000] [--warmup 1000] [--every 250] [--json FILE]
 
 Prints the RSS curve and the growth after warm-up (last and largest sample against the sample at the end of
-warm-up); exit 1 when the growth reaches --max-growth (default 5%). tests/test_soak.py runs it (slow).
+warm-up); exit 1 when the growth reaches --max-growth (default 5%). tests/test_soak_and_kill.py runs it (slow).
 """
 
 from __future__ import annotations

@@ -25,6 +25,7 @@ import onnx
 from runtime.errors import BundleError
 from runtime.manifest import (FORMAT, FORMAT_VERSION, MANIFEST, PRECISIONS, TARGETS, bundle_files, file_entries,
                               sha256_file, validate_manifest)
+from runtime.spec import DYNAMIC, kv_cache_of
 from runtime.tokenizer import load_tokenizer, tokenizer_files
 from toolkit.reference.outdir import OutputKind, check_output, staged_output
 
@@ -96,15 +97,18 @@ def producer_versions() -> dict[str, str]:
 def build_manifest(config: dict, graphs: dict[str, dict], precision: str = "fp32", target: str = "any",
                    opset: int | None = None, fusions: dict | None = None, passes: list | None = None,
                    parity: dict | None = None, tokenizer: str | None = None, ort_graphs: dict | None = None,
-                   source: dict | None = None, kv_cache: str = "dynamic") -> dict:
-    """The manifest dict (its "files" list is added by write_manifest). graphs: {name: graph_entry(path)}; parity: a report's to_dict()."""
+                   source: dict | None = None, decoder_layout: str = DYNAMIC) -> dict:
+    """The manifest dict (its "files" list is added by write_manifest). graphs: {name: graph_entry(path)}; parity: a
+    report's to_dict(); decoder_layout: how the runtime feeds the decoder (runtime/spec.py's DECODER_LAYOUTS), with
+    the kv_cache it implies."""
     if precision not in PRECISIONS:
         raise BundleError(f"unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
     if target not in TARGETS:
         raise BundleError(f"unknown target {target!r}; choose one of {', '.join(TARGETS)}")
     manifest = {
         "format": FORMAT, "format_version": FORMAT_VERSION, "model": dict(config), "precision": precision,
-        "target": target, "opset": opset if opset is not None else graphs["encoder"].get("opset"), "kv_cache": kv_cache,
+        "target": target, "opset": opset if opset is not None else graphs["encoder"].get("opset"),
+        "kv_cache": kv_cache_of(decoder_layout), "decoder_layout": decoder_layout,
         "graphs": graphs, "ort_graphs": ort_graphs or {}, "tokenizer": tokenizer,
         "fusions": dict(fusions or {}), "passes": list(passes or []), "producer": producer_versions(),
         "parity": parity if parity is not None else {"verified": False},

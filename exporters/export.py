@@ -25,7 +25,7 @@ import runtime.spec as S
 from exporters.bundle import build_manifest, check_destination, copy_tokenizer, graph_entry, stage_bundle, write_manifest
 from exporters.logs import quiet_loggers
 from exporters.shared_weights import share_weights, shared_bytes
-from exporters.validate import check_graph
+from exporters.validate import check_finite, check_graph, proto_weights
 from toolkit.reference.errors import ConfigError
 from toolkit.parity import ParityError
 from runtime.spec import CROSS, PAST, PRESENT, SELF, GraphSpec, cache_name, graph_specs
@@ -162,6 +162,7 @@ def export_graphs(model: Transformer, out_dir: Path, opset: int = DEFAULT_OPSET,
             path = Path(out_dir) / f"{name}.onnx"
             _export(wrapper(model, specs[name]), specs[name], config, path, opset)
             checked = check_graph(path, specs[name])
+            check_finite(proto_weights(checked), f"{name}.onnx")
             progress(f"exported {name}.onnx ({path.stat().st_size / 1e6:.1f} MB, opset {opset}) "
                      f"in {time.perf_counter() - start:.1f} s; onnx checker and spec check passed")
             paths[name] = (path, checked)
@@ -193,7 +194,8 @@ def export_model(model: Transformer, out_dir: str | Path, opset: int = DEFAULT_O
                      f"{shared_bytes(shared) / 1e6:.1f} MB of them stored once for both graphs")
         manifest = build_manifest(
             model.config.to_dict(), {name: graph_entry(path, checked) for name, (path, checked) in graphs.items()},
-            precision="fp32", target="any", opset=opset, parity=parity, tokenizer=copy_tokenizer(tokenizer, tmp))
+            precision="fp32", target="any", opset=opset, parity=parity, tokenizer=copy_tokenizer(tokenizer, tmp),
+            decoder_layout=S.DYNAMIC)
         if shared is not None:
             manifest["shared_weights"] = shared
         write_manifest(tmp, manifest)

@@ -34,10 +34,13 @@ from exporters.precision import precision_pass
 from exporters.row_activations import RowActivationsPass
 from exporters.shared_weights import inline_external, share_weights, shared_bytes
 from exporters.static_cache import StaticCachePass, StaticCacheError, per_row_for
-from runtime.manifest import GRAPHS, PRECISIONS, read_manifest, verify_hashes
+from exporters.validate import check_finite, ir_weights
+from runtime.manifest import GRAPHS, PRECISIONS, decoder_layout, read_manifest, verify_hashes
+from runtime.spec import DYNAMIC
 from toolkit.parity import ParityError
 from toolkit.parity.gate import bundle_gate
 from toolkit.parity.graphs import bundle_parity, record_table
+from toolkit.parity.inputs import DEFAULT_SAMPLES
 
 @dataclass
 class OptimizeReport:
@@ -49,6 +52,7 @@ class OptimizeReport:
     precision: str
     attention: str | None
     kv_cache: str = "dynamic"
+    decoder_layout: str = DYNAMIC                                         # what the manifest declares
     fusions: dict[str, dict[str, int]] = field(default_factory=dict)      # graph -> rule -> count
     passes: list[str] = field(default_factory=list)
     before: dict[str, dict] = field(default_factory=dict)                # graph -> {nodes, op_counts, bytes}
@@ -67,14 +71,16 @@ class OptimizeReport:
 
     def to_dict(self) -> dict:
         return {"source": self.source, "out": self.out, "target": self.target, "precision": self.precision,
-                "attention": self.attention, "kv_cache": self.kv_cache, "fusions": self.fusions, "fusion_totals": self.totals,
+                "attention": self.attention, "kv_cache": self.kv_cache,
+                "decoder_layout": self.decoder_layout, "fusions": self.fusions, "fusion_totals": self.totals,
                 "passes": self.passes, "before": self.before, "after": self.after, "parity": self.parity,
                 "notes": self.notes, "seconds": self.seconds}
 
     def format(self) -> str:
         """The command's report: rewrites, node and op counts, file sizes, parity."""
         lines = [f"optimized {self.source} -> {self.out}  (target {self.target}, precision {self.precision}, "
-                 f"attention {self.attention or 'not fused'}, KV cache {self.kv_cache}, {self.seconds:.1f} s)"]
+                 f"attention {self.attention or 'not fused'}, KV cache {self.kv_cache} (decoder layout "
+                 f"{self.decoder_layout}), {self.seconds:.1f} s)"]
         totals = self.totals
         if totals:
             fired = {rule: n for rule, n in totals.items() if n}
@@ -156,7 +162,7 @@ class _Job:
 
 def optimize_bundle(bundle_dir: str | Path, out_dir: str | Path, target: str = "cpu", precision: str = "fp32",
                     fuse: bool = True, attention: str = "ort", force: bool = False, per_channel: bool | None = None,
-                    samples: int = 32, progress: Callable[[str], None] | None = None,
+                    samples: int = DEFAULT_SAMPLES, progress: Callable[[str], None] | None = None,
                     ort_format: bool = False, kv_cache: str = "auto",
                     allow_unverified: bool = False, activation_scales: str = "per-tensor",
                     texts: list[str] | None = None) -> tuple[Path, OptimizeReport]:
@@ -182,8 +188,9 @@ def optimize_bundle(bundle_dir: str | Path, out_dir: str | Path, target: str = "
     The gate (toolkit.parity.gate, the tolerance table's row for the precision): a verdict other than "ok"
     (failed, or inconclusive because the outputs do not vary) raises ParityError and writes nothing, unless
     allow_unverified, which writes the bundle with the verdict and "verified": false in its manifest. Its token
-    check runs on `samples` inputs: the texts given (through the bundle's tokenizer), else the held-out inputs of the
-    model's task, else random ids (which a text model, e.g. an imported Marian, never sees: give it texts).
+    check runs on `samples` inputs chosen as `onnxformer parity` chooses them (toolkit.parity.inputs): the texts
+    given (through the bundle's tokenizer), else the held-out inputs of the model's task, else random ids (which a
+    text model, e.g. an imported Marian, never sees: give it texts).
     """
     start = time.perf_counter()
     bundle_dir, out_dir = Path(bundle_dir), Path(out_dir)
@@ -223,18 +230,21 @@ def drop_stack_traces(model: ir.Model) -> None:
 
 
 def transform(job: _Job) -> dict[str, ir.Model]:
-    """Load each graph and run its rewrite passes (fusions until nothing changes, the static cache, int8 pre-passes)."""
+    """Load each graph and run its rewrite passes (fusions until nothing changes, the static cache, int8 pre-passes);
+    the report gets the decoder layout the new manifest declares."""
     report, models = job.report, {}
+    static = StaticCachePass(per_row_for(job.target)) if job.kv_cache == "static" else None
     for g in GRAPHS:
         entry = job.manifest["graphs"][g]
         report.before[g] = _counts(entry, job.source(g))
         t0 = time.perf_counter()
         models[g], report.fusions[g], applied = _fuse_graph(
             job.source(g), job.fuse, job.attention, job.precision, entry.get("opset") or job.manifest.get("opset"),
-            job.kv_cache == "static" and g == "decoder", per_row_for(job.target), report.notes)
+            static if g == "decoder" else None, report.notes)
         report.passes = sorted(set(report.passes) | set(applied), key=_pass_rank)
         _check_fused(g, models[g], job.manifest["model"], job.fuse, job.attention, report)
         job.progress(f"{g}: {sum(report.fusions[g].values())} rewrites in {time.perf_counter() - t0:.1f} s")
+    report.decoder_layout = static.layout if static is not None and static.changed else decoder_layout(job.manifest)
     return models
 
 
@@ -252,6 +262,7 @@ def convert(job: _Job, models: dict[str, ir.Model], tmp: Path) -> bool | None:
             with quiet_loggers("root", "onnxruntime", "onnxruntime.quantization"):
                 converted = step(models[g]).model if step is not None else models[g]
             drop_stack_traces(converted)
+            check_finite(ir_weights(converted), f"the {precision} {files[g]}")
             ir.save(converted, folder / files[g])
         parity = _parity(job, {g: folder / files[g] for g in GRAPHS})
         tried.append((choice, folder, parity))
@@ -304,7 +315,7 @@ def write(job: _Job, tmp: Path, per_channel: bool | None) -> None:
     new = build_manifest(manifest["model"], entries, precision=job.precision, target=job.target,
                          fusions=fusions, passes=(manifest.get("passes") or []) + report.passes,
                          parity=report.parity, tokenizer=_tokenizer(job.bundle_dir, manifest, tmp), source=source,
-                         kv_cache=job.kv_cache)
+                         decoder_layout=report.decoder_layout)
     if shared is not None:
         new["shared_weights"] = shared
     if job.ort_format:
@@ -333,9 +344,10 @@ def _choose(tried: list, report: OptimizeReport) -> tuple:
 
 
 def _fuse_graph(path: Path, fuse: bool, attention: str, precision: str, opset: int | None,
-                static_cache: bool = False, per_row: bool = True,
+                static: StaticCachePass | None = None,
                 notes: list[str] | None = None) -> tuple[ir.Model, dict[str, int], list[str]]:
-    """Load one graph and run the fusion passes until nothing changes (then the static cache and int8 passes)."""
+    """Load one graph and run the fusion passes until nothing changes (then `static`, the static cache pass, and the
+    int8 passes)."""
     model = ir.load(path)
     inline_external(model)                      # a source with weights.data: its graphs are written anew
     counts, applied = Counter(), []
@@ -343,8 +355,7 @@ def _fuse_graph(path: Path, fuse: bool, attention: str, precision: str, opset: i
         run = run_passes(fusion_passes(attention, opset or 20), model)
         model, applied = run.model, run.applied
         counts.update(run.counts)
-    if static_cache:                                  # called directly: the manager would wrap its error
-        static = StaticCachePass(per_row)
+    if static is not None:                            # called directly: the manager would wrap its error
         try:
             static(model)
         except StaticCacheError as exc:
@@ -394,6 +405,7 @@ def _tokenizer(bundle_dir: Path, manifest: dict, tmp: Path) -> str | None:
 def _parity(job: _Job, paths: dict[str, Path]) -> dict:
     """The gate's parity record of the new graphs against the source bundle's (toolkit.parity.gate)."""
     src_paths, precision, config = {g: job.source(g) for g in GRAPHS}, job.precision, job.manifest["model"]
+    layouts = (job.report.decoder_layout, decoder_layout(job.manifest))             # (candidate, source)
     provider = "cuda" if job.target == "cuda" else "cpu"
     if provider == "cuda" and "CUDAExecutionProvider" not in ort.get_available_providers():
         record = {"verified": False, "judged": False, "verdict": "not run", "provider": "cuda", "precision": precision,
@@ -401,7 +413,7 @@ def _parity(job: _Job, paths: dict[str, Path]) -> dict:
                             f"graphs were not run on their target; check them on a GPU machine with "
                             f"`onnxformer parity CHECKPOINT BUNDLE --provider cuda`"}
         try:                                       # an informative look on the CPU, never a verdict
-            cpu = bundle_parity(src_paths, paths, config, "cpu", None, precision).to_dict()
+            cpu = bundle_parity(src_paths, paths, config, "cpu", None, precision, layouts=layouts).to_dict()
             record["cpu_check"] = {k: cpu[k] for k in ("summary", "max_abs", "teacher_forced_tokens_equal")}
         except Exception as exc:                   # e.g. an op without a CPU kernel for this type
             record["cpu_check"] = {"summary": f"does not run on the CPU ({str(exc).splitlines()[0][:200]})"}
@@ -409,7 +421,7 @@ def _parity(job: _Job, paths: dict[str, Path]) -> dict:
         return record
     t0 = time.perf_counter()
     record = bundle_gate(src_paths, paths, job.manifest, job.bundle_dir, provider, precision, job.samples,
-                         job.texts)
+                         job.texts, layouts[0])
     job.progress(f"parity against the source bundle on {provider} in {time.perf_counter() - t0:.1f} s: "
                  f"{record['summary']}")
     return record

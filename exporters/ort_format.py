@@ -36,7 +36,7 @@ import onnxruntime as ort
 
 from exporters.logs import quiet_loggers
 from runtime.errors import OnnxformerError
-from runtime.manifest import GRAPHS, sha256_file
+from runtime.manifest import GRAPHS, decoder_layout, sha256_file
 from toolkit.parity import ParityError
 
 CONFIG_FILE = "required_operators.config"
@@ -86,7 +86,7 @@ def add_ort_format(bundle_dir: str | Path, manifest: dict, target_platform: str 
     _relative_config_comments(config)
     record = {"style": STYLE, "optimization_level": "all", "target_platform": target_platform,
               "onnxruntime": ort.__version__, "required_operators": _file_entry(config)}
-    record["parity"] = check_ort_parity(sources, targets, manifest["model"])
+    record["parity"] = check_ort_parity(sources, targets, manifest["model"], decoder_layout(manifest))
     progress(f"ORT-format parity against the .onnx graphs: {record['parity']['summary']}")
     manifest["ort_graphs"] = {g: {**_file_entry(targets[g]), "source_sha256": manifest["graphs"][g]["sha256"]}
                               for g in GRAPHS}
@@ -132,13 +132,15 @@ def _file_entry(path: Path) -> dict:
     return {"file": path.name, "sha256": sha256_file(path), "bytes": path.stat().st_size}
 
 
-def check_ort_parity(onnx_paths: dict[str, Path], ort_paths: dict[str, Path], config: dict) -> dict:
-    """The .ort graphs against the .onnx graphs they came from: fp32 CPU tolerance, teacher-forced tokens equal."""
+def check_ort_parity(onnx_paths: dict[str, Path], ort_paths: dict[str, Path], config: dict, layout: str) -> dict:
+    """The .ort graphs against the .onnx graphs they came from (decoder layout `layout`): fp32 CPU tolerance,
+    teacher-forced tokens equal."""
     from toolkit.parity.graphs import bundle_parity
     from toolkit.parity.tolerances import tolerance
 
     tol = tolerance("fp32", "cpu")              # a format change, not a precision change, whatever the precision
-    record = bundle_parity(onnx_paths, ort_paths, config, "cpu", tol, labels=("ORT format", ".onnx graphs")).to_dict()
+    record = bundle_parity(onnx_paths, ort_paths, config, "cpu", tol, labels=("ORT format", ".onnx graphs"),
+                           layouts=(layout, layout)).to_dict()
     if not record["verified"] or record["teacher_forced_tokens_equal"] < 1.0:
         raise ParityError(f"the ORT-format graphs differ from the .onnx graphs: {record['summary']} (tokens equal "
                           f"{record['teacher_forced_tokens_equal']:.2%}); nothing was written", record)

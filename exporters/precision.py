@@ -9,18 +9,17 @@ follow the graph's float type and are converted with it.
 
 int8 (onnxruntime.quantization.quantize_dynamic): MatMul weights only (op_types_to_quantize=["MatMul"]:
 quantizing the ONNX Attention op would turn it into QAttention, which no longer loads), int8 weights with one
-scale per tensor or per output channel (optimize chooses: per tensor runs ~20% faster at batch 1, per channel
-halves the logits error), activations quantized at run time: one range per MatMul input tensor (onnxruntime's
+scale per tensor or per output channel (optimize chooses: per tensor is faster, per channel follows
+each output column's range; RESULTS.md, "int8 activation scales" and "int8 numerics"), activations quantized at run time: one range per MatMul input tensor (onnxruntime's
 dynamic quantization, so a row's rounding depends on the rest of its batch), or, with activation_scales
-"per-row", one per token row (exporters/row_activations; 10-17% slower, benchmarks/RESULTS.md). Packed
+"per-row", one per token row (exporters/row_activations; slower: RESULTS.md, "int8 activation scales"). Packed
 weights (Q/K/V of a layer, the cross K/V of all decoder layers, exporters/fusions/pack_matmul) always get
 per-channel scales: one scale for matrices of different ranges is the error per-channel scales exist for.
 MatMuls between two activations (unfused attention scores) are left in float (MatMulConstBOnly).
 
-reduce_range stays off, by measurement (benchmarks/int8_numerics.py, RESULTS.md "int8 numerics"): 7-bit weights
-double the teacher-forced logits error on the dates model on a VNNI CPU (mean 0.043 -> 0.076), where 8-bit
-products cannot saturate; the AVX2-only (no VNNI) case, where u8 x s8 pairs can saturate int16, was measured
-under qemu -cpu Haswell (same script, --evaluate).
+reduce_range stays off, by measurement (benchmarks/studies/int8_numerics.py, RESULTS.md "int8 numerics"): 7-bit
+weights raise the teacher-forced logits error on every variant measured, on a VNNI CPU, where 8-bit products
+cannot saturate, and on the AVX2-only (no VNNI) case, where u8 x s8 pairs can saturate int16.
 """
 
 from __future__ import annotations

@@ -9,13 +9,12 @@ both graphs, and two graph files store them twice. Here every initializer whose 
 offset, length) under one name; every other tensor of >= EXTERNAL_BYTES goes there too. The graphs stay valid
 ONNX next to that file (any ONNX tool opens them), and the manifest hashes it like the graphs.
 
-In memory (measured on the base int8 bundle, benchmarks/RESULTS.md): ONNX Runtime maps external data that starts
-on a page (PAGE) instead of reading it, so both sessions map the same file pages (one copy in the page cache) and
-the large weights never pass through a parsed protobuf: peak resident memory of `onnxformer generate` fell from
-148 to 126 MB. The tensors both graphs read are then handed to both sessions as one OrtValue each over one
+In memory (RESULTS.md, "Leaner edge bundles"): ONNX Runtime maps external data that starts on a page (PAGE)
+instead of reading it, so both sessions map the same file pages (one copy in the page cache) and the large weights
+never pass through a parsed protobuf, which lowers the peak resident memory of `onnxformer generate`. The tensors both graphs read are then handed to both sessions as one OrtValue each over one
 read-only mapping (runtime.bundle.shared_initializers, SessionOptions.add_initializer), so that they are resident
-once and not once per session's mapping (-4 MiB on the base int8 bundle); they must stay page-aligned views of the
-file: OrtValues of tensors read into memory raised the peak to 159 MB.
+once and not once per session's mapping; they must stay page-aligned views of the file: OrtValues of tensors read
+into memory raise the peak instead.
 
 ORT-format (.ort) graphs cannot reference external data: the converter embeds the tensors in each .ort file.
 """

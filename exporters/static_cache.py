@@ -9,18 +9,20 @@ With the dynamic contract onnxruntime's MultiHeadAttention concatenates past and
 tensor every step, so a step copies the whole cache and grows with past_len. This pass turns each decoder
 self-attention into an attention op that writes the new key/value into the buffer in place and attends over
 its filled part; the runtime binds one buffer as both past and present, so nothing is copied
-(runtime/static_cache.py). Two layouts, by target:
+(runtime/static_cache.py). Two layouts, by target, declared in the manifest's decoder_layout (the runtime feeds the
+decoder by it, runtime/feed.py):
 
-- per row (CPU, the default): com.microsoft.GroupQueryAttention (kv_num_heads = num_heads). past_sequence_length
-  is int32 [B], each row's own filled length: row b writes its new key/value at slot past_sequence_length[b] of
-  its buffer row and attends over slots 0..past_sequence_length[b]. Every slot a row attends holds its own
-  token, so there is no key mask (`decoder_attention_mask` leaves the interface), rows of one batch may sit at
-  different positions (in-flight batching, runtime/inflight.py), and each row pays only for its own length.
+- per row ("static-per-row"; CPU, the default): com.microsoft.GroupQueryAttention (kv_num_heads = num_heads).
+  past_sequence_length is int32 [B], each row's own filled length: row b writes its new key/value at slot
+  past_sequence_length[b] of its buffer row and attends over slots 0..past_sequence_length[b]. Every slot a row
+  attends holds its own token, so there is no key mask (`decoder_attention_mask` leaves the interface), rows of
+  one batch may sit at different positions (in-flight batching, runtime/inflight.py), and each row pays only for
+  its own length.
   onnxruntime's GroupQueryAttention takes head sizes that are multiples of 8 only: other models get the shared
   slot on CPU too (optimize says so in its notes).
-- shared slot (CUDA): com.microsoft.DecoderMaskedMultiHeadAttention with past_present_share_buffer=1 (CUDA's
-  GroupQueryAttention takes float16/bfloat16 only, and static caches are float32). past_sequence_length is one
-  int32 [1] for all rows; the per-row key mask reaches its mask_index.
+- shared slot ("static-shared"; CUDA): com.microsoft.DecoderMaskedMultiHeadAttention with
+  past_present_share_buffer=1 (CUDA's GroupQueryAttention takes float16/bfloat16 only, and static caches are
+  float32). past_sequence_length is one int32 [1] for all rows; the per-row key mask reaches its mask_index.
 
 Two rewriter rules, like the fusions (pattern, check, replacement, count):
 
@@ -54,7 +56,7 @@ from onnxscript.rewriter import pattern
 from exporters.passes import Reporting, RewritePass
 from runtime.errors import OnnxformerError
 from runtime.spec import (BATCH, CACHE_LEN, DECODER_ATTENTION_MASK, INPUT_IDS, PAST, PAST_SEQUENCE_LENGTH, POSITION_IDS, PRESENT,
-                          SELF, is_cache)
+                          SELF, STATIC_PER_ROW, STATIC_SHARED, is_cache)
 
 MS = "com.microsoft"
 RANK = 4                                              # caches are [B, H, len, Dh]; dim 2 is the length
@@ -125,13 +127,11 @@ class PerRowStaticAttention(StaticAttention):
                                       _domain=MS, _outputs=3)
 
 
-def _key_mask(op, graph: ir.Graph, filled: ir.Value) -> ir.Value | None:
+def _key_mask(op, graph: ir.Graph, filled: ir.Value) -> ir.Value:
     """DecoderMaskedMultiHeadAttention's mask_index, int32 [B, past_sequence_length + 1]: the decoder_attention_mask's
     filled slots, then 1 for this step's token (onnxruntime checks that length; a mask over the whole buffer is
-    refused). None for decoders exported without the mask (bundles before in-flight batching)."""
-    mask = next((v for v in graph.inputs if v.name == DECODER_ATTENTION_MASK), None)
-    if mask is None:
-        return None
+    refused). StaticCachePass checked that the graph takes the mask."""
+    mask = next(v for v in graph.inputs if v.name == DECODER_ATTENTION_MASK)
     zero, one = (op.Constant(value=ir.tensor(np.array([i], dtype=np.int32))) for i in (0, 1))
     filled_part = op.Slice(op.Cast(mask, to=ir.DataType.INT32), zero, filled, one)               # [B, filled]
     end_pad = op.Constant(value=ir.tensor(np.array([0, 0, 0, 1], dtype=np.int64)))             # one slot at the end
@@ -192,11 +192,20 @@ class StaticCachePass(Reporting, ir.passes.InPlacePass):
         self.asked_per_row = self.per_row = per_row                   # per_row: the layout the last model got
         self.note = None                                               # why the layout asked for was not given
 
+    @property
+    def layout(self) -> str:
+        """The decoder layout the last model got (the manifest's decoder_layout)."""
+        return STATIC_PER_ROW if self.per_row else STATIC_SHARED
+
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
         pasts = [v for v in graph.inputs if is_cache(v.name, PAST, SELF)]
         if not pasts or any(v.name == PAST_SEQUENCE_LENGTH for v in graph.inputs):
             return ir.passes.PassResult(model, False)                  # an encoder, or already static
+        missing = {POSITION_IDS, DECODER_ATTENTION_MASK} - {v.name for v in graph.inputs}
+        if missing:
+            raise StaticCacheError(f"the decoder takes no {', '.join(sorted(missing))}: it is not an onnxformer "
+                                   f"export of this version; re-export the model (onnxformer export)")
         _refuse_unfused(pasts)
         head_size = pasts[0].shape[3] if pasts[0].shape is not None else None
         self.per_row = self.asked_per_row

@@ -1,10 +1,15 @@
-"""Validation of exported graphs: the onnx checker (full check, strict shape inference) and spec-vs-graph."""
+"""Validation of exported graphs: the onnx checker (full check, strict shape inference), spec-vs-graph, and finite
+weights (export and optimize refuse a graph whose initializers hold NaN or Inf)."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Iterable
 
+import numpy as np
 import onnx
+import onnx_ir as ir
+from onnx import numpy_helper
 
 from exporters.bundle import tensor_specs
 from runtime.errors import OnnxformerError
@@ -15,6 +20,30 @@ class GraphCheckError(OnnxformerError):
     """An exported graph that fails the onnx checker or does not match its spec: an exporter bug (exit 1)."""
 
     exit_code = 1
+
+
+class NonFiniteWeightsError(OnnxformerError):
+    """A graph whose weights hold NaN or Inf: every output would be garbage, so nothing is written (exit 2)."""
+
+
+def check_finite(weights: Iterable[tuple[str, np.ndarray]], graph: str) -> None:
+    """Refuse the first float weight (name, values) that holds a NaN or an Inf, naming it."""
+    for name, values in weights:
+        if values.dtype.kind == "f" and not np.isfinite(values).all():
+            bad = int(np.size(values) - np.isfinite(values).sum())
+            raise NonFiniteWeightsError(f"{graph}: weight {name} holds {bad} NaN/Inf value(s), so every output would "
+                                        f"be garbage; fix the checkpoint's weights (or choose a precision whose range "
+                                        f"holds them) and run again; nothing was written")
+
+
+def proto_weights(model: onnx.ModelProto) -> Iterable[tuple[str, np.ndarray]]:
+    """(name, values) of an onnx graph's initializers."""
+    return ((t.name, numpy_helper.to_array(t)) for t in model.graph.initializer)
+
+
+def ir_weights(model: ir.Model) -> Iterable[tuple[str, np.ndarray]]:
+    """(name, values) of an onnx_ir graph's initializers."""
+    return ((name, v.const_value.numpy()) for name, v in model.graph.initializers.items() if v.const_value is not None)
 
 
 def interface_problems(model: onnx.ModelProto, spec: GraphSpec) -> list[str]:

@@ -5,8 +5,9 @@
     print(bundle.provider)                      # "cpu" or "cuda": what "auto" chose
 
 Every way a bundle can be broken (missing file, any changed file: graphs, .ort graphs, tokenizer, operator config
-or whatever else the manifest lists; older or newer format, graph whose interface differs from its manifest) is a
-BundleError when loading, never a crash at run time.
+or whatever else the manifest lists; older or newer format, graph whose interface differs from its manifest, a
+manifest whose model config or decoder_layout does not match its graphs) is a BundleError when loading, never a
+crash at run time.
 """
 
 from __future__ import annotations
@@ -21,12 +22,11 @@ import onnxruntime as ort
 from onnxruntime.capi import onnxruntime_pybind11_state as ort_errors
 
 from runtime.errors import BundleError, ProviderError, TokenizerError
-from runtime.manifest import GRAPHS, manifest_specs, read_manifest, verify_hashes
+from runtime.manifest import GRAPHS, decoder_layout, manifest_specs, read_manifest, verify_hashes
 from runtime.ort_engine import OrtEngine
 from runtime.session import (Arg, OnDemandSession, SessionConfig, choose_provider, installed_onnxruntime,
                              make_session)
-from runtime.spec import (PAST_SEQUENCE_LENGTH, GraphSpec, graph_specs, per_row_lengths, source_vocab_size,
-                          takes_row_inputs, without_row_inputs)
+from runtime.spec import GraphSpec, config_field_of, graph_specs, parse_cache_name, source_vocab_size
 from runtime.tokenizer import CharTokenizer, load_tokenizer
 
 _LOAD_ERRORS = (ort_errors.Fail, ort_errors.InvalidGraph, ort_errors.InvalidProtobuf, ort_errors.NotImplemented,
@@ -76,7 +76,8 @@ def load_bundle(path: str | Path, provider: str = "auto", threads: int | None = 
             raise
         chosen = "cpu"                                                # onnxruntime-gpu whose CUDA libraries are missing
         sessions, files = _sessions(path, manifest, chosen, config)
-    engine = OrtEngine(sessions["encoder"], sessions["decoder"], manifest["model"], chosen, io_binding)
+    engine = OrtEngine(sessions["encoder"], sessions["decoder"], manifest["model"], chosen, io_binding,
+                       decoder_layout(manifest))
     return Bundle(path, manifest, engine, _tokenizer(path, manifest), chosen, files)
 
 
@@ -85,8 +86,7 @@ def _sessions(path: Path, manifest: dict, provider: str, config: SessionConfig,
     """Both graphs' sessions, each checked against the manifest and against the interface the engine feeds
     (on_demand: OnDemandSessions that release each other, each checked when made)."""
     recorded = manifest_specs(manifest)
-    expected = graph_specs(manifest["model"], kv_cache=manifest.get("kv_cache", "dynamic"),
-                           per_row=_per_row(recorded["decoder"]))
+    expected = graph_specs(manifest["model"], layout=decoder_layout(manifest))
     sessions, files = {}, {}
     shared = shared_initializers(path, manifest) if provider == "cpu" else {}
     for name in GRAPHS:
@@ -173,23 +173,32 @@ def _session(file: Path, provider: str, config: SessionConfig,
                           f"or re-optimize the bundle for this provider (e.g. --target {provider})") from None
 
 
-def _per_row(decoder: GraphSpec) -> bool:
-    """Whether a static decoder's recorded past_sequence_length is per row (CPU bundles since GroupQueryAttention);
-    [1]: the shared slot (CUDA bundles, and CPU bundles before it)."""
-    psl = next((t for t in decoder.inputs if t.name == PAST_SEQUENCE_LENGTH), None)
-    return psl is not None and per_row_lengths(psl.shape)
-
-
 def _check_recorded(path: Path, name: str, recorded: GraphSpec, expected: GraphSpec) -> None:
-    """The manifest's interface must be the one the runtime feeds (names in order, dtypes, ranks)."""
-    if not takes_row_inputs(recorded.input_names):              # exported before per-row positions: still served
-        expected = without_row_inputs(expected)                  # (request-level batching; runtime.inflight refuses)
+    """The manifest's interface must be the one the runtime feeds for its model config and decoder layout: names
+    in order, dtypes, ranks, and every fixed dim (a manifest whose config was edited is refused here, naming the
+    field, not by onnxruntime at the first request)."""
+    _check_layers(path, name, recorded, expected)
     got = [(t.name, t.dtype, len(t.shape)) for t in recorded.inputs + recorded.outputs]
     want = [(t.name, t.dtype, len(t.shape)) for t in expected.inputs + expected.outputs]
     for found, wanted in zip_longest(got, want):
         if found != wanted:
-            raise BundleError(f"bundle {path}: the manifest's {name} interface differs from the model config "
-                              f"(found {found}, expected {wanted}); re-export the bundle with this onnxformer")
+            raise BundleError(f"bundle {path}: the manifest's {name} interface differs from the model config and "
+                              f"decoder_layout (found {found}, expected {wanted}); re-export the bundle with this "
+                              f"onnxformer")
+    for r, e in zip(recorded.inputs + recorded.outputs, expected.inputs + expected.outputs):
+        for axis, (dim, wanted) in enumerate(zip(r.shape, e.shape)):
+            if isinstance(dim, int) and isinstance(wanted, int) and dim != wanted:
+                raise BundleError(f"bundle {path}: the manifest's model config does not match its graphs: "
+                                  f"{config_field_of(r.name, axis)} gives {name} {r.name} size {wanted} at axis "
+                                  f"{axis}, the graph has {dim}; copy the bundle again or re-export it")
+
+
+def _check_layers(path: Path, name: str, recorded: GraphSpec, expected: GraphSpec) -> None:
+    """The decoder layers the config names against the layers of the caches the graph takes or gives."""
+    layers = [{p[1] for p in map(parse_cache_name, s.input_names + s.output_names) if p} for s in (recorded, expected)]
+    if len(layers[0]) != len(layers[1]):
+        raise BundleError(f"bundle {path}: the manifest's model config says n_decoder_layers {len(layers[1])}, the "
+                          f"{name} graph takes the caches of {len(layers[0])}; copy the bundle again or re-export it")
 
 
 def _check_session(file: Path, session: ort.InferenceSession, spec: GraphSpec) -> None:

@@ -24,6 +24,17 @@ class InputError(OnnxformerError):
     """A generation request the model cannot serve (empty, too long, bad ids)."""
 
 
+class NumericsError(OnnxformerError):
+    """The model gave a NaN or infinite logit while decoding: its numbers are broken, not the request."""
+
+    exit_code = 1
+
+    def __init__(self, message: str, rows=()):
+        super().__init__(message)
+        self.rows = [int(r) for r in rows]      # the rows of the step's logits that gave it
+        self.inputs: list[int] | None = None    # ... and the inputs they decode, where the caller knows them
+
+
 class BundleError(OnnxformerError):
     """A bundle that is missing, tampered with, or from an unknown format version."""
 

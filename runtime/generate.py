@@ -1,4 +1,4 @@
-"""Generation requests, shared by every engine: validate and pad inputs, run the search, report results.
+"""Generation, shared by every engine: pad a validated request's inputs (runtime.request), run the search, report.
 
 An engine (PyTorch in toolkit/, ONNX Runtime in runtime/) provides
 
@@ -11,12 +11,13 @@ times (row b * expand + j), ready for `runtime.search`.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from typing import Protocol, Sequence
 
 import numpy as np
 
-from runtime.errors import InputError
+from runtime.errors import NumericsError
+from runtime.request import Request
 from runtime.search import DecodeState, Hypothesis, SearchOptions, search
 
 
@@ -60,56 +61,44 @@ def pad_batch(sequences: Sequence[Sequence[int]], pad_id: int) -> tuple[np.ndarr
     return ids, mask
 
 
-MAX_LENGTH_PENALTY = 10.0            # |length_penalty| above this overflows len ** lp and means nothing anyway
+def generate(engine: Engine, request: Request, stop: np.ndarray | None = None) -> list[list[Hypothesis]]:
+    """Hypotheses for each input of a validated request (runtime.request), in input order, best first.
 
-
-def check_request(sequences: Sequence[Sequence[int]], opts: SearchOptions, vocab_size: int, max_len: int) -> None:
-    """Refuse what the model cannot serve, naming the input and the fix; nothing is silently truncated."""
-    if len(sequences) == 0:
-        raise InputError("no inputs given; pass at least one text (or --ids) to generate from")
-    for i, seq in enumerate(sequences):
-        if len(seq) == 0:
-            raise InputError(f"input {i} is empty; every input needs at least one token")
-        if len(seq) > max_len:
-            raise InputError(f"input {i} has {len(seq)} tokens, more than the model's maximum source length "
-                             f"{max_len}; shorten or split it")
-        bad = [t for t in seq if not 0 <= int(t) < vocab_size]
-        if bad:
-            raise InputError(f"input {i} has token id(s) {bad[:5]} outside the vocabulary [0, {vocab_size}); "
-                             f"use ids below {vocab_size}")
-    if not 0 <= opts.max_new_tokens <= max_len:
-        raise InputError(f"max new tokens must be between 0 and the model's maximum length {max_len}, "
-                         f"got {opts.max_new_tokens}")
-    if opts.beam < 1:
-        raise InputError(f"beam width must be at least 1, got {opts.beam}")
-    if not 1 <= opts.num_return <= opts.beam:
-        raise InputError(f"number of returned hypotheses ({opts.num_return}) must be between 1 and the beam width "
-                         f"({opts.beam})")
-    lp = opts.length_penalty
-    if not isinstance(lp, (int, float)) or not -MAX_LENGTH_PENALTY <= lp <= MAX_LENGTH_PENALTY:   # NaN fails too
-        raise InputError(f"length penalty must be a number between {-MAX_LENGTH_PENALTY:g} and "
-                         f"{MAX_LENGTH_PENALTY:g} (1.0 divides a beam's log-probability by its length), got {lp!r}")
+    Each input stops at its own limit (request.limits: a server's merged batch gives each what it would get
+    alone). `stop`: inputs the caller no longer needs, set while the search runs (runtime.search.greedy). A
+    non-finite logit raises NumericsError naming, in `inputs`, the inputs whose rows gave it.
+    """
+    opts, n = request.opts, len(request.sequences)
+    if opts.max_new_tokens == 0:
+        return search(None, n, engine.bos_id, engine.eos_id, opts)
+    limits = np.asarray(request.limits, dtype=np.int64) if opts.beam == 1 else None
+    ids, mask = pad_batch(request.sequences, engine.src_pad_id)
+    state = RowsOf(engine.start(ids, mask, opts.beam, opts.max_new_tokens), n, opts.beam)   # encoder runs once here
+    try:
+        return search(state, n, engine.bos_id, engine.eos_id, opts, limits, stop)
+    except NumericsError as exc:
+        exc.inputs = sorted({int(i) for i in state.inputs[exc.rows]})
+        raise
 
 
 def generate_ids(engine: Engine, sequences: Sequence[Sequence[int]], opts: SearchOptions,
                  limits: Sequence[int] | None = None, stop: np.ndarray | None = None) -> list[list[Hypothesis]]:
-    """Hypotheses for each input, in input order, best first.
+    """generate() for token id inputs: builds and validates their Request (InputError when the model cannot serve
+    them). `limits`: each input's own max new tokens (greedy), at most opts.max_new_tokens."""
+    return generate(engine, Request.build(engine, sequences, None, opts, limits), stop)
 
-    `limits`: each input's own max new tokens (greedy; a server batching requests that asked for different
-    lengths: each gets what it would alone); opts.max_new_tokens must then be their maximum. `stop`: inputs the
-    caller no longer needs, set while the search runs (runtime.search.greedy).
-    """
-    check_request(sequences, opts, engine.src_vocab_size, engine.max_len)
-    opts = replace(opts, suppress=tuple(engine.suppress_ids))
-    if limits is not None:
-        limits = np.asarray(limits, dtype=np.int64)
-        if len(limits) != len(sequences) or int(limits.max()) != opts.max_new_tokens or int(limits.min()) < 0:
-            raise ValueError("limits must give one max_new_tokens per input, at most opts.max_new_tokens")
-    if opts.max_new_tokens == 0:
-        return search(None, len(sequences), engine.bos_id, engine.eos_id, opts)
-    ids, mask = pad_batch(sequences, engine.src_pad_id)
-    state = engine.start(ids, mask, opts.beam, opts.max_new_tokens)   # encoder runs once here
-    return search(state, len(sequences), engine.bos_id, engine.eos_id, opts, limits, stop)
+
+class RowsOf:
+    """A DecodeState that knows which input each of its rows decodes (row b * expand + j starts as input b),
+    so an error in a step's logits can name its inputs."""
+
+    def __init__(self, state: DecodeState, n: int, expand: int):
+        self.state, self.inputs = state, np.repeat(np.arange(n), expand)
+
+    def step(self, tokens: np.ndarray, keep: np.ndarray | None) -> np.ndarray:
+        if keep is not None:
+            self.inputs = self.inputs[keep]
+        return self.state.step(tokens, keep)
 
 
 def to_outputs(hyps: list[list[Hypothesis]], eos_id: int, tokenizer=None) -> list[Output]:
@@ -121,20 +110,6 @@ def to_outputs(hyps: list[list[Hypothesis]], eos_id: int, tokenizer=None) -> lis
             text = tokenizer.decode(ids) if tokenizer is not None else None
             outs.append(Output(index, rank, text, [int(t) for t in ids], round(float(h.score), 6), h.finished))
     return outs
-
-
-def encode_inputs(inputs: list[str | list[int]], tokenizer) -> list[list[int]]:
-    """Token ids of every input; text needs a tokenizer."""
-    seqs = []
-    for i, item in enumerate(inputs):
-        if isinstance(item, list):
-            seqs.append(item)
-        elif tokenizer is None:
-            raise InputError(f"input {i} is text, but this model has no tokenizer (tokenizer.json); "
-                             f"pass token ids instead (--ids \"5 6 7\" on the command line, \"ids\" in a server request)")
-        else:
-            seqs.append(tokenizer.encode(item))
-    return seqs
 
 
 def records(inputs: Sequence, outputs: list[Output]) -> list[dict]:

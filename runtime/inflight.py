@@ -24,7 +24,7 @@ leave moves only as many rows as left. Each row's tokens, finished flag and scor
 runtime.search.greedy computes them for that row alone (fp32: the same tokens; the score within float rounding:
 tests/test_inflight.py).
 
-CPU only for now: the buffers are numpy arrays bound without a copy (runtime/static_cache.py's host path).
+CPU only for now: the buffers are numpy arrays bound without a copy (runtime/feed.py's bind_static).
 """
 
 from __future__ import annotations
@@ -33,34 +33,30 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import numpy as np
-import onnxruntime as ort
 
 from runtime.errors import InputError
-from runtime.generate import check_request, pad_batch
+from runtime.feed import Feed
+from runtime.generate import pad_batch
+from runtime.request import check_sources
 from runtime.search import Hypothesis, SearchOptions, greedy_pick
-from runtime.spec import INPUT_IDS, PAST_SEQUENCE_LENGTH, POSITION_IDS
+from runtime.spec import DYNAMIC, STATIC_PER_ROW
 
 ROW_BUCKET = 2          # rows bound per step: the live rows rounded up to a multiple (few shapes, few rebinds)
-REEXPORT = ("re-export the model (onnxformer export) and optimize it again: in-flight batching needs a decoder "
-            "with position_ids inputs")
 REOPTIMIZE = "optimize the exported bundle again for --target cpu (its static cache then keeps a length per row)"
 
 
 def check_engine(engine) -> None:
     """Refuse engines in-flight batching cannot drive, with the fix (InputError, one line)."""
-    if not getattr(engine, "row_inputs", ()):
-        raise InputError(f"this bundle's decoder takes no per-row positions (it was exported before in-flight "
-                         f"batching); {REEXPORT}")
-    if not getattr(engine, "static_cache", False):
+    layout = getattr(engine, "layout", DYNAMIC)
+    if layout == DYNAMIC:
         raise InputError("in-flight batching needs a static-cache decoder; optimize the bundle with "
                          "--kv-cache static")
     if engine.provider != "cpu":
         raise InputError(f"in-flight batching runs on the CPU provider only so far, not {engine.provider}: load the "
                          f"bundle on the CPU provider (serve --provider cpu)")
-    if not getattr(engine, "per_row_cache", False):
-        raise InputError(f"this bundle's static cache has one shared length for all rows (a CUDA bundle, a model "
-                         f"whose head size is not a multiple of 8, or a bundle optimized before per-row cache "
-                         f"lengths); {REOPTIMIZE}")
+    if layout != STATIC_PER_ROW:
+        raise InputError(f"this bundle's static cache has one shared length for all rows (decoder layout {layout}: "
+                         f"a CUDA bundle, or a model whose head size is not a multiple of 8); {REOPTIMIZE}")
 
 
 @dataclass(eq=False)
@@ -91,6 +87,7 @@ class InflightBatch:
         if slots < 1:
             raise ValueError("slots must be at least 1")
         self.e, self.slots = engine, slots
+        self.feed = Feed(engine.encoder, engine.decoder, engine.config, engine.layout, engine.provider)
         self.opts = opts or SearchOptions()
         self.suppress = tuple(engine.suppress_ids)
         self.capacity = capacity or engine.max_len                    # buffer positions (>= any row's limit)
@@ -120,16 +117,17 @@ class InflightBatch:
         if len(sequences) > self.free:
             raise ValueError(f"{len(sequences)} rows do not fit: {self.free} of {self.slots} slots are free")
         limits = [int(n) for n in limits]
-        if any(n > self.capacity for n in limits):
-            raise InputError(f"max new tokens {max(limits)} exceeds the batch's cache of {self.capacity} positions")
-        check_request(sequences, SearchOptions(max_new_tokens=max(limits, default=0)), self.e.src_vocab_size,
-                      self.e.max_len)
+        bad = [n for n in limits if not 0 <= n <= self.capacity]
+        if bad:
+            raise InputError(f"max new tokens must be between 0 and the batch's cache of {self.capacity} positions, "
+                             f"got {bad[:5]}")
+        check_sources(sequences, self.e)                              # a server checked them before: runtime.request
         rows = [Row(k, n, src_len=len(s), left=n == 0, last=self.e.bos_id) for k, s, n in zip(keys, sequences, limits)]
         joining = [i for i, r in enumerate(rows) if r.limit > 0]
         if not joining:
             return rows
         ids, mask = pad_batch([sequences[i] for i in joining], self.e.src_pad_id)
-        cross = self.e.encoder.run(self.e.cross_names, {INPUT_IDS: ids, "attention_mask": mask})
+        cross = self.feed.encode(ids, mask)
         n, k, width = len(self.rows), len(joining), mask.shape[1]
         self._widen(width)
         for buf, new in zip(self.cross, cross):                      # the joiners' rows, in place
@@ -175,16 +173,11 @@ class InflightBatch:
         bound = min(self.slots, -(-n // ROW_BUCKET) * ROW_BUCKET)
         if self._binding is None or bound != self.bound:
             self._binding, self.bound = self._bind(bound), bound
-        binding = self._binding
         tokens = np.full((bound, 1), self.e.bos_id, dtype=np.int64)   # rows past n: not live, results unused
         lengths = np.zeros(bound, dtype=np.int32)                     # ... at length 0 (slot 0 of a free row)
         tokens[:n, 0] = [r.last for r in self.rows]
         lengths[:n] = [r.length for r in self.rows]
-        binding.bind_cpu_input(INPUT_IDS, tokens)
-        binding.bind_cpu_input(PAST_SEQUENCE_LENGTH, lengths)
-        binding.bind_cpu_input(POSITION_IDS, lengths.astype(np.int64)[:, None])
-        self.e.decoder.run_with_iobinding(binding)
-        logits = binding.get_outputs()[0].numpy()[:n, -1].copy()     # [n, V]; ORT reuses the output's memory
+        logits = self._binding.step(tokens, lengths)[:n, -1].copy()   # [n, V]; ORT reuses the output's memory
         self.steps += 1
         no_eos = [i for i, r in enumerate(self.rows) if r.ignore_eos] if not self.opts.ignore_eos else slice(None)
         logits[no_eos, self.e.eos_id] = -np.inf
@@ -230,17 +223,8 @@ class InflightBatch:
         """The decoder's binding for the leading n buffer rows: buffers (past and present in one), cross K/V, source
         mask. Views of the slot arrays, no copies: joins and leaves change their contents in place, so the binding
         lives until n changes or the cross buffers widen."""
-        e = self.e
-        binding = e.decoder.io_binding()
-        binding.bind_ortvalue_input("encoder_attention_mask", ort.OrtValue.ortvalue_from_numpy(self.src_mask[:n]))
-        for name, buf in zip(e.cross_in_names, self.cross):           # leading rows: contiguous views, no copy
-            binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(buf[:n]))
-        binding.bind_output("logits", "cpu")
-        for past, present, buf in zip(e.past_names, e.present_names, self.buffers):
-            value = ort.OrtValue.ortvalue_from_numpy(buf[:n])          # leading rows: contiguous, no copy
-            binding.bind_ortvalue_input(past, value)
-            binding.bind_ortvalue_output(present, value)
-        return binding
+        return self.feed.bind_static(self.src_mask[:n], [buf[:n] for buf in self.cross],   # leading rows: contiguous
+                                     [buf[:n] for buf in self.buffers])
 
 
-__all__ = ["InflightBatch", "Row", "check_engine", "REEXPORT", "REOPTIMIZE"]
+__all__ = ["InflightBatch", "Row", "check_engine", "REOPTIMIZE"]

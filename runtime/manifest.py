@@ -12,15 +12,15 @@ import json
 from pathlib import Path
 
 from runtime.errors import BundleError, read_json
-from runtime.spec import KV_CACHES, GraphSpec, TensorSpec
+from runtime.spec import DECODER_LAYOUTS, GraphSpec, TensorSpec, kv_cache_of
 
 FORMAT = "onnxformer-bundle"
-FORMAT_VERSION = 2                 # 2: "files" lists every file with its sha256 and size
+FORMAT_VERSION = 3                 # 2: "files" lists every file with its sha256 and size; 3: "decoder_layout"
 MANIFEST = "manifest.json"
 GRAPHS = ("encoder", "decoder")
 PRECISIONS = ("fp32", "fp16", "int8", "int4")
 TARGETS = ("any", "cpu", "cuda")
-REQUIRED = ("format", "format_version", "model", "precision", "graphs", "files")
+REQUIRED = ("format", "format_version", "model", "precision", "decoder_layout", "graphs", "files")
 
 
 def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
@@ -59,16 +59,21 @@ def validate_manifest(manifest, where: str | Path = MANIFEST, written: bool = Tr
         raise BundleError(f"{where} has format_version {version}, newer than this onnxformer reads ({FORMAT_VERSION}); "
                           f"upgrade onnxformer or re-export the bundle with this version")
     if version < FORMAT_VERSION:
-        raise BundleError(f"{where} has format_version {version}, whose manifest does not hash every file of the "
-                          f"bundle; re-export the bundle with this onnxformer (format {FORMAT_VERSION})")
+        raise BundleError(f"{where} has format_version {version}, older than this onnxformer reads (its manifest "
+                          f"does not declare the decoder layout); re-export the bundle with this onnxformer (format "
+                          f"{FORMAT_VERSION})")
     missing = [key for key in REQUIRED if key not in manifest and (written or key != "files")]
     if missing:
         raise BundleError(f"{where} lacks field(s) {', '.join(missing)}; re-export the bundle")
     if manifest["precision"] not in PRECISIONS:
         raise BundleError(f"{where} has unknown precision {manifest['precision']!r} (known: {', '.join(PRECISIONS)})")
-    if manifest.get("kv_cache", "dynamic") not in KV_CACHES:
-        raise BundleError(f"{where} has unknown kv_cache {manifest.get('kv_cache')!r} (known: {', '.join(KV_CACHES)}); "
-                          f"re-optimize the bundle with this onnxformer")
+    layout = manifest["decoder_layout"]
+    if layout not in DECODER_LAYOUTS:
+        raise BundleError(f"{where} has unknown decoder_layout {layout!r} (known: {', '.join(DECODER_LAYOUTS)}); "
+                          f"re-export or re-optimize the bundle with this onnxformer")
+    if manifest.get("kv_cache", kv_cache_of(layout)) != kv_cache_of(layout):
+        raise BundleError(f"{where} has kv_cache {manifest.get('kv_cache')!r} but decoder_layout {layout!r} (a "
+                          f"{kv_cache_of(layout)} cache); re-export or re-optimize the bundle with this onnxformer")
     if not isinstance(manifest["model"], dict):
         raise BundleError(f"{where}: 'model' must be the model config object; re-export the bundle")
     graphs = manifest["graphs"]
@@ -189,6 +194,11 @@ def bundle_files(bundle_dir: str | Path) -> set[str] | None:
     return {MANIFEST, *listed_files(manifest)}
 
 
+def decoder_layout(manifest: dict) -> str:
+    """The decoder layout a (validated) manifest declares: how the runtime feeds its decoder (runtime/spec.py)."""
+    return manifest["decoder_layout"]
+
+
 def manifest_specs(manifest: dict) -> dict[str, GraphSpec]:
     """The graphs' interfaces as recorded in the manifest (a malformed entry is a BundleError)."""
     specs = {}
@@ -228,7 +238,7 @@ def inspect_report(bundle_dir: str | Path) -> dict:
     return {
         "bundle": str(bundle_dir), "format_version": manifest["format_version"], "model": manifest["model"],
         "precision": manifest["precision"], "target": manifest.get("target", "any"), "opset": manifest.get("opset"),
-        "kv_cache": manifest.get("kv_cache", "dynamic"), "graphs": graphs,
+        "kv_cache": kv_cache_of(decoder_layout(manifest)), "decoder_layout": decoder_layout(manifest), "graphs": graphs,
         "ort_graphs": manifest.get("ort_graphs") or {}, "external_data": extra,
         "tokenizer": manifest.get("tokenizer"), "fusions": manifest.get("fusions") or {},
         "passes": manifest.get("passes") or [], "producer": manifest.get("producer") or {},
@@ -270,7 +280,7 @@ def format_inspect(report: dict, max_io: int = 8) -> str:
              f"{m.get('n_heads')} heads, d_ff {m.get('d_ff')}, vocab {m.get('vocab_size')}, norm {m.get('norm')}, "
              f"{m.get('activation')}, {'tied' if m.get('tie_embeddings') else 'untied'}",
              f"precision {report['precision']}, target {report['target']}, opset {report['opset']}, "
-             f"KV cache {report.get('kv_cache', 'dynamic')}, "
+             f"KV cache {report['kv_cache']} (decoder layout {report['decoder_layout']}), "
              f"tokenizer {report['tokenizer'] or 'none'}"]
     for name, g in report["graphs"].items():
         lines.append(f"\n{name}: {g['file']}  {_size(g['bytes'])}  opset {g['opset']}  {g['nodes']} nodes  "

@@ -1,32 +1,31 @@
 """The ONNX Runtime engine: runtime.generate's Engine over an encoder session and a cached decoder session.
 
-    engine = OrtEngine(encoder_session, decoder_session, config, provider="cpu", io_binding=False)
+    engine = OrtEngine(encoder_session, decoder_session, config, provider="cpu", io_binding=False,
+                       layout="dynamic")                       # the manifest's decoder_layout
     state = engine.start(input_ids, attention_mask, expand, max_steps)   # encoder once; rows repeated for beams
     logits = state.step(tokens, keep)                          # one decoder step, presents become pasts
 
 Three data paths share the state logic (DecodeState) and differ only in where tensors live:
 - HostPath: `session.run` with numpy arrays; every output comes back to the host each step.
-- StaticPath (runtime/static_cache.py): for decoders optimized with a static KV cache: one preallocated buffer
-  per cache tensor, bound as both past and present, written in place (no per-step copy of the cache).
+- StaticPath (runtime/static_cache.py): for bundles whose manifest declares a static decoder layout: one
+  preallocated buffer per cache tensor, bound as both past and present, written in place (no per-step copy).
 - BoundPath: IO binding with OrtValues; the cross K/V and the KV cache stay on the device (on CPU that is
   host memory without a copy; on CUDA no host round trip per step): each step binds the previous
   step's presents as pasts, and only the logits are copied to the host. Rows are reordered on the
   device by a one-node Gather graph (runtime.session.gather_model).
+Every input is built and every session run by runtime/feed.py; the paths decide where tensors live.
 
 All per-request state lives in the DecodeState, never on the engine: one engine serves many threads.
 """
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 import onnxruntime as ort
 
-from runtime.session import FLOAT, SessionConfig, device_of, gather_model, make_session
-from runtime.spec import (CROSS, PAST, PRESENT, SELF, cache_names, default_row_inputs, empty_past, row_inputs_of,
-                          source_pad_id, source_vocab_size, suppressed_ids)
-from runtime.static_cache import StaticPath, is_static, per_row_cache
+from runtime.feed import Feed
+from runtime.spec import DYNAMIC, empty_past, source_pad_id, source_vocab_size, suppressed_ids
+from runtime.static_cache import StaticPath
 
 
 class HostPath:
@@ -36,7 +35,7 @@ class HostPath:
         self.e = engine
 
     def encode(self, ids: np.ndarray, mask: np.ndarray) -> list:
-        return self.e.encoder.run(self.e.cross_names, {"input_ids": ids, "attention_mask": mask})
+        return self.e.feed.encode(ids, mask)
 
     def take(self, tensors: list, rows: np.ndarray) -> list:
         return [np.take(t, rows, axis=0) for t in tensors]            # one gather per tensor
@@ -50,12 +49,7 @@ class HostPath:
         return [empty_past(n, self.e.n_heads, self.e.head_dim)] * len(self.e.past_names)
 
     def decode(self, tokens: np.ndarray, mask, past: list, cross: list) -> tuple[np.ndarray, list]:
-        feeds = {"input_ids": tokens, "encoder_attention_mask": mask,
-                 **dict(zip(self.e.past_names, past)), **dict(zip(self.e.cross_in_names, cross))}
-        if self.e.row_inputs:                                          # every row alone: default positions, mask
-            feeds.update(default_row_inputs(len(tokens), past[0].shape[2], tokens.shape[1], names=self.e.row_inputs))
-        logits, *presents = self.e.decoder.run(self.e.decoder_out_names, feeds)
-        return logits, presents
+        return self.e.feed.decode(tokens, mask, past, cross)
 
 
 class BoundPath:
@@ -63,39 +57,13 @@ class BoundPath:
 
     def __init__(self, engine: "OrtEngine"):
         self.e = engine
-        self.device = device_of(engine.provider)
-        self._gather = None
-        self._lock = threading.Lock()
-
-    def _bind_outputs(self, binding, names: list[str]) -> None:
-        for name in names:
-            binding.bind_output(name, self.device, 0)                  # ORT allocates each run, on the device
+        self.device = engine.feed.device
 
     def encode(self, ids: np.ndarray, mask: np.ndarray) -> list:
-        binding = self.e.encoder.io_binding()
-        binding.bind_cpu_input("input_ids", ids)
-        binding.bind_cpu_input("attention_mask", mask)
-        self._bind_outputs(binding, self.e.cross_names)
-        self.e.encoder.run_with_iobinding(binding)
-        return binding.get_outputs()
-
-    def gather(self) -> ort.InferenceSession:
-        """The Gather session for 2 * layers float tensors (self or cross K/V), made on first use."""
-        with self._lock:
-            if self._gather is None:
-                n = len(self.e.past_names)
-                one_thread = SessionConfig(intra_op_threads=1)            # a copy: no thread pool spinning beside the decoder
-                self._gather = make_session(gather_model([FLOAT] * n, [4] * n), self.e.provider, one_thread)
-            return self._gather
+        return self.e.feed.encode_bound(ids, mask)
 
     def take(self, tensors: list, rows: np.ndarray) -> list:
-        binding = self.gather().io_binding()
-        for i, t in enumerate(tensors):
-            binding.bind_ortvalue_input(f"x{i}", t)
-        binding.bind_cpu_input("indices", np.ascontiguousarray(rows, dtype=np.int64))
-        self._bind_outputs(binding, [f"y{i}" for i in range(len(tensors))])
-        self.gather().run_with_iobinding(binding)
-        return binding.get_outputs()
+        return self.e.feed.gather(tensors, rows)
 
     take_past = take
 
@@ -107,22 +75,7 @@ class BoundPath:
         return [empty] * len(self.e.past_names)                        # zero bytes: host is fine
 
     def decode(self, tokens: np.ndarray, mask, past: list, cross: list) -> tuple[np.ndarray, list]:
-        binding = self.e.decoder.io_binding()                          # fresh each step: outputs never reuse buffers
-        binding.bind_cpu_input("input_ids", tokens)
-        binding.bind_ortvalue_input("encoder_attention_mask", mask)
-        if self.e.row_inputs:                                          # every row alone: default positions, mask
-            for name, value in default_row_inputs(len(tokens), past[0].shape()[2], tokens.shape[1],
-                                                  names=self.e.row_inputs).items():
-                binding.bind_cpu_input(name, value)
-        for name, value in zip(self.e.past_names, past):
-            binding.bind_ortvalue_input(name, value)
-        for name, value in zip(self.e.cross_in_names, cross):
-            binding.bind_ortvalue_input(name, value)
-        binding.bind_output("logits", "cpu")                           # the one tensor the search reads on the host
-        self._bind_outputs(binding, self.e.decoder_out_names[1:])
-        self.e.decoder.run_with_iobinding(binding)
-        logits, *presents = binding.get_outputs()
-        return logits.numpy(), presents
+        return self.e.feed.decode_bound(tokens, mask, past, cross)
 
 
 class OrtState:
@@ -153,30 +106,40 @@ class OrtEngine:
     """runtime.generate.Engine over ONNX Runtime sessions of a bundle's encoder and decoder graphs."""
 
     def __init__(self, encoder: ort.InferenceSession, decoder: ort.InferenceSession, config: dict,
-                 provider: str = "cpu", io_binding: bool | None = None):
-        self.encoder, self.decoder, self.provider = encoder, decoder, provider
+                 provider: str = "cpu", io_binding: bool | None = None, layout: str = DYNAMIC):
+        self.config, self.provider, self.layout = config, provider, layout
+        self.feed = Feed(encoder, decoder, config, layout, provider)
         self.pad_id, self.bos_id, self.eos_id = config["pad_id"], config["bos_id"], config["eos_id"]
         self.vocab_size, self.max_len = config["vocab_size"], config["max_len"]
         self.src_vocab_size, self.suppress_ids = source_vocab_size(config), suppressed_ids(config)
         self.src_pad_id = source_pad_id(config)
-        self.n_heads, self.head_dim = config["n_heads"], config["d_model"] // config["n_heads"]
-        layers = config["n_decoder_layers"]
-        self.cross_names = cache_names(layers, PRESENT, CROSS)         # encoder outputs
-        self.cross_in_names = cache_names(layers, PAST, CROSS)         # ... fed to the decoder by these names
-        self.past_names = cache_names(layers, PAST, SELF)
-        self.present_names = cache_names(layers, PRESENT, SELF)
-        self.decoder_out_names = ["logits"] + self.present_names
-        self.static_cache = is_static(decoder)
-        self.row_inputs = row_inputs_of(i.name for i in decoder.get_inputs())   # per-row positions (and key mask)
-        self.per_row_cache = per_row_cache(decoder)                    # static: each row at its own length
+        self.n_heads, self.head_dim = self.feed.n_heads, self.feed.head_dim
+        self.cross_names, self.past_names = self.feed.cross_names, self.feed.past_names
+        self.static_cache = layout != DYNAMIC
         if self.static_cache:                                          # one buffer per cache, bound as past and present
             self.io_binding = True
-            self.path = StaticPath(self, HostPath(self) if provider == "cpu" else BoundPath(self), device_of(provider))
+            self.path = StaticPath(self, HostPath(self) if provider == "cpu" else BoundPath(self), self.feed.device)
         else:
             self.io_binding = default_io_binding(provider) if io_binding is None else io_binding
             self.path = BoundPath(self) if self.io_binding else HostPath(self)
         self.name = f"ort-{provider}" + ("-static-cache" if self.static_cache else
                                          "-iobinding" if self.io_binding else "")
+
+    @property
+    def encoder(self):
+        return self.feed.encoder
+
+    @encoder.setter
+    def encoder(self, session) -> None:
+        self.feed.encoder = session
+
+    @property
+    def decoder(self):
+        return self.feed.decoder
+
+    @decoder.setter
+    def decoder(self, session) -> None:
+        self.feed.decoder = session
 
     def start(self, input_ids: np.ndarray, attention_mask: np.ndarray, expand: int,
               max_steps: int | None = None) -> OrtState:

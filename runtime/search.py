@@ -18,6 +18,11 @@ from typing import Protocol
 
 import numpy as np
 
+from runtime.errors import NumericsError
+
+NON_FINITE = ("the model gave a non-finite logit (NaN or inf) while decoding; its numbers overflow or its weights "
+              "are broken: check the bundle with onnxformer parity, or use its fp32 version")
+
 
 class DecodeState(Protocol):
     def step(self, tokens: np.ndarray, keep: np.ndarray | None) -> np.ndarray: ...
@@ -44,14 +49,23 @@ class SearchOptions:
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
     """Log-probabilities [N, V]: float32 elementwise, the normalizer summed in float64 (8x cheaper than all-float64)."""
-    shifted = logits - logits.max(axis=-1, keepdims=True)
+    shifted = logits - row_max(logits)[:, None]
     return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True, dtype=np.float64)).astype(shifted.dtype)
+
+
+def row_max(logits: np.ndarray) -> np.ndarray:
+    """Each row's largest logit [N]. NaN or inf there (a NaN anywhere in a row makes its max NaN) is an error,
+    never an empty answer; checked on the max the softmax needs anyway, not on every logit."""
+    top = logits.max(axis=-1)
+    if not np.isfinite(top).all():
+        raise NumericsError(NON_FINITE, rows=np.flatnonzero(~np.isfinite(top)))
+    return top
 
 
 def chosen_logprob(logits: np.ndarray, tokens: np.ndarray) -> np.ndarray:
     """log p(token) per row [N], without materializing the whole log-softmax."""
     rows = np.arange(len(tokens))
-    top = logits.max(axis=-1)
+    top = row_max(logits)
     norm = np.log(np.exp(logits - top[:, None]).sum(axis=-1, dtype=np.float64))
     return logits[rows, tokens].astype(np.float64) - top - norm
 

@@ -36,7 +36,7 @@ class SessionConfig:
     intra_op_threads: int = 0             # threads inside one operator; 0 = ORT default (one per physical core)
     inter_op_threads: int = 0             # threads across operators (parallel mode only); 0 = ORT default
     graph_optimization: str = "all"       # "disabled" | "basic" | "extended" | "all" (ORT_ENABLE_ALL)
-    spinning: bool = True                 # intra-op threads spin while waiting: off costs 5-27% per step
+    spinning: bool = True                 # intra-op threads spin while waiting (a decoder step is short: waking threads costs)
     encoder_spinning: bool = False        # the encoder's threads: see for_graph
     execution_mode: str = "sequential"    # "sequential" | "parallel"
     log_severity: int = 3                 # 0 verbose .. 3 errors only (CUDA's "nodes placed on CPU" notes are noise)
@@ -44,8 +44,8 @@ class SessionConfig:
 
     def for_graph(self, graph: str) -> "SessionConfig":
         """The options for one graph. The encoder runs once a request and then its threads, spinning, would take
-        the cores from the decoder's first steps (base model, 2 threads: decoder steps 1-16 at 4.9 ms instead of
-        2.9 ms, int8 steps at 1.5 ms instead of 1.1 ms); without spinning it costs ~1 ms more once."""
+        the cores from the decoder's first steps (RESULTS.md, "Two thread pools"); without spinning the encoder
+        costs a little more, once a request."""
         return replace(self, spinning=self.encoder_spinning) if graph == "encoder" else self
 
     def with_(self, **changes) -> "SessionConfig":
@@ -73,7 +73,7 @@ class SessionConfig:
 
 def installed_onnxruntime() -> str:
     """'onnxruntime-gpu 1.32.0' or 'onnxruntime 1.32.0': the package this environment runs."""
-    import importlib.metadata                       # here: 3 MiB resident that loading a bundle does not need
+    import importlib.metadata                       # here: resident memory that loading a bundle does not need
 
     for dist in ("onnxruntime-gpu", "onnxruntime"):
         try:

@@ -24,9 +24,22 @@ PAST_SEQUENCE_LENGTH = "past_sequence_length"   # static-cache decoders: how man
 CACHE_LEN = "cache_len"                          # static-cache decoders: buffer length (<= max_len, chosen per request)
 POSITION_IDS = "position_ids"                    # decoders: each new token's position in its own target sequence
 DECODER_ATTENTION_MASK = "decoder_attention_mask"  # decoders: 1 where a cached self-attention key is a real token
-ROW_INPUTS = (POSITION_IDS, DECODER_ATTENTION_MASK)  # per-row inputs of decoders exported since in-flight batching
-                                                     # (a per-row static cache keeps only position_ids)
 KV_CACHES = ("dynamic", "static")
+# the decoder layouts a manifest declares ("decoder_layout"): how its self-attention cache is fed
+DYNAMIC = "dynamic"                  # past [B, H, past_len, Dh] in, present [B, H, past_len + new_len, Dh] out
+STATIC_PER_ROW = "static-per-row"    # one buffer bound as past and present; past_sequence_length [B], no key mask
+STATIC_SHARED = "static-shared"      # one buffer bound as past and present; past_sequence_length [1], key mask
+DECODER_LAYOUTS = (DYNAMIC, STATIC_PER_ROW, STATIC_SHARED)
+
+
+def kv_cache_of(layout: str) -> str:
+    """The KV cache kind of a decoder layout: "dynamic" or "static" (the manifest's kv_cache, optimize's --kv-cache)."""
+    return "dynamic" if layout == DYNAMIC else "static"
+
+
+def takes_key_mask(layout: str) -> bool:
+    """Whether a decoder of this layout takes decoder_attention_mask (the per-row static cache has nothing to mask)."""
+    return layout != STATIC_PER_ROW
 
 
 @dataclass(frozen=True)
@@ -117,15 +130,6 @@ def empty_past(batch: int, n_heads: int, head_dim: int, dtype=np.float32) -> np.
     return np.zeros((batch, n_heads, 0, head_dim), dtype=dtype)
 
 
-def first_step_cache(config: dict, encoder_outputs: dict, batch: int) -> dict[str, np.ndarray]:
-    """The decoder's cache feeds for its first step: empty self-attention pasts, and as cross-attention inputs
-    the encoder's present.{i}.encoder.* outputs (by name). Later steps replace each self past by past_of(present)."""
-    layers, empty = config["n_decoder_layers"], empty_past(batch, config["n_heads"], config["d_model"] // config["n_heads"])
-    feeds = {name: empty for name in cache_names(layers, PAST, SELF)}
-    feeds.update({past_of(name): encoder_outputs[name] for name in cache_names(layers, PRESENT, CROSS)})
-    return feeds
-
-
 def encoder_spec(n_decoder_layers: int, n_heads: int, d_model: int, float_type: str = "float32") -> GraphSpec:
     """encoder.onnx: token ids and mask in; hidden states and every decoder layer's cross-attention K/V out."""
     head_dim = d_model // n_heads
@@ -142,33 +146,36 @@ def encoder_spec(n_decoder_layers: int, n_heads: int, d_model: int, float_type: 
 
 
 def decoder_spec(n_decoder_layers: int, n_heads: int, d_model: int, vocab_size: int,
-                 float_type: str = "float32", static_cache: bool = False, per_row: bool = True) -> GraphSpec:
+                 float_type: str = "float32", layout: str = DYNAMIC) -> GraphSpec:
     """decoder.onnx: one cached step. Per layer, past self K/V and cross K/V in; logits and present self K/V out.
 
     The dynamic cache: present = past + new rows, a new tensor each step. The static cache
     (exporters/static_cache.py): past and present are one [B, H, cache_len, Dh] buffer the runtime allocates per
     request (cache_len = the tokens it may generate, at most max_len) and binds twice; `past_sequence_length` says
-    how many slots are filled, and a step takes exactly one token. Per row (`per_row`, CPU bundles): int32 [B], each
-    row's own filled length, the slot its new key/value is written at; every slot below it is the row's own token,
-    so the static cache takes no `decoder_attention_mask`. Shared slot (CUDA bundles): int32 [1] for all rows, with
-    the key mask.
+    how many slots are filled, and a step takes exactly one token. Per row (STATIC_PER_ROW, CPU bundles): int32 [B],
+    each row's own filled length, the slot its new key/value is written at; every slot below it is the row's own
+    token, so the static cache takes no `decoder_attention_mask`. Shared slot (STATIC_SHARED, CUDA bundles): int32
+    [1] for all rows, with the key mask.
 
     Per-row inputs (rows of one batch may sit at different positions, as in in-flight batching):
     `position_ids` [B, new_len], each new token's position in its own target sequence (one request alone:
     past_len + 0..new_len-1), and `decoder_attention_mask` [B, past_len] (static: [B, cache_len]), 1 where a cached
     key/value slot holds a real token of that row, 0 where it holds none (a slot before the row joined, or beyond
     past_sequence_length). This step's new tokens are always attended, causally among themselves.
-    `default_row_inputs` gives the one-request feeds (all slots real), which reproduce the graph without them.
+    `default_row_inputs` gives the one-request feeds (all slots real).
     """
+    if layout not in DECODER_LAYOUTS:
+        raise ValueError(f"unknown decoder layout {layout!r}; one of {DECODER_LAYOUTS}")
     head_dim = d_model // n_heads
+    static_cache = layout != DYNAMIC
     new_len = 1 if static_cache else NEW_LEN
     past_len, total_len = (CACHE_LEN, CACHE_LEN) if static_cache else (PAST_LEN, TOTAL_LEN)
     inputs = [TensorSpec(INPUT_IDS, "int64", (BATCH, new_len)),
               TensorSpec("encoder_attention_mask", "int64", (BATCH, SRC_LEN))]
     if static_cache:
-        inputs.append(TensorSpec(PAST_SEQUENCE_LENGTH, "int32", (BATCH,) if per_row else (1,)))
+        inputs.append(TensorSpec(PAST_SEQUENCE_LENGTH, "int32", (BATCH,) if layout == STATIC_PER_ROW else (1,)))
     inputs.append(TensorSpec(POSITION_IDS, "int64", (BATCH, new_len)))
-    if not (static_cache and per_row):
+    if takes_key_mask(layout):
         inputs.append(TensorSpec(DECODER_ATTENTION_MASK, "int64", (BATCH, past_len)))
     outputs = [TensorSpec("logits", float_type, (BATCH, new_len, vocab_size))]
     for i in range(n_decoder_layers):
@@ -181,38 +188,14 @@ def decoder_spec(n_decoder_layers: int, n_heads: int, d_model: int, vocab_size: 
     return GraphSpec("decoder", inputs=tuple(inputs), outputs=tuple(outputs))
 
 
-def takes_row_inputs(input_names) -> bool:
-    """Whether a decoder takes per-row positions (exported since in-flight batching)."""
-    return POSITION_IDS in set(input_names)
-
-
-def row_inputs_of(input_names) -> tuple[str, ...]:
-    """The per-row inputs a decoder takes, of ROW_INPUTS (none: exported before them; position_ids alone: a per-row
-    static cache)."""
-    names = set(input_names)
-    return tuple(name for name in ROW_INPUTS if name in names)
-
-
-def per_row_lengths(shape) -> bool:
-    """Whether a static decoder's past_sequence_length (given its shape) holds one length per row ([batch]) rather
-    than one for all rows ([1])."""
-    return len(shape) == 1 and not isinstance(shape[0], int)
-
-
-def without_row_inputs(spec: GraphSpec) -> GraphSpec:
-    """A decoder spec as graphs exported before per-row positions have it (an encoder spec is returned as is)."""
-    return GraphSpec(spec.name, tuple(t for t in spec.inputs if t.name not in ROW_INPUTS), spec.outputs)
-
-
-def default_row_inputs(batch: int, past_len: int, new_len: int = 1, mask_len: int | None = None,
-                       names: tuple[str, ...] = ROW_INPUTS) -> dict:
-    """position_ids and decoder_attention_mask of rows that all start at position 0 with every slot filled: what
-    the graph computed before it took them (position past_len + i; every cached key real). mask_len: the mask's
-    length when it differs from past_len (a static cache's cache_len); names: the row inputs the graph takes."""
+def default_row_inputs(batch: int, past_len: int, new_len: int = 1, layout: str = DYNAMIC) -> dict:
+    """position_ids and (where the layout takes it) decoder_attention_mask of rows that all start at position 0 with
+    every slot filled, as one request alone sits: positions past_len + 0..new_len-1, every cached key real."""
     positions = np.arange(past_len, past_len + new_len, dtype=np.int64)
-    feeds = {POSITION_IDS: np.ascontiguousarray(np.broadcast_to(positions, (batch, new_len))),
-             DECODER_ATTENTION_MASK: np.ones((batch, past_len if mask_len is None else mask_len), dtype=np.int64)}
-    return {name: feeds[name] for name in names}
+    feeds = {POSITION_IDS: np.ascontiguousarray(np.broadcast_to(positions, (batch, new_len)))}
+    if takes_key_mask(layout):
+        feeds[DECODER_ATTENTION_MASK] = np.ones((batch, past_len), dtype=np.int64)
+    return feeds
 
 
 def source_vocab_size(config: dict) -> int:
@@ -231,19 +214,25 @@ def suppressed_ids(config: dict) -> tuple[int, ...]:
     return (config["pad_id"],) if config.get("suppress_pad") else ()
 
 
-def graph_specs(config: dict, float_type: str = "float32", kv_cache: str = "dynamic",
-                per_row: bool = True) -> dict[str, GraphSpec]:
-    """Both graphs' specs from a model config given as a dict (as stored in config.json and the manifest);
-    per_row: a static cache's layout (per-row lengths, or the shared slot of CUDA bundles)."""
-    if kv_cache not in KV_CACHES:
-        raise ValueError(f"unknown kv_cache {kv_cache!r}; one of {KV_CACHES}")
+def graph_specs(config: dict, float_type: str = "float32", layout: str = DYNAMIC) -> dict[str, GraphSpec]:
+    """Both graphs' specs from a model config given as a dict (as stored in config.json and the manifest) and the
+    decoder's layout (the manifest's decoder_layout)."""
     L, H, D, V = config["n_decoder_layers"], config["n_heads"], config["d_model"], config["vocab_size"]
-    static = kv_cache == "static"
-    return {"encoder": encoder_spec(L, H, D, float_type), "decoder": decoder_spec(L, H, D, V, float_type, static, per_row)}
+    return {"encoder": encoder_spec(L, H, D, float_type), "decoder": decoder_spec(L, H, D, V, float_type, layout)}
+
+
+def config_field_of(tensor: str, axis: int) -> str:
+    """The model config field a fixed dim of a graph input or output comes from (load-time checks name it)."""
+    if tensor == "logits":
+        return "vocab_size"
+    if tensor == "encoder_hidden_states":
+        return "d_model"
+    return "n_heads" if axis == 1 else "d_model / n_heads (head_dim)"
 
 
 __all__ = ["TensorSpec", "GraphSpec", "PAST_SEQUENCE_LENGTH", "CACHE_LEN", "POSITION_IDS", "DECODER_ATTENTION_MASK",
-           "ROW_INPUTS", "takes_row_inputs", "row_inputs_of", "per_row_lengths", "without_row_inputs", "default_row_inputs", "KV_CACHES", "PAST", "PRESENT", "SELF",
+           "DYNAMIC", "STATIC_PER_ROW", "STATIC_SHARED", "DECODER_LAYOUTS", "kv_cache_of", "takes_key_mask",
+           "default_row_inputs", "config_field_of", "KV_CACHES", "PAST", "PRESENT", "SELF",
            "CROSS", "KV", "cache_name", "cache_names", "parse_cache_name", "is_cache", "past_of", "present_of",
-           "empty_past", "first_step_cache", "encoder_spec", "decoder_spec", "graph_specs", "source_vocab_size",
+           "empty_past", "encoder_spec", "decoder_spec", "graph_specs", "source_vocab_size",
            "source_pad_id", "suppressed_ids"]

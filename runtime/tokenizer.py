@@ -1,4 +1,5 @@
-"""Tokenizers stored as tokenizer.json: characters, or SentencePiece with a vocabulary (Marian). Torch-free: they ship in bundles."""
+"""Tokenizers stored as tokenizer.json: characters, or SentencePiece with a vocabulary (Marian), both typed by the
+Tokenizer protocol. Torch-free: they ship in bundles."""
 
 from __future__ import annotations
 
@@ -6,10 +7,43 @@ import json
 import re
 import shutil
 from pathlib import Path
+from typing import Protocol, runtime_checkable
 
 from runtime.errors import TokenizerError, read_json
 
 SPECIALS = ("<pad>", "<s>", "</s>")  # ids 0, 1, 2: pad, bos, eos (ModelConfig's defaults)
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    """What every tokenizer of a bundle or checkpoint offers (CharTokenizer, SentencePieceTokenizer)."""
+
+    pad_id: int
+    eos_id: int
+
+    @property
+    def vocab_size(self) -> int:
+        """Ids the decoder may produce (the target vocabulary)."""
+
+    @property
+    def src_vocab_size(self) -> int:
+        """Ids encode() may give (the source vocabulary)."""
+
+    @property
+    def files(self) -> list[str]:
+        """The tokenizer's files besides tokenizer.json, as names inside its directory."""
+
+    def encode(self, text: str) -> list[int]:
+        """Source ids of a text."""
+
+    def decode(self, ids) -> str:
+        """Text of target ids, special tokens skipped."""
+
+    def to_dict(self) -> dict:
+        """The content of tokenizer.json."""
+
+    def save(self, path: str | Path) -> None:
+        """Write tokenizer.json at path (and its files beside it)."""
 
 
 class CharTokenizer:
@@ -28,6 +62,16 @@ class CharTokenizer:
     @property
     def vocab_size(self) -> int:
         return len(SPECIALS) + len(self.chars)
+
+    @property
+    def src_vocab_size(self) -> int:
+        """One vocabulary for both sides."""
+        return self.vocab_size
+
+    @property
+    def files(self) -> list[str]:
+        """None: the characters are in tokenizer.json itself."""
+        return []
 
     def encode(self, text: str) -> list[int]:
         """Ids of the text's characters (no start/end tokens); unknown characters are an error."""
@@ -195,7 +239,7 @@ def _read_vocab(path: Path) -> dict[str, int]:
     return data
 
 
-def load_tokenizer(path: str | Path):
+def load_tokenizer(path: str | Path) -> Tokenizer:
     """The tokenizer described by a tokenizer.json: a CharTokenizer or a SentencePieceTokenizer."""
     path = Path(path)
     data = read_json(path, TokenizerError, "regenerate it")
@@ -219,9 +263,9 @@ def load_tokenizer(path: str | Path):
     return CharTokenizer.load(path, data)
 
 
-def tokenizer_files(tokenizer) -> list[str]:
+def tokenizer_files(tokenizer: Tokenizer) -> list[str]:
     """Names of a tokenizer's files besides tokenizer.json (none for a character tokenizer)."""
-    return list(getattr(tokenizer, "files", []))
+    return list(tokenizer.files)
 
 
 class FastTokenizer:

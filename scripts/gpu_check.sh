@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The prepared GPU check (issue 8): on a machine with an NVIDIA GPU, run the GPU tests and a short benchmark
+# The prepared GPU check: on a machine with an NVIDIA GPU, run the GPU tests and a short benchmark
 # (PyTorch eager on CUDA vs ONNX Runtime CUDA fp32 and fp16, base preset, batch 1 and 32) and a short serving load
 # run (onnxformer serve on CUDA + onnxformer loadtest, 64 requests) in under 5 minutes,
 # writing everything to the directory given as the first argument.

@@ -112,12 +112,46 @@ def test_loading_rejects_weights_of_another_model(tmp_path, tiny):
 def test_loading_rejects_missing_and_corrupt_weights(tmp_path, tiny):
     save_checkpoint(tmp_path / "ckpt", tiny)
     weights = tmp_path / "ckpt" / "weights.safetensors"
-    weights.write_bytes(weights.read_bytes()[:100])
-    with pytest.raises(CheckpointError, match="unreadable"):
+    whole = weights.read_bytes()
+    header = 8 + int.from_bytes(whole[:8], "little")
+    for cut in (100, header + 10, len(whole) - 1):             # in the header, in the first tensor, the last byte
+        weights.write_bytes(whole[:cut])
+        with pytest.raises(CheckpointError, match=rf"is truncated \({cut} of (at least )?\d+ bytes\).*save it again"):
+            load_checkpoint(tmp_path / "ckpt")
+    weights.write_bytes(whole[:8] + b"[" + whole[9:])            # complete, but its header is not JSON
+    with pytest.raises(CheckpointError, match="unreadable.*re-save the checkpoint"):
         load_checkpoint(tmp_path / "ckpt")
     weights.unlink()
     with pytest.raises(CheckpointError, match="no weights"):
         load_checkpoint(tmp_path / "ckpt")
+    torch.save(tiny.state_dict(), tmp_path / "ckpt" / "weights.pt")
+    pt = (tmp_path / "ckpt" / "weights.pt").read_bytes()
+    (tmp_path / "ckpt" / "weights.pt").write_bytes(pt[: len(pt) // 2])
+    with pytest.raises(CheckpointError, match="weights.pt is truncated .*zip archive's directory is missing"):
+        load_checkpoint(tmp_path / "ckpt")
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_loading_refuses_weights_holding_nan_or_inf(tmp_path, tiny, value):
+    """A diverged model is refused at load, naming the tensor, so export and generate never run on it."""
+    from click.testing import CliRunner
+
+    from toolkit.apps.cli import main
+
+    broken = Transformer(tiny.config, seed=3)
+    with torch.no_grad():
+        broken.state_dict()["decoder.layers.1.ffn.w_2.weight"][3, :2] = value
+        broken.state_dict()["decoder.layers.1.sublayers.2.norm.bias"][0] = value
+    save_checkpoint(tmp_path / "ckpt", broken)
+    kind = "2 NaN and 0 infinite" if value != value else "0 NaN and 2 infinite"
+    with pytest.raises(CheckpointError, match=rf"weight decoder.layers.1.ffn.w_2.weight holds {kind} values of "
+                                              rf"\d+ \(and 1 more tensors\); the model is broken"):
+        load_checkpoint(tmp_path / "ckpt")
+    for args in (["generate", str(tmp_path / "ckpt"), "--ids", "5 6 7"],
+                 ["export", str(tmp_path / "ckpt"), "--out", str(tmp_path / "bundle")]):
+        result = CliRunner().invoke(main, args)
+        assert result.exit_code == 2 and "decoder.layers.1.ffn.w_2.weight holds" in result.stderr, result.output
+        assert result.stderr.count("\n") == 1 and not (tmp_path / "bundle").exists()
 
 
 def test_a_plain_state_dict_in_weights_pt_loads(tmp_path, tiny):

@@ -110,7 +110,7 @@ def test_generate_on_max_new_tokens_zero_prints_empty_lines():
     (["generate", DATES, ""], ["input 0 is empty"]),
     (["generate", DATES], ["no inputs given"]),
     (["generate", DATES, "--ids", "5 x 7"], ["not a list of integers"]),
-    (["generate", DATES, "--ids", "5 999"], ["outside the vocabulary"]),
+    (["generate", DATES, "--ids", "5 999"], ["outside the source vocabulary of"]),
     (["generate", DATES, "x", "--beam", "2", "--num-return", "3"], ["between 1 and the beam width"]),
     (["generate", DATES, "x", "--max-new-tokens", "500"], ["max new tokens"]),
     (["generate", DATES, "x", "--threads", "0"], ["threads"]),
@@ -136,7 +136,7 @@ def test_generate_on_broken_model_directories(tmp_path, id_model):
     (broken / "config.json").write_text((id_model / "config.json").read_text())
     assert_user_error(run("generate", broken, "--ids", "5"), "no weights")
     (tmp_path / "in.txt").write_text("30.11.2026\n\n1/1/50\n")
-    assert_user_error(run("generate", DATES, "--input", tmp_path / "in.txt"), "line 2 is empty")
+    assert_user_error(run("generate", DATES, "--input", tmp_path / "in.txt"), "line 2 is blank")
     assert_user_error(run("generate", DATES, "--input", tmp_path / "missing.txt"), "cannot read --input")
 
 

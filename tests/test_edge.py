@@ -118,16 +118,28 @@ def test_int8_ort_tokens_equal_int8_onnx(bundles, seqs):
         assert tokens(generate_ids(load_bundle(bundles["int8-ort"], provider="cpu").engine, seqs, opts)) == onnx_int8
 
 
-def test_ort_parity_gate_catches_other_graphs(bundles):
+def test_ort_parity_gate_catches_other_graphs(bundles, tmp_path):
+    """Other graphs of the same decoder layout (the exported decoder, its weights 1% larger) fail the gate."""
+    import numpy as np
+    import onnx
+
     from exporters.ort_format import check_ort_parity
     from toolkit.parity import ParityError
 
-    onnx = {g: bundles["fp32"] / f"{g}.onnx" for g in ("encoder", "decoder")}
-    other = {g: bundles["int8-ort"] / f"{g}.ort" for g in ("encoder", "decoder")}
-    config = json.loads((bundles["fp32"] / "manifest.json").read_text())["model"]
-    assert check_ort_parity(onnx, {g: bundles["fp32-ort"] / f"{g}.ort" for g in onnx}, config)["max_abs"] <= 1e-4
+    onnx_paths = {g: bundles["fp32"] / f"{g}.onnx" for g in ("encoder", "decoder")}
+    manifest = json.loads((bundles["fp32"] / "manifest.json").read_text())
+    config, layout = manifest["model"], manifest["decoder_layout"]
+    ort = {g: bundles["fp32-ort"] / f"{g}.ort" for g in onnx_paths}
+    assert check_ort_parity(onnx_paths, ort, config, layout)["max_abs"] <= 1e-4
+    proto = onnx.load(str(onnx_paths["decoder"]))                    # its weights.data read in
+    for init in proto.graph.initializer:
+        if init.data_type == onnx.TensorProto.FLOAT and len(init.dims) == 2:
+            scaled = onnx.numpy_helper.to_array(init) * np.float32(1.01)
+            init.CopyFrom(onnx.numpy_helper.from_array(scaled.astype(np.float32), init.name))
+    onnx.save(proto, str(tmp_path / "decoder.onnx"))
+    other = {"encoder": onnx_paths["encoder"], "decoder": tmp_path / "decoder.onnx"}
     with pytest.raises(ParityError, match="ORT-format graphs differ"):
-        check_ort_parity(onnx, other, config)
+        check_ort_parity(onnx_paths, other, config, layout)
 
 
 def test_ort_conversion_refusals_leave_nothing_behind(bundles, tmp_path, monkeypatch):

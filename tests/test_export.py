@@ -252,6 +252,30 @@ def test_failure_names_graph_output_step_index_and_values(tiny_bundle, toy_model
     assert report.to_dict()["verified"] is False
 
 
+def test_graphs_with_non_finite_weights_are_refused(tiny_bundle, toy_model, tmp_path, monkeypatch):
+    """An exported graph whose initializers hold NaN/Inf is refused naming the tensor (exit 2), nothing written.
+    The trace is replaced by the exported encoder with one NaN (the checks after it are the real ones)."""
+    from exporters.validate import NonFiniteWeightsError
+
+    proto = onnx.load(str(tiny_bundle / "encoder.onnx"))              # its weights.data read in
+    init = next(i for i in proto.graph.initializer if i.data_type == onnx.TensorProto.FLOAT and i.dims)
+    array = onnx.numpy_helper.to_array(init).copy()
+    array.flat[3] = np.nan
+    init.CopyFrom(onnx.numpy_helper.from_array(array, init.name))
+    traced = []
+
+    def fake_export(module, spec, config, path, opset):
+        traced.append(spec.name)
+        onnx.save(proto, str(path))
+
+    monkeypatch.setattr(E, "_export", fake_export)
+    with pytest.raises(NonFiniteWeightsError, match=r"encoder\.onnx: weight \S+ holds 1 NaN/Inf") as err:
+        E.export_model(toy_model, tmp_path / "out", check_parity=False)
+    assert f"weight {init.name} holds" in str(err.value) and err.value.exit_code == 2 and "\n" not in str(err.value)
+    assert traced == ["encoder"]
+    assert not (tmp_path / "out").exists() and not leftovers(tmp_path)
+
+
 # ------------------------------------------------------------------------------------------ command line
 
 def test_cli_export_pre_norm_gelu_untied_head_dim_6(cli_variant):

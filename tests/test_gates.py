@@ -18,7 +18,8 @@ from toolkit.reference.checkpoint import load_checkpoint, save_checkpoint
 from toolkit.apps.cli import main
 from toolkit.reference.config import preset
 from toolkit.reference.model import Transformer
-from toolkit.parity.generation import GenerationCheck, combine, needed_distinct
+from toolkit.parity.generation import GenerationCheck
+from toolkit.parity.report import combine, needed_distinct
 
 FAST = ("--samples", "16", "--beam", "1", "--max-new-tokens", "8")
 
@@ -42,6 +43,32 @@ def test_a_token_verdict_needs_varied_reference_outputs():
     assert check(2, teacher={"verdict": "inconclusive"}).verdict == "inconclusive"
     assert combine(["ok", "inconclusive"]) == "inconclusive" and combine(["inconclusive", "failed"]) == "failed"
     assert combine([]) == "inconclusive" and combine(["ok", "ok"]) == "ok"
+
+
+def test_every_report_composes_its_verdict_by_the_same_rule():
+    """Generation, original-framework and combined reports: one verdict vocabulary, one combination, the same
+    JSON keys; "not judged" (a report-only row) counts for nothing."""
+    from toolkit.parity.generation import GenerationReport
+    from toolkit.parity.original import OriginalCheck, OriginalReport
+    from toolkit.parity.report import Combined
+    from toolkit.parity.tolerances import tolerance
+
+    def original(*verdicts):
+        return OriginalReport("marian/", "bundle/", 32, "32 texts",
+                              [OriginalCheck(f"check {i}", v, v) for i, v in enumerate(verdicts)])
+
+    def generation(*checks):
+        return GenerationReport("cpu", "int8", tolerance("int8", "cpu"), "32 texts", list(checks))
+
+    assert original("ok", "ok").verdict == "ok" and original("ok", "inconclusive").verdict == "inconclusive"
+    assert original("inconclusive", "failed").verdict == "failed" and not original("failed").ok
+    assert generation(check(8), check(1, tokens_equal=0.5)).verdict == "failed"
+    both = Combined({"original": original("ok"), "generation": generation(check(7))})
+    assert both.verdict == "inconclusive" and not both.ok and "generation inconclusive" in both.summary()
+    assert combine(["not judged", "ok"]) == "ok" and combine(["not judged"]) == "inconclusive"
+    for report in (original("failed"), generation(check(8)), both):
+        record = report.to_dict()
+        assert {"ok", "verdict", "summary"} <= set(record) and record["verdict"] in ("ok", "failed", "inconclusive")
 
 
 @pytest.fixture(scope="module")

@@ -28,7 +28,7 @@ from runtime.search import SearchOptions  # noqa: E402
 from toolkit.reference.checkpoint import load_checkpoint  # noqa: E402
 from toolkit.apps.cli import main  # noqa: E402
 from toolkit.reference.importers import import_model  # noqa: E402
-from toolkit.parity.original import hf_generate, load_marian, logits_check, marian_parity  # noqa: E402
+from toolkit.parity.original import hf_generate, load_original, logits_check, marian_parity  # noqa: E402
 from toolkit.testing.tiny_marian import TRAINED, build_tiny_marian, corpus, held_out  # noqa: E402
 from toolkit.reference.torch_engine import TorchEngine  # noqa: E402
 
@@ -43,7 +43,7 @@ def marian(tmp_path_factory):
     root = tmp_path_factory.mktemp("marian")
     directory = build_tiny_marian(root / "opus-mt-tiny", steps=150)
     ckpt = import_model(directory, root / "checkpoint")
-    model, tok = load_marian(directory)
+    model, tok = load_original(directory)
     return directory, ckpt, model, tok
 
 
@@ -136,7 +136,7 @@ def test_bundle_hashes_the_tokenizer_files(fused, tmp_path):
 def test_separate_vocabularies(tmp_path):
     directory = build_tiny_marian(tmp_path / "sep", steps=300, separate_vocabs=True)
     ckpt = load_checkpoint(import_model(directory, tmp_path / "ckpt"))
-    model, tok = load_marian(directory)
+    model, tok = load_original(directory)
     c = ckpt.config
     assert not c.share_embeddings and not c.tie_embeddings and c.src_vocab_size != c.vocab_size
     seqs = [tok(t)["input_ids"] for t in TEXTS]
@@ -153,14 +153,14 @@ def test_separate_vocabularies(tmp_path):
 def test_optimize_gate_on_given_texts(marian, fused, tmp_path):
     """optimize --input: the gate's token check runs on the texts (through the bundle's tokenizer), not random ids."""
     texts = tmp_path / "texts.txt"
-    texts.write_text("\n".join(TEXTS[:12]) + "\n\n")
+    texts.write_text("\n".join(TEXTS[:12]) + "\n")
     result = CliRunner().invoke(main, ["optimize", str(fused), "--out", str(tmp_path / "int8"), "--precision", "int8",
                                        "--input", str(texts), "--samples", "8", "--allow-unverified", "--json"])
     assert result.exit_code == 0, result.output
     gen = json.loads(result.output[result.output.index("{"):])["parity"]["generation"]
     assert gen["source"] == "8 given source texts" and gen["samples"] == 8
     empty = tmp_path / "empty.txt"
-    empty.write_text("\n")
+    empty.write_text("")
     result = CliRunner().invoke(main, ["optimize", str(fused), "--out", str(tmp_path / "x"), "--precision", "int8",
                                        "--input", str(empty)])
     assert result.exit_code == 2 and "has no text lines" in result.output and not (tmp_path / "x").exists()
@@ -198,7 +198,7 @@ def test_trained_marian_passes_the_int8_gate(tmp_path, family):
     assert gen["tokens_equal"] >= tolerance("int8", "cpu").token_match, report.parity["summary"]
     assert read_manifest(out)["parity"]["verified"] is True
     print(report.parity["summary"])
-    model, tok = load_marian(directory)
+    model, tok = load_original(directory)
     seqs = [tok(t)["input_ids"] for t in texts]
     want = hf_generate(model, seqs, 1, 32)
     got = [h[0].tokens for h in generate_ids(load_bundle(out, "cpu").engine, seqs, SearchOptions(max_new_tokens=32))]
@@ -225,7 +225,7 @@ def _copy(directory: Path, dest: Path, config: dict | None = None, extra_weights
     ("gelu_new", "activation 'gelu_new' cannot be represented"),
     ("heads", "different attention heads"),
     ("no_vocab", "lacks the tokenizer file(s) vocab.json"),
-    ("not_marian", "model_type is not 'marian'"),
+    ("not_marian", "is a t5 model, which onnxformer's reference model cannot represent (it lacks relative position"),
 ])
 def test_unrepresentable_or_broken_sources_exit_2(marian, tmp_path, case, message):
     directory = marian[0]
@@ -238,7 +238,7 @@ def test_unrepresentable_or_broken_sources_exit_2(marian, tmp_path, case, messag
         "gelu_new": lambda: _copy(directory, tmp_path / "s", {"activation_function": "gelu_new"}),
         "heads": lambda: _copy(directory, tmp_path / "s", {"decoder_attention_heads": 2}),
         "no_vocab": lambda: (_copy(directory, tmp_path / "s"), (tmp_path / "s" / "vocab.json").unlink())[0],
-        "not_marian": lambda: _copy(directory, tmp_path / "s", {"model_type": "bart"}),
+        "not_marian": lambda: _copy(directory, tmp_path / "s", {"model_type": "t5"}),
     }[case]()
     result = CliRunner().invoke(main, ["import", str(source), "--out", str(tmp_path / "out")])
     assert result.exit_code == 2, result.output

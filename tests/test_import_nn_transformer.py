@@ -233,6 +233,72 @@ def test_wrong_layouts_exit_2_naming_expected_and_found(tmp_path, change, messag
     assert not (tmp_path / "out").exists()
 
 
+def _ddp(sd: dict) -> dict:
+    return {f"module.{k}": v for k, v in sd.items()}
+
+
+WRAPPED = {                              # name -> (what a training script saves, the wrapper key taken off)
+    "model_state_dict": (lambda sd: {"epoch": 3, "model_state_dict": sd, "optimizer_state_dict": {"step": 5}},
+                         "model_state_dict"),
+    "state_dict": (lambda sd: {"state_dict": sd, "best_loss": 0.5}, "state_dict"),
+    "model": (lambda sd: {"model": sd}, "model"),
+    "module.": (_ddp, None),
+    "both": (lambda sd: {"model_state_dict": _ddp(sd), "epoch": 1}, "model_state_dict"),
+}
+
+
+@pytest.mark.parametrize("wrapping", list(WRAPPED))
+def test_training_checkpoints_and_ddp_prefixes_are_unwrapped(tmp_path, wrapping):
+    """A training script's checkpoint ({"model_state_dict": ...}) or a DataParallel state dict ('module.' names)
+    imports as the plain state dict would, and the output says what was taken off; an empty --out needs no --force."""
+    model = tutorial_model(seed=2)
+    pt, hp = save(model, tmp_path)
+    plain = load_checkpoint(import_model(pt, tmp_path / "plain", config_file=hp)).model.state_dict()
+    wrap, key = WRAPPED[wrapping]
+    torch.save(wrap(model.state_dict()), tmp_path / "wrapped.pt")
+    (tmp_path / "out").mkdir()
+    result = CliRunner().invoke(main, ["import", str(tmp_path / "wrapped.pt"), "--config", str(hp),
+                                       "--out", str(tmp_path / "out")])
+    assert result.exit_code == 0, result.output
+    assert (f"took the state dict under {key!r}" in result.stderr) == (key is not None), result.stderr
+    assert ("removed the 'module.' prefix DataParallel" in result.stderr) == (wrapping in ("module.", "both"))
+    got = load_checkpoint(tmp_path / "out").model.state_dict()
+    assert all(torch.equal(got[k], plain[k]) for k in plain)
+
+
+def test_safetensors_state_dicts_and_truncated_files(tmp_path):
+    """A state dict saved with safetensors imports too; a file cut short is reported as truncated, not as a file
+    to re-save with torch.save."""
+    from safetensors.torch import save_file
+
+    model = tutorial_model(seed=3)
+    pt, hp = save(model, tmp_path)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(tmp_path / "model.safetensors"))
+    plain = load_checkpoint(import_model(pt, tmp_path / "a", config_file=hp)).model.state_dict()
+    got = load_checkpoint(import_model(tmp_path / "model.safetensors", tmp_path / "b", config_file=hp)).model
+    assert all(torch.equal(got.state_dict()[k], plain[k]) for k in plain)
+    for name in ("model.safetensors", "model.pt"):
+        whole = (tmp_path / name).read_bytes()
+        (tmp_path / f"cut-{name}").write_bytes(whole[: len(whole) * 2 // 3])
+        result = CliRunner().invoke(main, ["import", str(tmp_path / f"cut-{name}"), "--config", str(hp),
+                                           "--out", str(tmp_path / "out")])
+        assert result.exit_code == 2 and result.stderr.count("\n") == 1, result.output
+        assert f"cut-{name} is truncated" in result.stderr and "download or save it again" in result.stderr
+        assert "torch.save" not in result.stderr and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("-inf")])
+def test_nonfinite_source_weights_are_refused_naming_the_tensor(tmp_path, value):
+    model = tutorial_model()
+    with torch.no_grad():
+        model.transformer.decoder.layers[1].linear2.weight[0, 0] = value
+    pt, hp = save(model, tmp_path)
+    result = CliRunner().invoke(main, ["import", str(pt), "--config", str(hp), "--out", str(tmp_path / "out")])
+    assert result.exit_code == 2 and result.stderr.count("\n") == 1, result.output
+    assert "weight transformer.decoder.layers.1.linear2.weight holds" in result.stderr
+    assert "the source model is broken" in result.stderr and not (tmp_path / "out").exists()
+
+
 def test_sentencepiece_models_per_side(tmp_path):
     """--config source_spm/target_spm: SentencePiece's own ids, sources as BOS ... EOS (the tutorial's transform)."""
     pytest.importorskip("sentencepiece")

@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 
 from runtime.bundle import load_bundle
-from runtime.errors import InputError
+from runtime.errors import BundleError, InputError
 from runtime.generate import generate_ids
 from runtime.inflight import InflightBatch, check_engine
 from runtime.search import SearchOptions
+from runtime.spec import STATIC_PER_ROW, STATIC_SHARED
 from toolkit.testing.toy import toy_inputs
 
 
@@ -122,27 +123,23 @@ def test_engines_in_flight_batching_cannot_drive_are_refused(bundles):
     dynamic = load_bundle(bundles["dynamic"], provider="cpu").engine
     with pytest.raises(InputError, match="static-cache decoder.*--kv-cache static"):
         InflightBatch(dynamic)
-    old = SimpleNamespace(row_inputs=(), static_cache=True, provider="cpu")     # a bundle exported before i15
-    with pytest.raises(InputError, match="exported before in-flight batching.*re-export"):
-        check_engine(old)
-    shared = SimpleNamespace(row_inputs=("position_ids", "decoder_attention_mask"), static_cache=True,
-                             provider="cpu", per_row_cache=False)          # a CUDA bundle's shared-slot cache
+    shared = SimpleNamespace(layout=STATIC_SHARED, provider="cpu")      # a CUDA bundle's shared-slot cache
     with pytest.raises(InputError, match="one shared length for all rows.*--target cpu"):
         check_engine(shared)
 
 
-def test_bundles_exported_before_per_row_inputs_still_load(toy_model_factory, tmp_path):
-    """Their manifest's decoder interface lacks position_ids and decoder_attention_mask: accepted (request-level
-    serving, runtime.inflight refuses them); any other difference is still refused."""
+def test_bundles_before_the_declared_layout_are_refused(bundles, toy_model_factory, tmp_path):
+    """Format 2 bundles (some of them exported before per-row positions) are refused at load: re-export. A decoder
+    interface without position_ids does not pass the load-time check either."""
     from runtime.bundle import _check_recorded
-    from runtime.errors import BundleError
-    from runtime.spec import GraphSpec, graph_specs, without_row_inputs
+    from runtime.spec import POSITION_IDS, GraphSpec, graph_specs
 
-    for kv in ("dynamic", "static"):
-        expected = graph_specs(toy_model_factory().config.to_dict(), kv_cache=kv, per_row=False)["decoder"]  # DMMHA then
-        old = without_row_inputs(expected)
-        assert len(old.inputs) == len(expected.inputs) - 2
-        _check_recorded(tmp_path, "decoder", old, expected)
-        broken = GraphSpec("decoder", old.inputs[:-1], old.outputs)
-        with pytest.raises(BundleError, match="interface differs"):
-            _check_recorded(tmp_path, "decoder", broken, expected)
+    from conftest import copy_with_manifest
+
+    old = copy_with_manifest(bundles["static"], tmp_path / "old", format_version=2)
+    with pytest.raises(BundleError, match="format_version 2, older than this onnxformer reads.*re-export"):
+        load_bundle(old, provider="cpu")
+    expected = graph_specs(toy_model_factory().config.to_dict(), layout=STATIC_PER_ROW)["decoder"]
+    without = GraphSpec("decoder", tuple(t for t in expected.inputs if t.name != POSITION_IDS), expected.outputs)
+    with pytest.raises(BundleError, match="interface differs"):
+        _check_recorded(tmp_path, "decoder", without, expected)

@@ -52,7 +52,7 @@ def bundle(tmp_path) -> Path:
                   "outputs": [{"graph": "decoder", "output": "logits"}]}
         manifest = build_manifest(preset("tiny").to_dict(), entries, precision="fp16", target="cuda",
                                   fusions={"mha_self_past": 2, "skip_layer_norm": 6}, passes=["fuse", "fp16"],
-                                  parity=parity)
+                                  parity=parity, decoder_layout="static-shared")
         write_manifest(tmp, manifest)
     return out
 
@@ -60,6 +60,7 @@ def bundle(tmp_path) -> Path:
 def test_inspect_report_reads_only_the_manifest(bundle):
     report = inspect_report(bundle)
     assert report["precision"] == "fp16" and report["target"] == "cuda" and report["opset"] == 20
+    assert report["decoder_layout"] == "static-shared" and report["kv_cache"] == "static"
     assert report["fusions"] == {"mha_self_past": 2, "skip_layer_norm": 6} and report["passes"] == ["fuse", "fp16"]
     dec = report["graphs"]["decoder"]
     assert dec["op_counts"] == {"Add": 1, "Relu": 1, "com.microsoft.MultiHeadAttention": 1} and dec["nodes"] == 3
@@ -68,7 +69,7 @@ def test_inspect_report_reads_only_the_manifest(bundle):
     assert report["parity"]["verified"] and "outputs" not in report["parity"]       # summary only
     assert {"onnx", "onnxruntime"} <= set(report["producer"])
     text = format_inspect(report)
-    for expected in ("precision fp16, target cuda", "com.microsoft.MultiHeadAttention 1", "mha_self_past 2",
+    for expected in ("precision fp16, target cuda", "KV cache static (decoder layout static-shared)", "com.microsoft.MultiHeadAttention 1", "mha_self_past 2",
                      "x ", "[batch, 4]", "parity: verified on cuda fp16", "decoder max abs 1.00e-02"):
         assert expected in text, (expected, text)
 
@@ -112,7 +113,9 @@ def rewrite(bundle: Path, **changes) -> None:
     (dict(format="something-else"), "not an onnxformer bundle"),
     (dict(format_version=FORMAT_VERSION + 1), "newer than this onnxformer reads"),
     (dict(format_version="1"), "bad format_version"),
-    (dict(format_version=1), "does not hash every file"),
+    (dict(format_version=1), "older than this onnxformer reads.*re-export"),
+    (dict(format_version=2), "older than this onnxformer reads.*declare the decoder layout.*re-export"),
+    (dict(decoder_layout="paged"), "unknown decoder_layout 'paged'"),
     (dict(files=[]), "'files' must map"),
     (dict(files={"encoder.onnx": {"sha256": "ab", "bytes": 1}}), "64 hex digits"),
     (dict(files={"../x": {"sha256": "a" * 64, "bytes": 1}}), "inside the bundle"),

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import onnx_ir as ir
 import pytest
 from click.testing import CliRunner
 
@@ -52,11 +53,13 @@ def assert_fused(bundle: Path, config, fusions: dict) -> None:
     MultiHeadAttention.
     """
     enc, dec = ops(bundle, "encoder"), ops(bundle, "decoder")
-    static = read_manifest(bundle)["kv_cache"] == "static"
+    layout = read_manifest(bundle)["decoder_layout"]
+    static = layout != "dynamic"
     assert enc.get("com.microsoft.MultiHeadAttention") == config.n_encoder_layers
     assert dec.get("com.microsoft.MultiHeadAttention") == (1 if static else 2) * config.n_decoder_layers
     inputs = {i["name"]: i for i in read_manifest(bundle)["graphs"]["decoder"]["inputs"]}
     per_row = inputs.get("past_sequence_length", {}).get("shape") == ["batch"]
+    assert per_row == (layout == "static-per-row")                       # the layout declared is the graph's
     self_op = "com.microsoft." + ("GroupQueryAttention" if per_row else "DecoderMaskedMultiHeadAttention")
     assert dec.get(self_op, 0) == (config.n_decoder_layers if static else 0)
     assert fusions.get("static_kv_cache", 0) == (config.n_decoder_layers if static else 0)
@@ -265,6 +268,31 @@ def test_parity_failure_writes_nothing(toy, tmp_path, monkeypatch):
     monkeypatch.setattr(G, "bundle_parity", broken)
     with pytest.raises(ParityError, match="did not pass the gate: verdict FAILED.*graphs failed"):
         optimize_bundle(source, tmp_path / "bad")
+    assert not (tmp_path / "bad").exists() and not leftovers(tmp_path)
+
+
+def test_non_finite_weights_in_the_output_write_nothing(toy, tmp_path, monkeypatch):
+    """A converted graph whose weights hold NaN/Inf (as fp16 gives weights beyond its range) is refused before
+    parity, naming the tensor; exit code 2 on the command line."""
+    from exporters.validate import NonFiniteWeightsError
+
+    _, source, _, _ = toy
+    real = O.drop_stack_traces
+
+    def poisoned(model):
+        real(model)
+        if any(v.name == "logits" for v in model.graph.outputs):        # the decoder
+            name, value = next((n, v) for n, v in model.graph.initializers.items()
+                               if v.const_value is not None and v.const_value.dtype.is_floating_point())
+            array = value.const_value.numpy().copy()
+            array.flat[0] = np.inf
+            value.const_value = ir.tensor(array, name=name)
+            poisoned.name = name
+
+    monkeypatch.setattr(O, "drop_stack_traces", poisoned)
+    with pytest.raises(NonFiniteWeightsError, match=r"decoder\.onnx: weight (\S+) holds 1 NaN/Inf value") as err:
+        optimize_bundle(source, tmp_path / "bad", kv_cache="dynamic")
+    assert poisoned.name in str(err.value) and err.value.exit_code == 2 and "\n" not in str(err.value)
     assert not (tmp_path / "bad").exists() and not leftovers(tmp_path)
 
 

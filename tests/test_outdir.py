@@ -137,12 +137,18 @@ def test_files_links_and_unwritable_parents_are_refused(tmp_path, model):
     assert (tmp_path / "afile").read_text() == "x"
 
 
-def test_an_empty_directory_is_replaced_only_with_force(tmp_path, model):
+def test_an_empty_directory_is_written_without_force(tmp_path, model):
     (tmp_path / "empty").mkdir()
-    with pytest.raises(OutputError, match="already exists.*--force"):
+    save_checkpoint(tmp_path / "empty", model)
+    assert load_checkpoint(tmp_path / "empty") and staged(tmp_path) == []
+    with pytest.raises(OutputError, match="already exists.*--force"):      # now it holds a checkpoint
         save_checkpoint(tmp_path / "empty", model)
-    save_checkpoint(tmp_path / "empty", model, force=True)
-    assert load_checkpoint(tmp_path / "empty")
+    (tmp_path / "forced").mkdir()
+    save_checkpoint(tmp_path / "forced", model, force=True)
+    assert load_checkpoint(tmp_path / "forced")
+    (tmp_path / "cli").mkdir()
+    assert run("init", "--preset", "tiny", "--out", tmp_path / "cli").exit_code == 0
+    assert load_checkpoint(tmp_path / "cli") and staged(tmp_path) == []
 
 
 class DiskFull:

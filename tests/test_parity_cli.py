@@ -32,8 +32,10 @@ def parity(*args: str):
 
 def test_parity_passes_with_tables(toy_exported):
     checkpoint, bundle = toy_exported
+    threads = torch.get_num_threads()
     result = parity(checkpoint, bundle, "--provider", "cpu", *FAST)
     assert result.exit_code == 0, result.output
+    assert torch.get_num_threads() == threads                     # --threads 1 held for the run only
     assert "parity ok on cpu fp32" in result.output
     assert "generation parity ok on cpu fp32 (tokens equal >= 100%)" in result.output
     assert "greedy" in result.output and "beam 4" in result.output and "16 random id sequences" in result.output
@@ -97,11 +99,13 @@ def other_checkpoint(tmp_path) -> Path:
     ("other model", "exported from another model"),
     ("samples 0", "--samples must be at least 1"),
     ("beam 0", "--beam must be at least 1"),
+    ("threads 0", "--threads must be at least 1"),
 ])
 def test_bad_input_exits_2(toy_exported, other_checkpoint, tmp_path, case, message):
     checkpoint, bundle = toy_exported
     args = {"no bundle": [checkpoint, tmp_path / "nothing"], "other model": [other_checkpoint, bundle],
-            "samples 0": [checkpoint, bundle, "--samples", "0"], "beam 0": [checkpoint, bundle, "--beam", "0"]}[case]
+            "samples 0": [checkpoint, bundle, "--samples", "0"], "beam 0": [checkpoint, bundle, "--beam", "0"],
+            "threads 0": [checkpoint, bundle, "--threads", "0"]}[case]
     result = parity(*args)
     assert result.exit_code == 2, result.output
     assert message in result.output and "Traceback" not in result.output
@@ -179,3 +183,76 @@ def test_the_comparator_raises_our_error_on_a_shape_mismatch():
     assert not check.ok and check.step == 1 and check.index == (1, 1) and "optimized 1 vs source bundle 0" in check.where()
     with pytest.raises(ParityError, match="decoder output logits step 2: optimized shape \\(2, 4\\), source bundle shape"):
         check.fold(np.zeros((2, 3)), np.zeros((2, 4)), tolerance("fp32", "cpu"), step=2)
+
+
+# ------------------------------------------------------------------------------------------ the inputs judged
+
+def test_parity_takes_source_texts_for_any_model_with_a_tokenizer(toy_exported, tmp_path):
+    """--input texts go through the model's tokenizer (not only for a Marian reference); without them a text
+    model's random-id verdict says plainly, in the table and the JSON, that it is not representative."""
+    texts = tmp_path / "texts.txt"
+    lines = ["abcdefgh", "Hello42", "zyxwvu", "QRSTab01", "mnopqrst", "AbCdEf", "xyz", "k5l6m7n8"]
+    texts.write_text("\n".join(lines) + "\n")
+    given = parity(*toy_exported, "--input", texts, "--json", *FAST)
+    assert given.exit_code == 0, given.output
+    gen = json.loads(given.stdout)["generation"]
+    assert gen["source"] == "8 given source texts" and gen["representative"] is True
+    assert [c["samples"] for c in gen["checks"]] == [8, 8]
+    random_ids = parity(*toy_exported, "--json", *FAST)
+    gen = json.loads(random_ids.stdout)["generation"]
+    assert "random id sequences" in gen["source"] and gen["representative"] is False
+    assert "not representative" in gen["summary"] and "--input" in gen["summary"]
+    table = parity(*toy_exported, *FAST)
+    assert "(NOT representative: this model reads text)" in table.output
+
+
+def test_parity_refuses_texts_for_a_model_without_a_tokenizer(toy_model_factory, tmp_path):
+    from toolkit.parity.inputs import choose_inputs
+    from runtime.errors import InputError
+
+    with pytest.raises(InputError, match="--input texts need a model with a tokenizer"):
+        choose_inputs(toy_model_factory().config, None, 8, ["abc"])
+    ids = choose_inputs(toy_model_factory().config, None, 8)
+    assert ids.representative and ids.note is None               # ids are what an ids model reads
+
+
+def test_optimize_gate_and_parity_judge_the_same_inputs_by_default(toy_exported):
+    """The gate's token check and `onnxformer parity` draw the same inputs, as many, by one rule."""
+    from runtime.manifest import read_manifest
+    from toolkit.parity.gate import bundle_gate
+    from toolkit.parity.inputs import DEFAULT_SAMPLES
+
+    bundle = toy_exported[1]
+    manifest = read_manifest(bundle)
+    paths = {g: bundle / manifest["graphs"][g]["file"] for g in ("encoder", "decoder")}
+    gate = bundle_gate(paths, paths, manifest, bundle, "cpu", "fp32")["generation"]
+    report = json.loads(parity(*toy_exported, "--json", "--beam", "1", "--max-new-tokens", "4").stdout)
+    assert gate["samples"] == report["generation"]["checks"][0]["samples"] == DEFAULT_SAMPLES
+    assert gate["source"] == report["generation"]["source"] and gate["representative"] is False
+
+
+# ------------------------------------------------------------------------------------------ the first mismatch
+
+def test_the_first_mismatch_shows_the_tokens_around_it():
+    """Outputs equal for their first 14 tokens: the line shows positions 10..22, the differing token marked."""
+    from toolkit.parity.report import mismatch_window
+
+    ref = list(range(10, 40))
+    got = ref[:14] + [99] + ref[15:20]
+    _, _, first = compare_tokens([ref], [got])
+    line = mismatch_window(first, "onnxruntime", "pytorch")
+    assert line == ("input 0 at position 14 (tokens 10..22): onnxruntime ... 20 21 22 23 >99< 25 26 27 28 29 "
+                    "vs pytorch ... 20 21 22 23 >24< 25 26 27 28 29 30 31 32 ...")
+    _, _, first = compare_tokens([[5, 6, 7]], [[5, 6]])
+    assert mismatch_window(first, "onnxruntime", "pytorch") == ("input 0 at position 2 (tokens 0..10): "
+                                                               "onnxruntime 5 6 >end< vs pytorch 5 6 >7<")
+
+
+def test_a_failed_parity_names_the_differing_tokens(toy_exported, perturbed_bundle):
+    result = parity(toy_exported[0], perturbed_bundle, "--json", *FAST)
+    gen = json.loads(result.stdout)["generation"]
+    failed = next(c for c in gen["checks"] if c["verdict"] == "failed")
+    m = failed["first_mismatch"]
+    pos = m["position"]
+    ours, theirs = (m[side][pos] if pos < len(m[side]) else "end" for side in ("pytorch", "onnxruntime"))
+    assert ours != theirs and f">{ours}<" in gen["summary"] and f">{theirs}<" in gen["summary"]

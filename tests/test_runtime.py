@@ -19,7 +19,7 @@ from click.testing import CliRunner
 from runtime.bundle import load_bundle
 from runtime.errors import BundleError, InputError, ProviderError
 from runtime.generate import generate_ids, to_outputs
-from runtime.manifest import FORMAT_VERSION, file_entries, sha256_file
+from runtime.manifest import FORMAT_VERSION, file_entries, read_manifest, sha256_file, verify_hashes
 from runtime.ort_engine import default_io_binding
 from runtime.search import SearchOptions
 from runtime.session import FLOAT, INT64, SessionConfig, choose_provider, gather_model, make_session
@@ -301,6 +301,18 @@ def test_tampered_graph_is_a_bundle_error(bundle_copy):
         load_bundle(bundle_copy, provider="cpu")
 
 
+@pytest.mark.parametrize("field, change", [("n_heads", lambda v: v * 2), ("d_model", lambda v: v + 8),
+                                           ("vocab_size", lambda v: v + 5), ("n_decoder_layers", lambda v: v + 1)])
+def test_an_edited_model_config_is_refused_at_load(bundle_copy, field, change):
+    """manifest.json is not in its own file list, so an edited model config passes the hash check: the config
+    check against the graphs' fixed dims and cache layers refuses it at load, naming the field."""
+    edit_manifest(bundle_copy, lambda m: m["model"].update({field: change(m["model"][field])}))
+    verify_hashes(bundle_copy, read_manifest(bundle_copy))           # every file still matches its hash
+    with pytest.raises(BundleError, match=rf"model config .*{field}.*copy the bundle again or re-export") as err:
+        load_bundle(bundle_copy, provider="cpu")
+    assert "\n" not in str(err.value)
+
+
 def test_newer_format_version_is_a_bundle_error(bundle_copy):
     edit_manifest(bundle_copy, lambda m: m.update(format_version=FORMAT_VERSION + 1))
     with pytest.raises(BundleError, match="newer than this onnxformer reads"):
@@ -339,7 +351,7 @@ def test_manifest_interface_differing_from_config_is_a_bundle_error(bundle_copy)
 
 
 @pytest.mark.parametrize("seqs, message", [
-    ([[5, 64, 7]], r"input 0 has token id\(s\) \[64\] outside the vocabulary"),
+    ([[5, 64, 7]], r"input 0 has token id\(s\) \[64\] outside the source vocabulary"),
     ([[5], [-1]], r"input 1 has token id\(s\) \[-1\]"),
     ([[5], []], "input 1 is empty"),
     ([], "no inputs given"),
@@ -351,7 +363,7 @@ def test_bad_requests_are_input_errors(engines, seqs, message):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--ids", "5 64"], "outside the vocabulary"),
+    (["--ids", "5 64"], "outside the source vocabulary"),
     (["--ids", " ".join(["5"] * 65)], "maximum source length"),
     (["--ids", "5", "--beam", "2", "--num-return", "3"], "number of returned hypotheses"),
 ])

@@ -149,7 +149,7 @@ def test_bad_requests_are_refused(engine):
         generate_ids(engine, [[5], []], SearchOptions())
     with pytest.raises(InputError, match="maximum source length"):
         generate_ids(engine, [[5] * (engine.max_len + 1)], SearchOptions())
-    with pytest.raises(InputError, match="outside the vocabulary"):
+    with pytest.raises(InputError, match="outside the source vocabulary of 64 ids"):
         generate_ids(engine, [[5, engine.vocab_size]], SearchOptions())
     with pytest.raises(InputError, match="no inputs"):
         generate_ids(engine, [], SearchOptions())

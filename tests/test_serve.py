@@ -16,6 +16,7 @@ import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -26,6 +27,7 @@ from click.testing import CliRunner  # noqa: E402
 
 from runtime.bundle import load_bundle  # noqa: E402
 from runtime.generate import generate_ids  # noqa: E402
+from runtime.request import Request  # noqa: E402
 from runtime.search import SearchOptions  # noqa: E402
 from toolkit.apps.serve.app import ServeSettings, Service, bind, create_app  # noqa: E402
 from toolkit.apps.serve.loadtest import LoadSpec, make_requests  # noqa: E402
@@ -121,6 +123,11 @@ def label_metric(url: str, name: str, **labels) -> float:
     return 0.0
 
 
+def queued(engine, sequences, opts: SearchOptions) -> Job:
+    """A queued request, validated as the server validates it (runtime.request)."""
+    return Job(Request.build(engine, sequences, None, opts))
+
+
 # --- batching: each request gets exactly what it gets alone ---
 
 def assert_same(alone, batched, atol=1e-4):
@@ -141,7 +148,7 @@ def test_batched_requests_equal_their_unbatched_outputs(bundles, config, kv):
         beam = 1 if i % 6 else 3
         opts = SearchOptions(max_new_tokens=int(rng.integers(1, 20)) if beam == 1 else 12, beam=beam,
                              num_return=1 if beam == 1 else 2)
-        jobs.append(Job(inputs, opts))
+        jobs.append(queued(engine, inputs, opts))
     scheduler = Scheduler(engine, max_batch=16, max_wait_ms=10_000, max_queue=64)
     for job in jobs:                                # all queued before the thread starts: they batch together
         scheduler.submit(job)
@@ -193,7 +200,7 @@ BAD = [
     (b'{"inputs": [""]}', 422, "input 0 is empty"),
     (b'{"inputs": ["' + b"a" * 65 + b'"]}', 422, "more than the model's maximum source length 64"),
     (b'{"inputs": ["abc", "' + b"a" * 65 + b'"]}', 422, "input 1 has 65 tokens"),
-    (b'{"ids": [[5, 6, 999]]}', 422, "outside the vocabulary"),
+    (b'{"ids": [[5, 6, 999]]}', 422, "outside the source vocabulary of 64 ids"),
     (b'{"inputs": ["ab!"]}', 422, "!"),
     (b'{"inputs": ["a"], "beam": 0}', 422, "beam must be between 1 and 8"),
     (b'{"inputs": ["a"], "beam": 9}', 422, "beam must be between 1 and 8"),
@@ -268,9 +275,10 @@ def test_full_queue_gets_503_with_retry_after_and_every_accepted_request_one_ans
     service = Service.load(bundle, ServeSettings(provider="cpu", max_batch=4, max_queue=6, max_wait_ms=1))
     gated = Gated(service.engine)
     service.scheduler.engine = gated
-    gated.gate.set()                                # warm-up runs the real engine directly; gate the scheduler only
+    gated.gate.set()                                # the warm-up's batches pass; then the gate holds batches
     with serving(service) as url:
         gated.gate.clear()
+        gated.started_rows.clear()                  # the warm-up's
         answers: list = [None] * 40
 
         def send(i):
@@ -302,9 +310,10 @@ def test_client_that_disconnects_while_queued_is_dropped(bundle):
     service = Service.load(bundle, ServeSettings(provider="cpu", max_batch=1, max_wait_ms=0))
     gated = Gated(service.engine)
     service.scheduler.engine = gated
-    gated.gate.set()
+    gated.gate.set()                                # the warm-up's batches pass; then the gate holds batches
     with serving(service) as url:
         gated.gate.clear()
+        gated.started_rows.clear()                  # the warm-up's
         holder = threading.Thread(target=httpx.post, args=(url + "/v1/generate",),
                                   kwargs={"json": {"ids": [[5, 6]], "max_new_tokens": 3}, "timeout": 60})
         holder.start()                                                  # occupies the engine (gated)
@@ -333,7 +342,8 @@ def test_cancelled_rows_leave_the_running_batch(bundle, config):
     """A client leaving mid-decode: its rows drop out at the next step, the others finish unchanged."""
     engine = load_bundle(bundle, provider="cpu").engine
     rows_per_step: list[int] = []
-    jobs = [Job([seq], SearchOptions(max_new_tokens=30, ignore_eos=True)) for seq in toy_inputs(config, 4, seed=9)]
+    jobs = [queued(engine, [seq], SearchOptions(max_new_tokens=30, ignore_eos=True))
+            for seq in toy_inputs(config, 4, seed=9)]
     scheduler = Scheduler(engine, max_batch=4, max_wait_ms=10_000)
 
     class Watch:
@@ -370,17 +380,17 @@ def test_the_batch_window_opens_when_the_engine_frees_up(bundle):
     gated = Gated(engine)
     scheduler = Scheduler(gated, max_batch=8, max_wait_ms=400)
     opts = SearchOptions(max_new_tokens=3)
-    first = Job([[5, 6]], opts)
+    first = queued(engine, [[5, 6]], opts)
     scheduler.submit(first)
     scheduler.start()
     while not gated.started_rows:                   # batch 1 (first) is decoding, held by the gate
         time.sleep(0.01)
-    waiting = Job([[7, 8]], opts)
+    waiting = queued(engine, [[7, 8]], opts)
     scheduler.submit(waiting)
     time.sleep(0.6)                                 # longer than max_wait: its own window has passed
     gated.gate.set()
     first.future.result(30)
-    late = Job([[9, 10]], opts)                     # arrives just after the engine became free
+    late = queued(engine, [[9, 10]], opts)          # arrives just after the engine became free
     scheduler.submit(late)
     waiting.future.result(30), late.future.result(30)
     scheduler.stop()
@@ -389,10 +399,11 @@ def test_the_batch_window_opens_when_the_engine_frees_up(bundle):
 
 def test_scheduler_queue_is_bounded():
     scheduler = Scheduler(engine=None, max_batch=2, max_queue=3)
+    model = SimpleNamespace(vocab_size=64, src_vocab_size=64, suppress_ids=(), max_len=64)
     for _ in range(3):
-        scheduler.submit(Job([[5]], SearchOptions(max_new_tokens=2)))
+        scheduler.submit(queued(model, [[5]], SearchOptions(max_new_tokens=2)))
     with pytest.raises(Overloaded, match="queue is full"):
-        scheduler.submit(Job([[5]], SearchOptions(max_new_tokens=2)))
+        scheduler.submit(queued(model, [[5]], SearchOptions(max_new_tokens=2)))
 
 
 # --- the command: SIGTERM drains and exits 0; bad settings exit 2 ---
@@ -514,7 +525,7 @@ def test_server_on_cuda_runs_the_engine_as_generate_does(bundles, config):
         service = Service.load(bundle_dir, ServeSettings(provider="cuda"))
         assert service.engine.io_binding and service.engine.name.startswith("ort-cuda-")
         seqs = toy_inputs(config, 6, seed=2)
-        jobs = [Job([s], SearchOptions(max_new_tokens=10)) for s in seqs]
+        jobs = [queued(reference, [s], SearchOptions(max_new_tokens=10)) for s in seqs]
         for job in jobs:
             service.scheduler.submit(job)
         service.start()

@@ -21,10 +21,10 @@ from runtime.generate import generate_ids  # noqa: E402
 from runtime.search import SearchOptions  # noqa: E402
 from toolkit.apps.serve.app import ServeError, ServeSettings, Service  # noqa: E402
 from toolkit.apps.serve.inflight import InflightScheduler  # noqa: E402
-from toolkit.apps.serve.scheduler import Job, Scheduler  # noqa: E402
+from toolkit.apps.serve.scheduler import Scheduler  # noqa: E402
 from toolkit.testing.toy import toy_inputs  # noqa: E402
 
-from test_serve import assert_same, bundles, metric, start_server  # noqa: E402,F401 (bundles: a fixture)
+from test_serve import assert_same, bundles, metric, queued, start_server  # noqa: E402,F401 (bundles: a fixture)
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +43,7 @@ def test_requests_joining_the_running_batch_get_their_unbatched_outputs(engine, 
         beam = 3 if i % 16 == 8 else 1
         opts = SearchOptions(max_new_tokens=int(rng.integers(0, 24)) if beam == 1 else 10, beam=beam,
                              num_return=1 if beam == 1 else 2, ignore_eos=bool(i % 6 == 0))
-        jobs.append(Job(seqs[i:i + 1 + (i % 4 == 0)], opts))
+        jobs.append(queued(engine, seqs[i:i + 1 + (i % 4 == 0)], opts))
         scheduler.submit(jobs[-1])
         time.sleep(float(rng.uniform(0, 0.01)))     # arrivals spread over the batch's steps
     results = [job.future.result(timeout=120) for job in jobs]
@@ -80,8 +80,8 @@ def test_a_cancelled_request_frees_its_slots_at_the_next_step(engine, toy_model_
     seqs = toy_inputs(config, 3, min_len=3, max_len=8, seed=22)
     scheduler = InflightScheduler(Slow(engine), max_batch=2, max_queue=8)
     scheduler.start()
-    long = Job([seqs[0], seqs[1]], SearchOptions(max_new_tokens=60, ignore_eos=True))   # takes both slots
-    waiting = Job([seqs[2]], SearchOptions(max_new_tokens=5, ignore_eos=True))
+    long = queued(engine, [seqs[0], seqs[1]], SearchOptions(max_new_tokens=60, ignore_eos=True))   # takes both slots
+    waiting = queued(engine, [seqs[2]], SearchOptions(max_new_tokens=5, ignore_eos=True))
     scheduler.submit(long)
     deadline = time.monotonic() + 30
     while scheduler.batch.live < 2:

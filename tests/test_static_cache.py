@@ -16,13 +16,13 @@ from exporters.shared_weights import inline_external
 from exporters.static_cache import StaticCacheError, StaticCachePass
 from runtime.bundle import load_bundle
 from runtime.errors import BundleError, InputError
+from runtime.feed import Feed
 from runtime.generate import generate_ids
 from runtime.manifest import read_manifest
 from runtime.search import SearchOptions
 from runtime.session import make_session
-from runtime.spec import (DECODER_ATTENTION_MASK, PAST_SEQUENCE_LENGTH, POSITION_IDS, default_row_inputs,
-                          graph_specs)
-from runtime.static_cache import DynamicView, is_static
+from runtime.spec import (DECODER_ATTENTION_MASK, PAST_SEQUENCE_LENGTH, POSITION_IDS, STATIC_PER_ROW, STATIC_SHARED,
+                          default_row_inputs, graph_specs)
 from toolkit.reference.checkpoint import load_checkpoint
 from toolkit.apps.cli import main
 from toolkit.parity.graphs import graph_parity
@@ -43,7 +43,7 @@ def bundles(toy_exported, tmp_path_factory):
     return load_checkpoint(checkpoint).model, Path(exported), dynamic, static
 
 
-LAYOUTS = {"per-row": True, "shared-slot": False}      # CPU bundles; CUDA bundles (exporters/static_cache.py)
+LAYOUTS = {STATIC_PER_ROW: True, STATIC_SHARED: False}      # CPU bundles; CUDA bundles (exporters/static_cache.py)
 ATTENTION = {True: "GroupQueryAttention", False: "DecoderMaskedMultiHeadAttention"}
 
 
@@ -63,12 +63,12 @@ def test_rewrite_gives_the_static_interface(bundles, layout):
     model, _, dynamic, _ = bundles
     c, per_row = model.config, LAYOUTS[layout]
     graph, static = _static_graph(dynamic, per_row)
-    assert static.counts == {"static_kv_cache": c.n_decoder_layers}
+    assert static.counts == {"static_kv_cache": c.n_decoder_layers} and static.layout == layout
     assert not StaticCachePass(per_row)(graph).modified             # already static: a no-op
     ops = [n.op_type for n in graph.graph]
     assert ops.count(ATTENTION[per_row]) == ops.count("MultiHeadAttention") == c.n_decoder_layers
     assert ops.count(ATTENTION[not per_row]) == 0
-    spec = graph_specs(c.to_dict(), kv_cache="static", per_row=per_row)["decoder"]
+    spec = graph_specs(c.to_dict(), layout=layout)["decoder"]
     got = [(v.name, v.dtype.name, [d if isinstance(d, int) else "dyn" for d in v.shape]) for v in graph.graph.inputs]
     want = [(t.name, {"int64": "INT64", "int32": "INT32", "float32": "FLOAT"}[t.dtype],
              [d if isinstance(d, int) else "dyn" for d in t.shape]) for t in spec.inputs]
@@ -83,9 +83,11 @@ def test_rewrite_gives_the_static_interface(bundles, layout):
 
 def test_cpu_bundles_get_the_per_row_layout(bundles):
     _, _, _, static = bundles
-    inputs = {i["name"]: i for i in read_manifest(static)["graphs"]["decoder"]["inputs"]}
+    manifest = read_manifest(static)
+    inputs = {i["name"]: i for i in manifest["graphs"]["decoder"]["inputs"]}
     assert inputs[PAST_SEQUENCE_LENGTH]["shape"] == ["batch"] and DECODER_ATTENTION_MASK not in inputs
-    assert load_bundle(static, provider="cpu").engine.per_row_cache
+    assert manifest["decoder_layout"] == STATIC_PER_ROW and manifest["kv_cache"] == "static"
+    assert load_bundle(static, provider="cpu").engine.layout == STATIC_PER_ROW
 
 
 def test_rewrite_refuses_unfused_self_attention(bundles):
@@ -111,7 +113,6 @@ def test_static_step_writes_in_place_and_reads_only_filled_rows(bundles, layout,
     c, per_row = model.config, LAYOUTS[layout]
     _static_graph(dynamic, per_row, tmp_path)
     dyn, sta = make_session(dynamic / "decoder.onnx", "cpu"), make_session(tmp_path / "decoder.onnx", "cpu")
-    assert is_static(sta) and not is_static(dyn)
     rng = np.random.default_rng(0)
     cross, mask = _decoder_feeds(dyn, c, rng)
     past_names = [i.name for i in dyn.get_inputs() if ".decoder." in i.name]
@@ -148,21 +149,24 @@ def test_static_step_writes_in_place_and_reads_only_filled_rows(bundles, layout,
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_dynamic_view_feeds_several_tokens_one_at_a_time(bundles, layout, tmp_path):
+def test_static_layouts_are_fed_several_tokens_one_at_a_time(bundles, layout, tmp_path):
+    """runtime.feed runs a static decoder in the dynamic contract (as parity does): the dynamic graph's outputs."""
     model, _, dynamic, _ = bundles
     c = model.config
     _static_graph(dynamic, LAYOUTS[layout], tmp_path)
-    dyn, view = make_session(dynamic / "decoder.onnx", "cpu"), DynamicView(make_session(tmp_path / "decoder.onnx", "cpu"))
+    dyn = make_session(dynamic / "decoder.onnx", "cpu")
+    feed = Feed(None, make_session(tmp_path / "decoder.onnx", "cpu"), c.to_dict(), layout)
     rng = np.random.default_rng(1)
     cross, mask = _decoder_feeds(dyn, c, rng)
     names = [o.name for o in dyn.get_outputs()]
-    past = {i.name: rng.standard_normal((2, c.n_heads, 3, c.head_dim)).astype(np.float32)
-            for i in dyn.get_inputs() if ".decoder." in i.name}
-    feeds = {"input_ids": np.array([[7, 8], [9, 10]], np.int64), "encoder_attention_mask": mask, **cross, **past,
-             **default_row_inputs(2, 3, 2)}
-    for want, got in zip(dyn.run(names, feeds), view.run(names, feeds)):
-        assert want.shape == got.shape
-        np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+    past = {name: rng.standard_normal((2, c.n_heads, 3, c.head_dim)).astype(np.float32) for name in feed.past_names}
+    tokens = np.array([[7, 8], [9, 10]], np.int64)
+    want = dyn.run(names, {"input_ids": tokens, "encoder_attention_mask": mask, **cross, **past,
+                           **default_row_inputs(2, 3, 2)})
+    logits, presents = feed.decode(tokens, mask, list(past.values()), [cross[n] for n in feed.cross_in_names])
+    for w, got in zip(want, [logits, *presents]):
+        assert w.shape == got.shape
+        np.testing.assert_allclose(got, w, atol=1e-5, rtol=0)
 
 
 def test_static_bundle_generates_the_tokens_of_the_dynamic_one(bundles):
@@ -182,7 +186,7 @@ def test_static_bundle_generates_the_tokens_of_the_dynamic_one(bundles):
 
 def test_static_bundle_parity_with_pytorch(bundles):
     model, _, _, static = bundles
-    record = graph_parity(model, static, provider="cpu", precision="fp32")   # first step of 2 tokens: via DynamicView
+    record = graph_parity(model, static, provider="cpu", precision="fp32")   # first step of 2 tokens, one at a time
     assert record.ok, record.summary()
 
 
@@ -257,14 +261,18 @@ def test_cli_dynamic_option_and_inspect(bundles, tmp_path):
     assert result.exit_code == 2 and "--kv-cache dynamic" in result.output and not (tmp_path / "x").exists()
 
 
-def test_manifest_with_unknown_kv_cache_is_refused(bundles, tmp_path):
+def test_manifest_with_unknown_or_wrong_decoder_layout_is_refused(bundles, tmp_path):
     _, _, _, static = bundles
-    copy = copy_with_manifest(static, tmp_path / "copy", kv_cache="paged")
-    with pytest.raises(BundleError, match="unknown kv_cache 'paged'"):
+    copy = copy_with_manifest(static, tmp_path / "copy", decoder_layout="paged")
+    with pytest.raises(BundleError, match="unknown decoder_layout 'paged'.*re-export"):
         load_bundle(copy, "cpu")
-    copy_with_manifest(static, copy, kv_cache="dynamic")                      # says dynamic, graph is static
-    with pytest.raises(BundleError, match="interface differs"):
+    copy_with_manifest(static, copy, decoder_layout=STATIC_PER_ROW, kv_cache="dynamic")
+    with pytest.raises(BundleError, match="kv_cache 'dynamic' but decoder_layout 'static-per-row'"):
         load_bundle(copy, "cpu")
+    for layout, kv_cache in ((STATIC_SHARED, "static"), ("dynamic", "dynamic")):   # says so, the graph is per row
+        copy_with_manifest(static, copy, decoder_layout=layout, kv_cache=kv_cache)
+        with pytest.raises(BundleError, match="interface differs from the model config and decoder_layout"):
+            load_bundle(copy, "cpu")
 
 
 def test_static_rules_say_why_they_do_not_fire(bundles):

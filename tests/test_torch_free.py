@@ -119,4 +119,4 @@ def test_generate_cli_without_torch(toy_exported, tmp_path, beam):
 def test_generate_cli_bad_input_exits_2_without_torch(toy_exported, tmp_path):
     proc, report = run_blocked([str(ONNXFORMER), "generate", str(toy_exported[1]), "--ids", "5 99"], tmp_path)
     assert proc.returncode == 2 and report["loaded"] == []
-    assert proc.stderr.count("\n") == 1 and "outside the vocabulary" in proc.stderr
+    assert proc.stderr.count("\n") == 1 and "outside the source vocabulary" in proc.stderr

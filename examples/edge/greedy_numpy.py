@@ -17,11 +17,15 @@ import numpy as np
 import onnxruntime as ort
 
 SPECIALS = 3                               # tokenizer ids 0, 1, 2: <pad>, <s>, </s>
+FORMAT_VERSION = 3                         # manifest.json's format_version (3: it declares "decoder_layout")
 
 
 def load(bundle: Path, use_ort_format: bool = True):
     """Manifest, encoder and decoder sessions (hashes checked), and the tokenizer's characters (or None)."""
     manifest = json.loads((bundle / "manifest.json").read_text())
+    if manifest.get("format_version") != FORMAT_VERSION:            # the manifest fields this script reads
+        raise SystemExit(f"{bundle} is a format {manifest.get('format_version')} bundle; this script reads format "
+                         f"{FORMAT_VERSION}: re-export the bundle with this onnxformer")
     for name, entry in manifest["files"].items():                  # every file of the bundle, graphs and tokenizer
         if hashlib.sha256((bundle / name).read_bytes()).hexdigest() != entry["sha256"]:
             raise SystemExit(f"{bundle / name} does not match its sha256 in manifest.json; copy the bundle again")
@@ -36,8 +40,10 @@ def load(bundle: Path, use_ort_format: bool = True):
     return manifest, sessions["encoder"], sessions["decoder"], chars
 
 
-def greedy(encoder, decoder, config: dict, sources: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """Greedy search over a right-padded batch, as onnxformer runs it; each result stops before EOS."""
+def greedy(encoder, decoder, config: dict, layout: str, sources: list[list[int]],
+           max_new_tokens: int) -> list[list[int]]:
+    """Greedy search over a right-padded batch, as onnxformer runs it; each result stops before EOS. layout: the
+    manifest's decoder_layout, "dynamic", "static-per-row" or "static-shared"."""
     batch, width = len(sources), max(len(s) for s in sources)
     ids = np.full((batch, width), config["pad_id"], dtype=np.int64)          # [B, S]
     mask = np.zeros((batch, width), dtype=np.int64)                          # 1 = token, 0 = padding
@@ -47,10 +53,10 @@ def greedy(encoder, decoder, config: dict, sources: list[list[int]], max_new_tok
     enc_names = [o.name for o in encoder.get_outputs()]
     encoded = dict(zip(enc_names, encoder.run(None, {"input_ids": ids, "attention_mask": mask})))
     # 2. decoder inputs: past_key_values.{i}.encoder.* = the encoder's present.{i}.encoder.*; self-attention
-    #    caches start empty: past_len 0, or, for a static-cache decoder (manifest "kv_cache": "static"), a
-    #    zeroed [B, H, max_len, Dh] buffer and past_sequence_length 0
+    #    caches start empty: past_len 0, or, for a static-cache decoder (manifest "decoder_layout": "static-per-row"
+    #    or "static-shared"), a zeroed [B, H, max_len, Dh] buffer and past_sequence_length 0
     head_dim = config["d_model"] // config["n_heads"]
-    static = any(i.name == "past_sequence_length" for i in decoder.get_inputs())
+    static = layout != "dynamic"
     cache_len = config["max_len"] if static else 0
     empty = np.zeros((batch, config["n_heads"], cache_len, head_dim), dtype=np.float32)
     feeds = {i.name: encoded.get(i.name.replace("past_key_values.", "present."), empty)
@@ -63,18 +69,16 @@ def greedy(encoder, decoder, config: dict, sources: list[list[int]], max_new_tok
         # 3. one cached step: the newest token in, logits [N, 1, V] and the self-attention caches out (grown by
         #    one position, or the static buffers with position `step` written; onnxformer's runtime binds each
         #    static buffer as both input and output with IO binding, so nothing is copied)
-        #    Graphs exported since in-flight batching also take each row's position and which cached slots are
-        #    real tokens (position_ids [N, 1], decoder_attention_mask [N, past_len or cache_len]): every row here
-        #    sits at position `step` with all of its slots real
-        #    A CPU bundle's static cache keeps one filled length per row (past_sequence_length [N]) and needs no
-        #    key mask; a CUDA bundle's has one length for all rows ([1]) and the mask
-        names = {i.name: i for i in decoder.get_inputs()}
+        #    Each row's position and which cached slots are real tokens (position_ids [N, 1],
+        #    decoder_attention_mask [N, past_len or cache_len]): every row here sits at position `step` with all of
+        #    its slots real. A "static-per-row" cache (CPU bundles) keeps one filled length per row
+        #    (past_sequence_length [N]) and takes no key mask; a "static-shared" one (CUDA bundles) has one length
+        #    for all rows ([1]) and the mask
         if static:
-            per_row = not isinstance(names["past_sequence_length"].shape[0], int)
+            per_row = layout == "static-per-row"
             feeds["past_sequence_length"] = np.full(len(tokens) if per_row else 1, step, dtype=np.int32)
-        if "position_ids" in names:
-            feeds["position_ids"] = np.full((len(tokens), 1), step, dtype=np.int64)
-        if "decoder_attention_mask" in names:
+        feeds["position_ids"] = np.full((len(tokens), 1), step, dtype=np.int64)
+        if layout != "static-per-row":
             feeds["decoder_attention_mask"] = np.ones((len(tokens), cache_len or step), dtype=np.int64)
         logits, *presents = decoder.run(out_names, {"input_ids": tokens[:, None],
                                                     "encoder_attention_mask": mask, **feeds})
@@ -113,7 +117,7 @@ def main() -> None:
     if not sources or not all(sources):
         raise SystemExit("pass at least one non-empty TEXT or --ids")
     limit = min(64, config["max_len"]) if args.max_new_tokens is None else args.max_new_tokens
-    for out in greedy(encoder, decoder, config, sources, limit):
+    for out in greedy(encoder, decoder, config, manifest["decoder_layout"], sources, limit):
         print("".join(chars[t - SPECIALS] for t in out if t >= SPECIALS) if chars is not None
               else " ".join(map(str, out)))
 

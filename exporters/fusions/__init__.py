@@ -37,7 +37,7 @@ def fusion_passes(attention: str = "ort", opset: int = 20) -> list[Reporting]:
         opset = max(opset, ONNX_ATTENTION_OPSET)
     passes.append(RewritePass("fuse_attention", attention_rules(attention)))
     passes.append(RewritePass("fuse_layer_norm", layernorm_rules()))
-    # the ONNX Gelu op needs opset 20 (the onnx target is at 23 by now); below it, onnxruntime's own Gelu
+    # the ONNX Gelu op needs opset 20 (the onnx target is 23); below it, onnxruntime's own Gelu
     passes.append(RewritePass("fuse_erf_gelu", erf_gelu_rules("" if opset >= 20 else "com.microsoft")))
     if attention == "ort":
         passes.append(RewritePass("fuse_skip_layer_norm", skip_layernorm_rules()))

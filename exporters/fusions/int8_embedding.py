@@ -5,12 +5,12 @@
                                                                    DynamicQuantizeMatMul(x, Q^T, 1) * s --> logits
 
 Dynamic int8 quantization (onnxruntime.quantization) touches MatMul weights only, so the embedding stays float32:
-for the base shape 16.4 MB in each graph, a third of an int8 bundle. Here every row of the table gets a symmetric
+8000 x 512 float32 in each graph of the base shape, a third of an int8 bundle. Here every row of the table gets a symmetric
 int8 scale (max |row| / 127), which is per-column quantization of the projection's weight W^T, so the tied
 projection reads the same int8 matrix and the same scales as the lookup: com.microsoft.DynamicQuantizeMatMul with a
 scalar b_scale of 1, then one Mul by s [V] (the same numbers up to float rounding). DynamicQuantizeMatMul could take
-s itself as a per-column b_scale [N], but onnxruntime's per-column path is slower: over N = 58101 (the opus-mt
-vocabulary, one thread) 1.22 ms against 1.12 ms for the scalar scale plus the Mul, equal at batch 8. The matrix is stored in the projection's [D, V] layout (a lookup then
+s itself as a per-column b_scale [N], but onnxruntime's per-column path is slower at batch 1 (RESULTS.md, "Leaner
+edge bundles"). The matrix is stored in the projection's [D, V] layout (a lookup then
 reads one strided column per token: a few hundred bytes), and it is the same tensor in both graphs, so
 exporters/shared_weights stores it once.
 

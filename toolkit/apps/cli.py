@@ -2,7 +2,7 @@
 
 Each command lives in toolkit/apps/commands/<module>.py as `command`. The group imports a command's module only when
 that command runs (or when --help lists them all), so `onnxformer generate` loads what generating needs and not
-the code of the other eleven commands (issue 16: the peak resident memory of generate on an edge device). Commands
+the code of the other commands (the peak resident memory of generate on an edge device). Commands
 import torch, onnx and onnxscript only inside their bodies, so the runtime commands (generate, inspect, bench on
 bundles) work where only numpy, onnxruntime and click are installed.
 

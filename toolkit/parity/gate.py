@@ -1,13 +1,14 @@
 """The gate a converted bundle passes before it is written (optimize, for every precision): one function, driven
 by the tolerance table's row for the precision and provider, so a new precision (int4) is gated by adding a row.
 
-    record = bundle_gate(source_paths, candidate_paths, manifest, source_dir, "cpu", "int8", samples=32)
+    record = bundle_gate(source_paths, candidate_paths, manifest, source_dir, "cpu", "int8", samples=100)
     record["verdict"]      # "ok" | "failed" | "inconclusive"; record["verified"] = verdict == "ok"
     record["verdicts"]     # per check: {"graphs": ..., "tokens": ..., "accuracy": ...}
 
 What the row asks is judged, against the source bundle's graphs on the same provider:
 - atol (not None): every graph output over a first and 8 cached decoder steps (toolkit.parity.graphs);
-- token_match: greedy tokens over `samples` inputs (the task's held-out inputs, else random ids); the reference
+- token_match: greedy tokens over `samples` inputs, chosen as `onnxformer parity` chooses them
+  (toolkit.parity.inputs: texts given, else the task's held-out inputs, else random ids); the reference
   outputs must vary (toolkit.parity.generation), else teacher-forced logits decide, judged by atol, and without
   an atol (int8) the tokens are no verdict: "inconclusive", which a gate refuses like "failed";
 - accuracy_drop (not None): the task metric of the model's task (toolkit.reference.tasks.task_accuracy), the candidate at
@@ -18,50 +19,54 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from runtime.errors import InputError
+from runtime.manifest import decoder_layout
 from runtime.ort_engine import OrtEngine
 from runtime.session import SessionConfig, make_session
 from runtime.tokenizer import load_tokenizer
 from toolkit.reference.config import ModelConfig
-from toolkit.parity.generation import combine, generation_parity, parity_inputs
+from toolkit.parity.generation import generation_parity
 from toolkit.parity.graphs import bundle_parity
+from toolkit.parity.inputs import DEFAULT_SAMPLES, UNREPRESENTATIVE, choose_inputs
+from toolkit.parity.report import combine, shout
 from toolkit.parity.tolerances import tolerance
 from toolkit.reference.tasks import task_accuracy
 
 ACCURACY_SAMPLES = 1000             # held-out examples for the task metric: 1 point = 10 examples
 
 
-def engine(paths: dict[str, Path], config: dict, provider: str) -> OrtEngine:
-    """A runtime engine over a pair of graph files (sessions made as the runtime makes them)."""
+def engine(paths: dict[str, Path], config: dict, provider: str, layout: str) -> OrtEngine:
+    """A runtime engine over a pair of graph files whose decoder has `layout` (sessions made as the runtime makes
+    them)."""
     options = SessionConfig()
     return OrtEngine(make_session(paths["encoder"], provider, options.for_graph("encoder")),
-                     make_session(paths["decoder"], provider, options.for_graph("decoder")), config, provider)
+                     make_session(paths["decoder"], provider, options.for_graph("decoder")), config, provider,
+                     layout=layout)
 
 
 def bundle_gate(src_paths: dict[str, Path], paths: dict[str, Path], manifest: dict, bundle_dir: Path,
-                provider: str, precision: str, samples: int = 32, texts: list[str] | None = None) -> dict:
+                provider: str, precision: str, samples: int = DEFAULT_SAMPLES,
+                texts: list[str] | None = None, layout: str | None = None) -> dict:
     """The parity record of candidate graphs against the source bundle's, with the gate's verdict. texts: source
     texts (through the bundle's tokenizer, at most `samples`) as the token check's inputs instead of the task's
-    held-out inputs or random ids."""
-    config = manifest["model"]
+    held-out inputs or random ids; layout: the candidate's decoder layout (default: the source's, `manifest`'s)."""
+    config, source_layout = manifest["model"], decoder_layout(manifest)
+    layout = layout or source_layout
     tol = tolerance(precision, provider)
-    record = bundle_parity(src_paths, paths, config, provider, tol, precision).to_dict()
+    record = bundle_parity(src_paths, paths, config, provider, tol, precision,
+                           layouts=(layout, source_layout)).to_dict()
     verdicts = {"graphs": record["verdict"]} if record["judged"] or record["verdict"] == "inconclusive" else {}
     tokenizer = load_tokenizer(bundle_dir / manifest["tokenizer"]) if manifest.get("tokenizer") else None
-    if texts:
-        seqs, source = gate_inputs(texts, tokenizer, samples)
-    else:
-        seqs, source = parity_inputs(ModelConfig.from_dict(config), tokenizer, samples=samples)
-    reference, candidate = engine(src_paths, config, provider), engine(paths, config, provider)
-    gen = generation_parity(reference, candidate, seqs, tol, provider, precision, beams=(1,),
-                            max_new_tokens=min(32, config["max_len"]), source=source)
-    check = gen.checks[0]
-    record["generation"] = {"tokens_equal": check.tokens_equal, "sequences_equal": check.sequences_equal,
-                            "samples": check.samples, "token_match": tol.token_match, "source": source,
-                            "distinct_outputs": check.distinct_outputs, "needed_distinct": check.to_dict()["needed_distinct"],
-                            "verdict": check.verdict, "basis": check.basis, "teacher_forced": check.teacher_forced,
-                            "summary": gen.summary()}
-    verdicts["tokens"] = check.verdict
+    inputs = choose_inputs(ModelConfig.from_dict(config), tokenizer, samples, texts)
+    reference, candidate = engine(src_paths, config, provider, source_layout), engine(paths, config, provider, layout)
+    gen = generation_parity(reference, candidate, inputs.seqs, tol, provider, precision, beams=(1,),
+                            max_new_tokens=min(32, config["max_len"]), source=inputs.source,
+                            representative=inputs.representative)
+    check = gen.checks[0].to_dict()
+    record["generation"] = {**{k: check[k] for k in ("tokens_equal", "sequences_equal", "samples", "token_match",
+                                                      "distinct_outputs", "needed_distinct", "verdict", "basis",
+                                                      "teacher_forced")},
+                            "source": inputs.source, "representative": inputs.representative, "summary": gen.summary()}
+    verdicts["tokens"] = check["verdict"]
     record["tokenizer"] = tokenizer is not None
     if tol.accuracy_drop is not None:
         found = task_accuracy(tokenizer, (reference, candidate), ACCURACY_SAMPLES)
@@ -74,20 +79,9 @@ def bundle_gate(src_paths: dict[str, Path], paths: dict[str, Path], manifest: di
                                   "verdict": verdicts["accuracy"]}
     record["verdicts"] = verdicts
     record["verdict"] = combine(verdicts.values())
-    record["verified"] = record["verdict"] == "ok"
+    record["verified"] = record["ok"] = record["verdict"] == "ok"       # the gate's, not the graphs' alone
     record["summary"] = gate_summary(record)
     return record
-
-
-def gate_inputs(texts: list[str], tokenizer, samples: int) -> tuple[list[list[int]], str]:
-    """The first `samples` texts as token ids (the bundle's tokenizer) and their description."""
-    if tokenizer is None:
-        raise InputError("gate input texts need a bundle with a tokenizer; this bundle has none (it takes token "
-                         "ids), so leave --input out and the gate uses random ids")
-    if samples < 1:
-        raise InputError(f"--samples must be at least 1, got {samples}")
-    texts = texts[:samples]
-    return [tokenizer.encode(t) for t in texts], f"{len(texts)} given source texts"
 
 
 def gate_summary(record: dict) -> str:
@@ -106,12 +100,9 @@ def gate_summary(record: dict) -> str:
             a = record["accuracy"]
             parts.append(f"{a['what']} {verdict}: {a['candidate']:.2%} vs {a['source']:.2%} "
                          f"({a['drop_points']:+.2f} points lost, at most {a['allowed_drop_points']:g} allowed)")
-    line = (f"verdict {record['verdict'].upper() if record['verdict'] != 'ok' else 'ok'} against the source bundle on "
-            f"{record['provider']} {record['precision']}: " + "; ".join(parts))
-    if record["verdict"] != "ok" and "random id sequences" in gen["source"] and record.get("tokenizer"):
-        line += ("; the inputs were random ids, which a text model never sees: pass --input with source texts like "
-                 "the model's own (one a line)")
-    return line
+    line = (f"verdict {shout(record['verdict'])} against the source bundle on {record['provider']} "
+            f"{record['precision']}: " + "; ".join(parts))
+    return line if gen["representative"] else f"{line}; {UNREPRESENTATIVE}"
 
 
-__all__ = ["bundle_gate", "gate_inputs", "gate_summary", "engine", "ACCURACY_SAMPLES"]
+__all__ = ["bundle_gate", "gate_summary", "engine", "ACCURACY_SAMPLES"]

@@ -19,27 +19,13 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from runtime.errors import InputError
 from runtime.generate import generate_ids, pad_batch
 from runtime.search import SearchOptions
+from toolkit.parity.inputs import UNREPRESENTATIVE, parity_inputs  # parity_inputs: where callers found it
+from toolkit.parity.report import Report, combine, mismatch_window, needed_distinct, shout, token_verdict
 from toolkit.parity.tolerances import MIN_REFERENCE_STD, Tolerance
-from toolkit.reference.tasks import task_parity_inputs
 
 BATCH = 64                          # inputs per generate call (both engines see the same padded batches)
-VERDICTS = ("ok", "failed", "inconclusive")
-
-
-def needed_distinct(samples: int) -> float:
-    """Distinct reference outputs a token verdict needs: max(4, a quarter of the inputs)."""
-    return max(4.0, samples / 4)
-
-
-def combine(verdicts) -> str:
-    """One verdict of several checks: failed if any failed, else inconclusive if any is (or there are none), else ok."""
-    verdicts = set(verdicts)
-    if "failed" in verdicts:
-        return "failed"
-    return "inconclusive" if "inconclusive" in verdicts or not verdicts else "ok"
 
 
 @dataclass
@@ -63,11 +49,8 @@ class GenerationCheck:
 
     @property
     def verdict(self) -> str:
-        if self.tokens_equal < self.token_match:
-            return "failed"
-        if self.varied:
-            return "ok"
-        return self.teacher_forced["verdict"] if self.teacher_forced else "inconclusive"
+        return token_verdict(self.tokens_equal, self.token_match, self.distinct_outputs, self.samples,
+                             self.teacher_forced and self.teacher_forced["verdict"])
 
     @property
     def basis(self) -> str:
@@ -84,7 +67,7 @@ class GenerationCheck:
 
 
 @dataclass
-class GenerationReport:
+class GenerationReport(Report):
     """Generation parity of one engine against the reference, for each search."""
 
     provider: str
@@ -92,30 +75,25 @@ class GenerationReport:
     tolerance: Tolerance
     source: str                     # where the inputs came from ("dates held-out examples" | "random ids")
     checks: list[GenerationCheck] = field(default_factory=list)
+    representative: bool = True     # False: random ids for a text model (toolkit.parity.inputs)
 
     @property
     def verdict(self) -> str:
         return combine(c.verdict for c in self.checks)
 
-    @property
-    def ok(self) -> bool:
-        return self.verdict == "ok"
-
     def summary(self) -> str:
-        verdict = self.verdict.upper() if self.verdict != "ok" else "ok"
         parts = [f"{c.search} {c.tokens_equal:.2%} tokens, {c.sequences_equal:.2%} sequences" for c in self.checks]
-        line = (f"generation parity {verdict} on {self.provider} {self.precision} (tokens equal >= "
+        line = (f"generation parity {shout(self.verdict)} on {self.provider} {self.precision} (tokens equal >= "
                 f"{self.tolerance.token_match:.0%}): " + "; ".join(parts))
         bad = [c for c in self.checks if c.verdict == "failed"]
         if bad and bad[0].first_mismatch:
-            m = bad[0].first_mismatch
-            line += (f"; first mismatch ({bad[0].search}): input {m['index']} at position {m['position']}: "
-                     f"onnxruntime {m['onnxruntime'][:12]} vs pytorch {m['pytorch'][:12]}")
+            line += f"; first mismatch ({bad[0].search}): " + mismatch_window(bad[0].first_mismatch, "onnxruntime",
+                                                                              "pytorch")
         for c in self.checks:
             if c.basis != "tokens":
                 line += (f"; {c.search}: only {c.distinct_outputs} distinct reference outputs of {c.samples} inputs "
                          f"(a token verdict needs {needed_distinct(c.samples):g}), so " + _fallback(c.teacher_forced))
-        return line
+        return line if self.representative else f"{line}; {UNREPRESENTATIVE}"
 
     def table(self) -> str:
         lines = [f"{'search':<8} {'inputs':>6} {'max new':>7} {'sequences equal':>16} {'tokens equal':>13} "
@@ -124,12 +102,13 @@ class GenerationReport:
             lines.append(f"{c.search:<8} {c.samples:>6} {c.max_new_tokens:>7} {c.sequences_equal:>16.2%} "
                          f"{c.tokens_equal:>13.2%} {c.token_match:>7.0%} {c.distinct_outputs:>8}  "
                          f"{c.verdict}{'' if c.basis == 'tokens' else ' (teacher-forced logits)'}")
-        lines.append(f"inputs: {self.source}")
+        lines.append(f"inputs: {self.source}" + ("" if self.representative else " (NOT representative: this model "
+                                                                                  "reads text)"))
         return "\n".join(lines)
 
-    def to_dict(self) -> dict:
-        return {"ok": self.ok, "verdict": self.verdict, "provider": self.provider, "precision": self.precision,
-                "token_match": self.tolerance.token_match, "source": self.source, "summary": self.summary(),
+    def fields(self) -> dict:
+        return {"provider": self.provider, "precision": self.precision, "token_match": self.tolerance.token_match,
+                "source": self.source, "representative": self.representative,
                 "checks": [c.to_dict() for c in self.checks]}
 
 
@@ -140,22 +119,6 @@ def _fallback(record: dict | None) -> str:
     return (f"teacher-forced logits along the reference tokens were compared instead: {record['verdict']} "
             f"(max abs error {record['max_abs']:.3g}, {limit}; {record['positions']} positions, argmax equal "
             f"{record['argmax_equal']:.2%})")
-
-
-def parity_inputs(config, tokenizer=None, samples: int = 100, seed: int = 0) -> tuple[list[list[int]], str]:
-    """Token id inputs and their description: the held-out examples of the model's task (toolkit.reference.tasks), else
-    random ids."""
-    if samples < 1:
-        raise InputError(f"--samples must be at least 1, got {samples}")
-    held_out = task_parity_inputs(tokenizer, config.max_len, samples)
-    if held_out is not None:
-        return held_out
-    rng = np.random.default_rng(seed)
-    vocab = config.source_vocab_size
-    low, longest = min(3, vocab - 1), min(config.max_len, 24)
-    lens = rng.integers(1, longest + 1, size=samples)
-    return [rng.integers(low, vocab, size=int(n)).tolist() for n in lens], \
-        f"{samples} random id sequences, lengths 1..{longest}"
 
 
 def compare_tokens(reference: list[list[int]], candidate: list[list[int]]) -> tuple[float, float, dict | None]:
@@ -182,10 +145,11 @@ def _best_tokens(engine, seqs: list[list[int]], opts: SearchOptions) -> list[lis
 
 def generation_parity(reference, candidate, seqs: list[list[int]], tolerance: Tolerance, provider: str,
                       precision: str, beams=(1, 4), max_new_tokens: int = 32,
-                      source: str = "given inputs") -> GenerationReport:
-    """Compare the best hypothesis of `candidate` with `reference` (both runtime.generate Engines) per search."""
+                      source: str = "given inputs", representative: bool = True) -> GenerationReport:
+    """Compare the best hypothesis of `candidate` with `reference` (both runtime.generate Engines) per search.
+    source, representative: where the inputs came from (toolkit.parity.inputs.ParityInputs)."""
     max_new_tokens = min(max_new_tokens, reference.max_len)
-    report = GenerationReport(provider, precision, tolerance, source)
+    report = GenerationReport(provider, precision, tolerance, source, representative=representative)
     for beam in beams:
         opts = SearchOptions(max_new_tokens=max_new_tokens, beam=beam)
         ref, got = _best_tokens(reference, seqs, opts), _best_tokens(candidate, seqs, opts)
@@ -231,3 +195,7 @@ def teacher_forced(reference, candidate, seqs: list[list[int]], tokens: list[lis
     return {"verdict": verdict, "max_abs": worst, "mean_max_abs": total / max(positions, 1), "limit": limit,
             "positions": positions,
             "argmax_equal": same / max(positions, 1), "reference_std": std}
+
+
+__all__ = ["GenerationCheck", "GenerationReport", "generation_parity", "teacher_forced", "compare_tokens",
+           "parity_inputs", "combine", "needed_distinct"]

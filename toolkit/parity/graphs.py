@@ -8,8 +8,8 @@ the decoder's first step with an empty past (past_len 0, new_len >= 1) and `step
 side fed with its OWN encoder outputs and presents, so errors that accumulate through the cache show up. The
 tokens fed are the same for both: seeded random ones against PyTorch (greedy decoding of a trained model
 repeats EOS once done, and its logits stop varying), the reference's greedy choice against another bundle (its
-agreement is reported as teacher_forced_tokens_equal). A static-cache decoder runs through
-runtime.static_cache.DynamicView, so both sides are fed and compared in the dynamic contract.
+agreement is reported as teacher_forced_tokens_equal). A static-cache decoder (its layout given by the caller: the
+manifest's decoder_layout) is run by runtime.feed in the dynamic contract, so both sides are compared in it.
 
 Padding: the model masks keys only, so hidden states and cross K/V at padded source positions are
 well defined (every padded query still attends to the real keys) and deterministic. They are
@@ -32,16 +32,15 @@ import numpy as np
 import torch
 
 from runtime.errors import BundleError, InputError
+from runtime.feed import Feed
 from runtime.generate import pad_batch
-from runtime.manifest import read_manifest, verify_hashes
+from runtime.manifest import decoder_layout, read_manifest, verify_hashes
 from runtime.session import SessionConfig, choose_provider, make_session
-from runtime.spec import (CROSS, KV, PRESENT, SELF, cache_name, cache_names, default_row_inputs, first_step_cache,
-                          graph_specs, past_of, takes_row_inputs,
-                          source_pad_id)
-from runtime.static_cache import dynamic_view
+from runtime.spec import CROSS, DYNAMIC, KV, PRESENT, SELF, cache_name, empty_past, graph_specs, source_pad_id
 from toolkit.reference.config import ModelConfig
 from toolkit.reference.model import Transformer
 from toolkit.parity import ParityError
+from toolkit.parity.report import NOT_JUDGED, Report
 from toolkit.parity.tolerances import MIN_REFERENCE_STD, Tolerance, tolerance
 
 GRAPH_OPTIMIZATION = SessionConfig().graph_optimization   # ONNX Runtime sessions as the runtime makes them
@@ -98,7 +97,7 @@ class OutputCheck:
 
 
 @dataclass
-class ParityReport:
+class ParityReport(Report):
     """Per-output errors of both graphs on one provider and precision, and whether they are within tolerance."""
 
     provider: str
@@ -125,16 +124,12 @@ class ParityReport:
         return [c for c in self.checks if not c.ok]
 
     @property
-    def ok(self) -> bool:
-        return bool(self.checks) and not self.failures and not self.vacuous
-
-    @property
     def verdict(self) -> str:
         """ok | failed | inconclusive (reference outputs that do not vary) | not judged (report only)."""
         if self.vacuous or not self.checks:
             return "inconclusive"
         if not self.judged:
-            return "not judged"
+            return NOT_JUDGED
         return "failed" if self.failures else "ok"
 
     def summary(self) -> str:
@@ -160,11 +155,9 @@ class ParityReport:
         return record_table(self.to_dict())
 
     def __str__(self) -> str:
-        lines = [self.table(), self.summary()]
-        lines += [f"  out of tolerance: {c.where()}" for c in self.failures[:10]]
-        return "\n".join(lines)
+        return "\n".join([super().__str__()] + [f"  out of tolerance: {c.where()}" for c in self.failures[:10]])
 
-    def to_dict(self) -> dict:
+    def fields(self) -> dict:
         per_graph = {}
         for graph in ("encoder", "decoder"):
             checks = [c for c in self.checks if c.graph == graph]
@@ -173,12 +166,12 @@ class ParityReport:
                 per_graph[graph] = {"max_abs": worst.max_abs, "max_rel": max(c.max_rel for c in checks),
                                     "worst_output": worst.output, "ok": all(c.ok for c in checks)}
         tol = self.tolerance
-        record = {"verified": self.ok, "verdict": self.verdict, "judged": self.judged, "provider": self.provider,
+        record = {"verified": self.ok, "judged": self.judged, "provider": self.provider,
                   "precision": self.precision,
                   "reference": self.reference, "graph_optimization": GRAPH_OPTIMIZATION,
                   "tolerance": None if tol is None else tol.atol, "token_match": None if tol is None else tol.token_match,
                   "batch": self.batch, "src_lens": list(self.src_lens), "steps": self.steps,
-                  "max_abs": max((c.max_abs for c in self.checks), default=None), "summary": self.summary(),
+                  "max_abs": max((c.max_abs for c in self.checks), default=None),
                   **per_graph, "reference_std": dict(self.reference_std),
                   "outputs": [c.to_dict() for c in self.checks]}
         if self.teacher_forced_tokens_equal is not None:
@@ -234,34 +227,26 @@ def _named(layers, attn: str) -> dict[str, np.ndarray]:
 
 
 class OrtSide:
-    """A bundle's encoder and decoder graphs on ONNX Runtime, the decoder fed back its own presents."""
+    """A bundle's encoder and decoder graphs on ONNX Runtime, the decoder fed back its own presents (runtime.feed,
+    by the decoder's layout: a static graph is run in the dynamic contract)."""
 
-    def __init__(self, paths: dict[str, Path], config: dict, provider: str, label: str = "onnxruntime"):
-        self.config, self.label = config, label
+    def __init__(self, paths: dict[str, Path], config: dict, provider: str, label: str = "onnxruntime",
+                 layout: str = DYNAMIC):
+        self.label = label
         provider = choose_provider(provider)
-        self.encoder = make_session(paths["encoder"], provider)
-        decoder = make_session(paths["decoder"], provider)
-        self.row_inputs = takes_row_inputs(i.name for i in decoder.get_inputs())   # bundles since in-flight batching
-        self.decoder = dynamic_view(decoder)
-        specs = graph_specs(config)
-        self.encoder_names, self.decoder_names = specs["encoder"].output_names, specs["decoder"].output_names
-        self.presents = cache_names(config["n_decoder_layers"], PRESENT, SELF)
+        self.feed = Feed(make_session(paths["encoder"], provider), make_session(paths["decoder"], provider), config,
+                         layout, provider)
+        self.encoder_names = graph_specs(config)["encoder"].output_names
 
     def encode(self, ids: np.ndarray, mask: np.ndarray) -> dict[str, np.ndarray]:
-        out = dict(zip(self.encoder_names, self.encoder.run(self.encoder_names, {"input_ids": ids,
-                                                                                  "attention_mask": mask})))
-        self.mask, self.feeds = mask, first_step_cache(self.config, out, len(ids))
+        out = dict(zip(self.encoder_names, self.feed.encode(ids, mask, self.encoder_names)))
+        self.mask, self.cross = mask, [out[name] for name in self.feed.cross_names]
+        self.past = [empty_past(len(ids), self.feed.n_heads, self.feed.head_dim)] * len(self.feed.past_names)
         return out
 
     def step(self, tokens: np.ndarray) -> dict[str, np.ndarray]:
-        rows = {}
-        if self.row_inputs:                                      # one request alone: the default positions and mask
-            past_len = self.feeds[past_of(self.presents[0])].shape[2]
-            rows = default_row_inputs(len(tokens), past_len, tokens.shape[1])
-        out = dict(zip(self.decoder_names, self.decoder.run(self.decoder_names, {
-            "input_ids": tokens, "encoder_attention_mask": self.mask, **rows, **self.feeds})))
-        self.feeds.update({past_of(name): out[name] for name in self.presents})    # fed its own cache
-        return out
+        logits, self.past = self.feed.decode(tokens, self.mask, self.past, self.cross)   # fed its own cache
+        return dict(zip(self.feed.decoder_out_names, [logits, *self.past]))
 
 
 def compare(reference, candidate, config: ModelConfig, tol: Tolerance | None, provider: str, precision: str,
@@ -311,10 +296,12 @@ def compare(reference, candidate, config: ModelConfig, tol: Tolerance | None, pr
     return report
 
 
-def graph_paths(model: Transformer, bundle: str | Path | dict, precision: str | None = None) -> tuple[dict, str]:
-    """(encoder/decoder paths, precision) from a bundle directory (checking it holds this model) or a {name: path} dict."""
+def graph_paths(model: Transformer, bundle: str | Path | dict, precision: str | None = None,
+                layout: str = DYNAMIC) -> tuple[dict, str, str]:
+    """(encoder/decoder paths, precision, decoder layout) from a bundle directory (checking it holds this model) or a
+    {name: path} dict (its decoder of the given layout)."""
     if isinstance(bundle, dict):
-        return {name: Path(bundle[name]) for name in ("encoder", "decoder")}, precision or "fp32"
+        return {name: Path(bundle[name]) for name in ("encoder", "decoder")}, precision or "fp32", layout
     manifest = read_manifest(bundle)
     verify_hashes(bundle, manifest)                    # parity of a changed file would prove nothing
     if precision is not None and precision != manifest["precision"]:
@@ -326,7 +313,7 @@ def graph_paths(model: Transformer, bundle: str | Path | dict, precision: str | 
         raise BundleError(f"bundle {bundle} was exported from another model (config differs in {', '.join(differ)}); "
                           f"compare it with the checkpoint it was exported from")
     return ({name: Path(bundle) / manifest["graphs"][name]["file"] for name in ("encoder", "decoder")},
-            manifest["precision"])
+            manifest["precision"], decoder_layout(manifest))
 
 
 def sample_inputs(config, src_lens, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -344,14 +331,16 @@ def default_src_lens(batch: int, longest: int = 11) -> list[int]:
 
 @torch.no_grad()
 def graph_parity(model: Transformer, bundle: str | Path | dict, provider: str = "cpu", precision: str | None = None,
-                 steps: int = 16, seed: int = 0, batch: int = 3, src_lens=None, first_len: int = 2) -> ParityReport:
+                 steps: int = 16, seed: int = 0, batch: int = 3, src_lens=None, first_len: int = 2,
+                 layout: str = DYNAMIC) -> ParityReport:
     """Compare encoder and decoder graphs with PyTorch: encoder once, then a first and `steps` cached decoder steps.
 
     bundle: a bundle directory or {"encoder": path, "decoder": path}; precision defaults to the bundle's
-    (fp32 for bare paths) and picks the tolerance with the provider.
+    (fp32 for bare paths) and picks the tolerance with the provider; layout: bare paths' decoder layout (a bundle
+    declares its own).
     """
     c = model.config
-    paths, precision = graph_paths(model, bundle, precision)
+    paths, precision, layout = graph_paths(model, bundle, precision, layout)
     tol = tolerance(precision, provider)
     src_lens = list(src_lens) if src_lens is not None else default_src_lens(batch)
     if len(src_lens) != batch or min(src_lens) < 1:
@@ -361,7 +350,7 @@ def graph_parity(model: Transformer, bundle: str | Path | dict, provider: str = 
     if max(src_lens) > c.max_len or first_len + steps > c.max_len:
         raise InputError(f"source length {max(src_lens)} or target length {first_len + steps} exceeds the model's "
                          f"max_len {c.max_len}; use fewer steps or shorter sources")
-    candidate = OrtSide(paths, c.to_dict(), provider)
+    candidate = OrtSide(paths, c.to_dict(), provider, layout=layout)
     was_training = model.training
     model.eval()
     try:
@@ -372,10 +361,12 @@ def graph_parity(model: Transformer, bundle: str | Path | dict, provider: str = 
 
 def bundle_parity(reference: dict[str, Path], candidate: dict[str, Path], config: dict, provider: str = "cpu",
                   tol: Tolerance | None = None, precision: str = "fp32", steps: int = 8, batch: int = 3,
-                  seed: int = 0, labels: tuple[str, str] = ("optimized", "source bundle")) -> ParityReport:
+                  seed: int = 0, labels: tuple[str, str] = ("optimized", "source bundle"),
+                  layouts: tuple[str, str] = (DYNAMIC, DYNAMIC)) -> ParityReport:
     """Candidate graphs against reference graphs, both on ONNX Runtime, fed the reference's greedy tokens;
-    tol None = report only. labels: (candidate, reference), as messages name them."""
-    sides = OrtSide(reference, config, provider, labels[1]), OrtSide(candidate, config, provider, labels[0])
+    tol None = report only. labels and layouts (their decoders'): (candidate, reference)."""
+    sides = (OrtSide(reference, config, provider, labels[1], layouts[1]),
+             OrtSide(candidate, config, provider, labels[0], layouts[0]))
     return compare(*sides, ModelConfig.from_dict(config), tol, provider, precision, steps, seed,
                    default_src_lens(batch), greedy=True, reference_name=labels[1])
 

@@ -8,9 +8,12 @@ checks, on the same batched and padded inputs:
   (the IMPORTED row: PyTorch vs PyTorch);
 - tokens: the engine's greedy and beam-K best hypotheses vs MarianMTModel.generate with the same settings
   (num_beams, length_penalty, max_new_tokens, early_stopping="never": the exact stopping rule of runtime.search;
-  Marian's own bad_words_ids = [[pad]]; sampling, forced EOS, repetition rules and the rest off), identical for fp32 (the bundle's token row otherwise). The reference
-  outputs must vary: with fewer distinct outputs than half the inputs the verdict is "inconclusive", never "ok".
-transformers is imported here only, when a parity against the original is asked for.
+  Marian's own bad_words_ids = [[pad]]; sampling, forced EOS, repetition rules and the rest off), identical for
+  fp32 (the bundle's token row otherwise), judged by the token rule every parity uses (report.token_verdict): the
+  reference outputs must vary, or equal tokens are "inconclusive", never "ok"; random piece ids (no texts given)
+  are said not to be representative.
+The original is loaded by its registered family (toolkit/reference/importers), which imports transformers
+only when a parity against the original is asked for.
 """
 
 from __future__ import annotations
@@ -24,89 +27,87 @@ from runtime.errors import InputError
 from runtime.generate import generate_ids, pad_batch
 from runtime.search import SearchOptions
 from toolkit.parity.generation import compare_tokens
+from toolkit.parity.inputs import DEFAULT_SAMPLES, UNREPRESENTATIVE
+from toolkit.parity.report import Report, combine, mismatch_window, needed_distinct, shout, token_verdict
 from toolkit.parity.tolerances import IMPORTED, Tolerance
 
 
-def require_transformers():
-    try:
-        import transformers
-    except ImportError:
-        raise InputError("parity against a Marian directory needs transformers; pip install 'onnxformer[import]'") \
-            from None
-    return transformers
-
-
-def is_marian_dir(path: str | Path) -> bool:
-    path = Path(path)
-    if not (path / "config.json").is_file() or (path / "manifest.json").exists():
-        return False
-    from toolkit.reference.importers.marian import read_json
-
-    return read_json(path / "config.json").get("model_type") == "marian"
+def ok_or_failed(ok: bool, varied: bool = True) -> str:
+    """A check's verdict; a reference that does not vary proves nothing either way (inconclusive)."""
+    return "inconclusive" if not varied else "ok" if ok else "failed"
 
 
 @dataclass
 class OriginalCheck:
     what: str                       # "tokenizer" | "logits" | "greedy" | "beam 4"
-    ok: bool
+    verdict: str                    # "ok" | "failed" | "inconclusive"
     detail: str
     value: float | None = None      # max abs error or fraction equal
     limit: float | None = None
     distinct_outputs: int | None = None
     first_mismatch: dict | None = None
 
+    @property
+    def ok(self) -> bool:
+        return self.verdict == "ok"
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "ok": self.ok}
+
 
 @dataclass
-class OriginalReport:
+class OriginalReport(Report):
     original: str
     candidate: str
     samples: int
     source: str
     checks: list[OriginalCheck] = field(default_factory=list)
+    reference: str = "the original"             # its family's name for it: "MarianMTModel (transformers)"
+    representative: bool = True     # False: random piece ids (a text model never sees them)
 
     @property
     def verdict(self) -> str:
-        if any(not c.ok and c.detail.startswith("inconclusive") for c in self.checks):
-            return "inconclusive"
-        return "ok" if self.checks and all(c.ok for c in self.checks) else "FAILED"
-
-    @property
-    def ok(self) -> bool:
-        return self.verdict == "ok"
+        return combine(c.verdict for c in self.checks)
 
     def summary(self) -> str:
-        return f"parity with the original {self.verdict}: " + "; ".join(f"{c.what} {c.detail}" for c in self.checks)
+        line = f"parity with the original {shout(self.verdict)}: " + "; ".join(f"{c.what} {c.detail}"
+                                                                              for c in self.checks)
+        first = next((c for c in self.checks if c.verdict == "failed" and c.what not in ("tokenizer", "logits")
+                      and c.first_mismatch), None)
+        if first is not None:
+            line += f"; first mismatch ({first.what}): " + mismatch_window(first.first_mismatch, "onnxformer", "marian")
+        return line if self.representative else f"{line}; {UNREPRESENTATIVE}"
 
     def table(self) -> str:
-        lines = [f"{'check':<10} {'value':>12} {'limit':>10} {'distinct':>8}  ok", "-" * 50]
+        lines = [f"{'check':<10} {'value':>12} {'limit':>10} {'distinct':>8}  verdict", "-" * 56]
         for c in self.checks:
             value = "-" if c.value is None else (f"{c.value:.2e}" if c.what in ("logits",) else f"{c.value:.2%}")
             limit = "-" if c.limit is None else (f"{c.limit:.0e}" if c.what in ("logits",) else f"{c.limit:.0%}")
-            lines.append(f"{c.what:<10} {value:>12} {limit:>10} {c.distinct_outputs or '-':>8}  "
-                         f"{'yes' if c.ok else 'NO'}")
-        lines.append(f"inputs: {self.source}; reference: MarianMTModel (transformers) from {self.original}")
+            lines.append(f"{c.what:<10} {value:>12} {limit:>10} {c.distinct_outputs or '-':>8}  {c.verdict}")
+        lines.append(f"inputs: {self.source}" + ("" if self.representative else " (NOT representative: this model "
+                                                                                  "reads text)")
+                     + f"; reference: {self.reference} from {self.original}")
         return "\n".join(lines)
 
-    def to_dict(self) -> dict:
-        return {"ok": self.ok, "verdict": self.verdict, "original": self.original, "candidate": self.candidate,
-                "samples": self.samples, "source": self.source, "summary": self.summary(),
-                "checks": [asdict(c) for c in self.checks]}
+    def fields(self) -> dict:
+        return {"original": self.original, "candidate": self.candidate, "samples": self.samples,
+                "source": self.source, "representative": self.representative,
+                "checks": [c.to_dict() for c in self.checks]}
 
 
-def load_marian(path: str | Path):
-    """(MarianMTModel in eval mode, MarianTokenizer) from a local directory."""
-    require_transformers()
-    from transformers import MarianMTModel, MarianTokenizer
-    from transformers.utils import logging as hf_logging
+def original_of(path: str | Path):
+    """The registered family that loads the original at path (a model directory) for parity."""
+    from toolkit.reference.importers import original_family
 
-    hf_logging.set_verbosity_error()
-    import warnings
+    family = original_family(path)
+    if family is None:
+        raise InputError(f"{path} is not a model directory whose original onnxformer can load for parity")
+    return family
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        tok = MarianTokenizer.from_pretrained(str(path))
-        model = MarianMTModel.from_pretrained(str(path)).eval()
-    return model, tok
+
+def load_original(path: str | Path):
+    """(the original model in eval mode, its tokenizer) of a model directory, loaded by its registered family."""
+    return original_of(path).load_original(Path(path))
 
 
 def marian_inputs(tok, ours, texts: list[str] | None, samples: int, seed: int = 0,
@@ -122,8 +123,8 @@ def marian_inputs(tok, ours, texts: list[str] | None, samples: int, seed: int = 
             got = [ours.encode(t) for t in texts]
             same = sum(a == b for a, b in zip(ref, got))
             bad = next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), None)
-            check = OriginalCheck("tokenizer", same == len(ref), f"{same}/{len(ref)} inputs tokenized identically",
-                                  same / len(ref), 1.0,
+            check = OriginalCheck("tokenizer", ok_or_failed(same == len(ref)),
+                                  f"{same}/{len(ref)} inputs tokenized identically", same / len(ref), 1.0,
                                   first_mismatch=None if bad is None else
                                   {"index": bad, "text": texts[bad], "marian": ref[bad], "onnxformer": got[bad]})
         return ref, f"{len(texts)} texts", check
@@ -190,13 +191,13 @@ def logits_check(model, reference, seqs: list[list[int]], steps: int = 8, seed: 
     varied = float(want.std()) > 1e-3
     where = f"{len(ids)} padded inputs x {steps} target tokens"
     if err <= tolerance.atol:
-        return OriginalCheck("logits", varied, f"max abs error {err:.2e} (limit {tolerance.atol:.0e}, {where})", err,
-                             tolerance.atol)
+        return OriginalCheck("logits", ok_or_failed(True, varied),
+                             f"max abs error {err:.2e} (limit {tolerance.atol:.0e}, {where})", err, tolerance.atol)
     with torch.no_grad():
         want64 = copy.deepcopy(model).double()(input_ids=ids_t, attention_mask=mask_t, decoder_input_ids=tgt_t).logits
         got64 = copy.deepcopy(reference).double()(ids_t, mask_t, tgt_t)
     err64, noise = float((want64 - got64).abs().max()), float((want.double() - want64).abs().max())
-    return OriginalCheck("logits", err64 <= tolerance.atol and varied,
+    return OriginalCheck("logits", ok_or_failed(err64 <= tolerance.atol, varied),
                          f"max abs error {err64:.2e} in float64 (limit {tolerance.atol:.0e}, {where}); float32: "
                          f"{err:.2e}, rounding: MarianMTModel's own float32 logits are {noise:.2e} from float64 "
                          f"(largest |logit| {float(want64.abs().max()):.1f})", err64, tolerance.atol)
@@ -213,36 +214,35 @@ def token_checks(model, engine, seqs: list[list[int]], beams=(1, 4), max_new_tok
                for h in generate_ids(engine, seqs[start:start + 64], opts)]
         seq_eq, tok_eq, first = compare_tokens(ref, got)
         distinct = len({tuple(r) for r in ref})
-        needed = max(1, min(32, len(seqs) // 2))
         name = "greedy" if beam == 1 else f"beam {beam}"
         if first is not None:
             first = {"index": first["index"], "position": first["position"], "marian": first["pytorch"],
                      "onnxformer": first["onnxruntime"]}
-        if distinct < needed:
-            checks.append(OriginalCheck(name, False, f"inconclusive: only {distinct} distinct reference outputs "
-                                        f"(needs {needed}); use inputs whose translations differ", seq_eq,
-                                        token_match, distinct, first))
-            continue
-        ok = tok_eq >= token_match and (token_match < 1.0 or seq_eq == 1.0)
-        checks.append(OriginalCheck(name, ok, f"{seq_eq:.2%} sequences, {tok_eq:.2%} tokens identical "
-                                    f"({distinct} distinct)", tok_eq, token_match, distinct, first))
+        verdict = token_verdict(tok_eq, token_match, distinct, len(seqs))
+        detail = f"{seq_eq:.2%} sequences, {tok_eq:.2%} tokens identical ({distinct} distinct)"
+        if tok_eq >= token_match and verdict == "inconclusive":
+            detail = (f"inconclusive: only {distinct} distinct reference outputs (needs "
+                      f"{needed_distinct(len(seqs)):g}); use inputs whose translations differ")
+        checks.append(OriginalCheck(name, verdict, detail, tok_eq, token_match, distinct, first))
     return checks
 
 
 def marian_parity(original: str | Path, engine, candidate: str = "", texts: list[str] | None = None,
-                  samples: int = 64, beams=(1, 4), max_new_tokens: int = 32, length_penalty: float = 1.0,
+                  samples: int = DEFAULT_SAMPLES, beams=(1, 4), max_new_tokens: int = 32, length_penalty: float = 1.0,
                   tokenizer=None, token_match: float = 1.0, progress=None) -> OriginalReport:
     """Compare an engine (bundle or checkpoint) with the Marian model it was imported from."""
-    from toolkit.reference.importers.marian import import_marian_model
+    from toolkit.reference.importers import reference_of
 
     progress = progress or (lambda msg: None)
-    model, tok = load_marian(original)
+    family = original_of(original)
+    model, tok = family.load_original(Path(original))
     seqs, source, tok_check = marian_inputs(tok, tokenizer, texts, samples)
-    report = OriginalReport(str(original), candidate, len(seqs), source)
+    report = OriginalReport(str(original), candidate, len(seqs), source, reference=family.original,
+                            representative=bool(texts))
     if tok_check is not None:
         report.checks.append(tok_check)
     progress("logits: MarianMTModel vs the imported reference model")
-    ours, _ = import_marian_model(Path(original))
+    ours = reference_of(original)
     report.checks.append(logits_check(model, ours, seqs))
     max_new_tokens = min(max_new_tokens, engine.max_len)
     progress(f"tokens: MarianMTModel.generate vs {candidate or 'the engine'} (beams {', '.join(map(str, beams))})")

@@ -61,6 +61,12 @@ IMPORTED = Tolerance(atol=1e-5, token_match=1.0, accuracy_drop=None)
 MIN_REFERENCE_STD = 1e-3
 
 
+def original_token_match(precision: str, provider: str) -> float:
+    """The token_match an imported model must reach against its original framework: the IMPORTED row's for fp32 (a
+    bundle or the imported checkpoint itself, precision ""), the precision's row for a converted bundle."""
+    return IMPORTED.token_match if precision in ("fp32", "") else tolerance(precision, provider).token_match
+
+
 def tolerance(precision: str, provider: str) -> Tolerance:
     """The tolerance for a precision on a provider; unknown pairs are refused, never given a loose default."""
     key = (precision, provider)

@@ -107,6 +107,10 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
         if tuple(state[name].shape) != tuple(tensor.shape):
             raise CheckpointError(f"checkpoint {path}: weight {name} has shape {tuple(state[name].shape)}, "
                                   f"config.json implies {tuple(tensor.shape)}; the weights belong to another model")
+    broken = nonfinite(state)
+    if broken:
+        raise CheckpointError(f"checkpoint {path}: {broken}; the model is broken (a diverged training run?), "
+                              f"retrain it or import it again from a sound source")
     model.load_state_dict(state)
     model.eval()
     tokenizer = None
@@ -134,20 +138,80 @@ def vocab_mismatch(tokenizer, config: ModelConfig) -> str | None:
 
 
 def _load_state(path: Path) -> dict[str, torch.Tensor]:
-    if (path / WEIGHTS).exists():
+    fix = "re-save the checkpoint"
+    for name in (WEIGHTS, WEIGHTS_PT):
+        if (path / name).exists():
+            state = read_weights(path / name, fix)
+            if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+                raise CheckpointError(f"checkpoint {path}: {name} is not a state dict (name -> tensor); {fix}")
+            return state
+    raise CheckpointError(f"checkpoint {path} has no weights ({WEIGHTS} or {WEIGHTS_PT}); {fix}")
+
+
+def read_weights(file: Path, fix: str):
+    """What a weights file holds: safetensors (plain data), else torch.save's format loaded with weights_only=True,
+    so no pickled code runs. A file cut short is reported as truncated; other failures end with fix."""
+    try:
+        short, safetensors = truncation(file), is_safetensors(file)
+    except OSError as exc:                          # a directory, no permission, an I/O error
+        raise CheckpointError(f"{file} cannot be read ({exc.strerror or exc}); {fix}") from None
+    if short:
+        raise CheckpointError(f"{file} is truncated ({short}): an interrupted copy, download or save; copy, download "
+                              f"or save it again")
+    if safetensors:
         from safetensors import SafetensorError
         from safetensors.torch import load_file
         try:
-            return load_file(str(path / WEIGHTS))
+            return load_file(str(file))
         except (SafetensorError, OSError, ValueError) as exc:
-            raise CheckpointError(f"checkpoint {path}: {WEIGHTS} is unreadable ({exc}); re-save the checkpoint") from None
-    if (path / WEIGHTS_PT).exists():
+            raise CheckpointError(f"{file} is unreadable ({exc}); {fix}") from None
+    try:
+        return torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as exc:  # torch raises several types for corrupt or unsafe files
+        raise CheckpointError(f"{file} cannot be loaded safely with weights_only=True ({type(exc).__name__}); "
+                              f"{fix}") from None
+
+
+def is_safetensors(file: Path) -> bool:
+    """safetensors by name, or by content: an 8-byte header length followed by the JSON header's '{'."""
+    with open(file, "rb") as f:
+        head = f.read(9)
+    return file.suffix == ".safetensors" or (len(head) == 9 and head[8:] == b"{")
+
+
+def truncation(file: Path) -> str | None:
+    """'N of M bytes' when a safetensors file or torch.save's zip archive ends before its own header says it should;
+    None for a complete file, or one whose kind is not recognised (its reader reports that)."""
+    size = file.stat().st_size
+    with open(file, "rb") as f:
+        head = f.read(8)
+        if head[:4] == b"PK\x03\x04":                     # torch.save: a zip whose directory is at the end
+            import zipfile
+
+            return None if zipfile.is_zipfile(file) else f"{size} bytes, the zip archive's directory is missing"
+        if not is_safetensors(file):
+            return None
+        if len(head) < 8:
+            return f"{size} of at least 8 bytes"
+        n = int.from_bytes(head, "little")
+        if n > size - 8:
+            return f"{size} of at least {8 + n} bytes"
         try:
-            state = torch.load(path / WEIGHTS_PT, map_location="cpu", weights_only=True)
-        except Exception as exc:  # torch raises several types for corrupt or unsafe files
-            raise CheckpointError(f"checkpoint {path}: {WEIGHTS_PT} cannot be loaded safely ({type(exc).__name__}); "
-                                  f"re-save it as a plain state dict") from None
-        if not isinstance(state, dict):
-            raise CheckpointError(f"checkpoint {path}: {WEIGHTS_PT} is not a state dict")
-        return state
-    raise CheckpointError(f"checkpoint {path} has no weights ({WEIGHTS} or {WEIGHTS_PT}); re-save the checkpoint")
+            header = json.loads(f.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return None
+    ends = [v["data_offsets"][1] for v in header.values() if isinstance(v, dict) and "data_offsets" in v] \
+        if isinstance(header, dict) else []
+    need = 8 + n + max(ends, default=0)
+    return f"{size} of {need} bytes" if size < need else None
+
+
+def nonfinite(state: dict[str, torch.Tensor]) -> str | None:
+    """Which weights hold NaN or infinite values ('weight NAME holds ...'), or None when all are finite."""
+    bad = [name for name, t in state.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    if not bad:
+        return None
+    t = state[bad[0]]
+    more = f" (and {len(bad) - 1} more tensors)" if len(bad) > 1 else ""
+    return (f"weight {bad[0]} holds {int(torch.isnan(t).sum())} NaN and {int(torch.isinf(t).sum())} infinite values "
+            f"of {t.numel()}{more}")

@@ -7,10 +7,11 @@ directory (init, train, import, export, optimize) goes through here.
     # an exception or Ctrl-C: tmp is removed and out is untouched;
     # kill -9: tmp stays behind, hidden, and the next run that writes out removes it
 
-`--force` replaces only a directory of the same kind that onnxformer wrote: `OutputKind.files` recognises one
-(a bundle by its manifest, a checkpoint by its config) and must account for every file in it. Anything else at
-`--out` (a user's directory, a file, a link, an onnxformer directory holding files we did not write) is refused
-with OutputError (exit 2) and never deleted. Imports only the standard library.
+An empty directory at `--out` is written without `--force` (it holds nothing to lose, e.g. one made by
+`mkdir` or a volume mount). `--force` replaces only a directory of the same kind that onnxformer wrote:
+`OutputKind.files` recognises one (a bundle by its manifest, a checkpoint by its config) and must account for
+every file in it. Anything else at `--out` (a user's directory, a file, a link, an onnxformer directory holding
+files we did not write) is refused with OutputError (exit 2) and never deleted. Imports only the standard library.
 """
 
 from __future__ import annotations
@@ -51,20 +52,8 @@ def check_output(out: str | Path, force: bool, kind: OutputKind) -> Path:
         if not out.is_dir():
             raise OutputError(f"--out {out} exists and is not a directory; choose another --out")
         entries = sorted(p.name for p in out.iterdir())
-        ours = kind.files(out) if entries else set()
-        if ours is None:
-            raise OutputError(f"--out {out} exists and is not an onnxformer {kind.name} (the {kind.made_by} writes "
-                              f"one), so it will not be replaced, even with --force; choose another --out")
-        foreign = [name for name in entries
-                   if name not in ours or not (out / name).is_file() or (out / name).is_symlink()]
-        if foreign:
-            listed = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
-            raise OutputError(f"--out {out} is an onnxformer {kind.name} but also holds {listed}, which onnxformer "
-                              f"did not write, so it will not be replaced, even with --force; move them out or "
-                              f"choose another --out")
-        if not force:
-            raise OutputError(f"{out} already exists; choose another --out, or pass --force to replace the "
-                              f"{kind.name} there")
+        if entries:                                 # an empty directory is filled as if it were not there
+            _check_replaceable(out, entries, force, kind)
     existing = out.absolute().parent
     while not existing.exists():
         existing = existing.parent
@@ -73,6 +62,24 @@ def check_output(out: str | Path, force: bool, kind: OutputKind) -> Path:
     if not os.access(existing, os.W_OK | os.X_OK):
         raise OutputError(f"cannot write {out}: {existing} is not writable; choose another --out")
     return out
+
+
+def _check_replaceable(out: Path, entries: list[str], force: bool, kind: OutputKind) -> None:
+    """Refuse a non-empty out unless it is a directory of kind holding only our files, and force is given."""
+    ours = kind.files(out)
+    if ours is None:
+        raise OutputError(f"--out {out} exists and is not an onnxformer {kind.name} (the {kind.made_by} writes "
+                          f"one), so it will not be replaced, even with --force; choose another --out")
+    foreign = [name for name in entries
+               if name not in ours or not (out / name).is_file() or (out / name).is_symlink()]
+    if foreign:
+        listed = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        raise OutputError(f"--out {out} is an onnxformer {kind.name} but also holds {listed}, which onnxformer "
+                          f"did not write, so it will not be replaced, even with --force; move them out or "
+                          f"choose another --out")
+    if not force:
+        raise OutputError(f"{out} already exists; choose another --out, or pass --force to replace the "
+                          f"{kind.name} there")
 
 
 @contextlib.contextmanager

@@ -109,7 +109,7 @@ def marian_config(vocab_size: int, target_vocab_size: int | None = None, **shape
 
 
 # a realistic small model: trained long enough to be right most of the time, so its logits are confident as a real
-# translation model's are (the int8 gate's token row holds on held-out texts): 3000 steps, ~3 min on one core
+# translation model's are (the int8 gate's token row holds on held-out texts): 3000 steps, a few minutes on one core
 TRAINED = dict(task="cipher", steps=3000, d_model=64, encoder_ffn_dim=256, decoder_ffn_dim=256, lr=3e-3, warmup=300)
 
 

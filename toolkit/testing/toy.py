@@ -25,7 +25,7 @@ def toy_batches(config: ModelConfig, batch: int, min_len: int, max_len: int, see
     rng = np.random.default_rng(seed)
     while True:
         lens = rng.integers(min_len, max_len + 1, size=batch)
-        srcs = [rng.integers(FIRST, config.vocab_size, size=n).tolist() for n in lens]
+        srcs = [rng.integers(FIRST, config.source_vocab_size, size=n).tolist() for n in lens]
         tgts = [[config.bos_id] + toy_target(s, config.vocab_size) + [config.eos_id] for s in srcs]
         src = pad_targets(srcs, config.pad_id)
         yield src, (src != config.pad_id).long(), pad_targets(tgts, config.pad_id)
@@ -33,7 +33,7 @@ def toy_batches(config: ModelConfig, batch: int, min_len: int, max_len: int, see
 
 def toy_inputs(config: ModelConfig, n: int, min_len: int = 1, max_len: int = 12, seed: int = 1) -> list[list[int]]:
     rng = np.random.default_rng(seed)
-    return [rng.integers(FIRST, config.vocab_size, size=int(k)).tolist()
+    return [rng.integers(FIRST, config.source_vocab_size, size=int(k)).tolist()
             for k in rng.integers(min_len, max_len + 1, size=n)]
 
 

@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from runtime.generate import check_request
+from runtime.request import Request
 from runtime.search import SearchOptions, search
 
 
@@ -96,7 +96,7 @@ class TimedState:
 def timed_generate(engine, ids: np.ndarray, new_tokens: int, sync=None) -> dict:
     """One greedy call of exactly new_tokens tokens per input: total, encoder and per-step seconds."""
     opts = SearchOptions(max_new_tokens=new_tokens, ignore_eos=True)
-    check_request(ids.tolist(), opts, engine.src_vocab_size, engine.max_len)
+    Request.build(engine, ids.tolist(), None, opts)         # refuses what the engine cannot serve, before timing
     mask = np.ones_like(ids)
     gc.collect()
     t0 = time.perf_counter()

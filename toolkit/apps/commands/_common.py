@@ -1,4 +1,4 @@
-"""What every command shares: the one-line error handling."""
+"""What every command shares: the one-line error handling, and the one reader of --input files."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import sys
 
 import click
 
-from runtime.errors import OnnxformerError
+from runtime.errors import InputError, OnnxformerError
 
 
 def friendly(fn):
@@ -28,14 +28,18 @@ def friendly(fn):
 
 
 def text_lines(input_file: str | None) -> list[str] | None:
-    """The non-blank lines of an --input file of source texts (None without one); an empty file is an input error."""
+    """The lines of an --input file ('-': stdin), one input a line (None without one). A UTF-8 text file with at
+    least one line, none of them blank: a blank line would be an empty input (and shift every answer after it)."""
     if input_file is None:
         return None
-    from pathlib import Path
-
-    from runtime.errors import InputError
-
-    texts = [line for line in Path(input_file).read_text(encoding="utf-8").splitlines() if line.strip()]
-    if not texts:
+    try:
+        with click.open_file(input_file, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InputError(f"cannot read --input {input_file}: {exc}; pass a UTF-8 text file, one input a line") from None
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            raise InputError(f"--input {input_file} line {n} is blank; remove blank lines (one input a line)")
+    if not lines:
         raise InputError(f"--input {input_file} has no text lines; pass source texts, one a line")
-    return texts
+    return lines

@@ -9,7 +9,7 @@ import click
 
 from runtime.errors import InputError
 from runtime.session import PROVIDER_CHOICES
-from toolkit.apps.commands._common import friendly
+from toolkit.apps.commands._common import friendly, text_lines
 
 
 def parse_ids(text: str) -> list[int]:
@@ -25,17 +25,7 @@ def parse_ids(text: str) -> list[int]:
 
 def read_inputs(texts: tuple[str, ...], input_file: str | None, ids: tuple[str, ...]) -> list[str | list[int]]:
     """Inputs in order: TEXT arguments, then the lines of --input, then each --ids."""
-    inputs: list[str | list[int]] = list(texts)
-    if input_file is not None:
-        try:
-            lines = click.open_file(input_file, encoding="utf-8").read().splitlines()
-        except (OSError, UnicodeDecodeError) as exc:
-            raise InputError(f"cannot read --input {input_file}: {exc}; pass a UTF-8 text file, one input a line") from None
-        for n, line in enumerate(lines, 1):
-            if not line.strip():
-                raise InputError(f"--input {input_file} line {n} is empty; remove blank lines (one input a line)")
-        inputs += lines
-    inputs += [parse_ids(s) for s in ids]
+    inputs = [*texts, *(text_lines(input_file) or []), *(parse_ids(s) for s in ids)]
     if not inputs:
         raise InputError("no inputs given; pass TEXT arguments, --input FILE or --ids \"5 6 7\"")
     return inputs
@@ -44,8 +34,10 @@ def read_inputs(texts: tuple[str, ...], input_file: str | None, ids: tuple[str, 
 @click.command("generate")
 @click.argument("model", type=click.Path(path_type=Path))
 @click.argument("texts", nargs=-1)
-@click.option("--input", "input_file", type=click.Path(allow_dash=True), help="file with one input a line ('-': stdin)")
+@click.option("--input", "input_file", type=click.Path(allow_dash=True),
+              help="file with one input a line, no blank lines ('-': stdin)")
 @click.option("--ids", multiple=True, help='token ids of one input, e.g. "5 6 7" (repeatable)')
+# the search options: each flag named as its runtime.search.SearchOptions field, passed on by name (**options)
 @click.option("--beam", default=1, show_default=True, help="beam width (1 = greedy)")
 @click.option("--num-return", default=1, show_default=True, help="hypotheses returned per input (<= beam)")
 @click.option("--length-penalty", default=1.0, show_default=True, help="beam scores are log-prob / length ** this")
@@ -58,31 +50,28 @@ def read_inputs(texts: tuple[str, ...], input_file: str | None, ids: tuple[str, 
 @click.option("--batch-size", default=32, show_default=True, help="with --ray: inputs per batch sent to an actor")
 @click.option("--address", help="with --ray: join this Ray cluster ('auto' or HOST:6379) instead of a local one")
 @friendly
-def command(model, texts, input_file, ids, beam, num_return, length_penalty, max_new_tokens, provider, threads, as_json,
-            use_ray, replicas, batch_size, address):
+def command(model, texts, input_file, ids, provider, threads, as_json, use_ray, replicas, batch_size, address,
+            **options):
     """Generate from MODEL (a checkpoint or a bundle) for each TEXT, --input line and --ids.
 
     Prints one line per input: the generated text (or ids, for models without a tokenizer); with
     --num-return N the N hypotheses are tab-separated, best first.
     """
-    from runtime.generate import encode_inputs, generate_ids, records, to_outputs
-    from runtime.search import SearchOptions
+    from runtime.generate import generate, records, to_outputs
+    from runtime.request import Request, search_options
     from toolkit.apps.engines import open_model
 
     inputs = read_inputs(texts, input_file, ids)
     if use_ray:
-        return _generate_on_ray(model, inputs, beam, num_return, length_penalty, max_new_tokens, provider, threads,
-                                as_json, replicas, batch_size, address)
-    opened = open_model(model, provider=provider, threads=threads, one_graph_at_a_time=True)   # one generate_ids call:
+        return _generate_on_ray(model, inputs, options, provider, threads, as_json, replicas, batch_size, address)
+    opened = open_model(model, provider=provider, threads=threads, one_graph_at_a_time=True)   # one generate call:
     # the encoder runs once, so its session is released before the decoder's is made (peak memory on the edge)
     engine, tokenizer = opened.engine, opened.tokenizer
-    seqs = encode_inputs(inputs, tokenizer)
-    opts = SearchOptions(max_new_tokens=min(64, engine.max_len) if max_new_tokens is None else max_new_tokens,
-                         beam=beam, num_return=num_return, length_penalty=length_penalty)
-    outputs = to_outputs(generate_ids(engine, seqs, opts), engine.eos_id, tokenizer)
+    request = Request.build(engine, inputs, tokenizer, search_options(engine, **options))
+    outputs = to_outputs(generate(engine, request), engine.eos_id, tokenizer)
     if provider == "auto":                                 # say what "auto" chose (stderr: stdout stays the output)
         click.echo(f"generated with {opened.describe()}", err=True)
-    print_records(records(inputs, outputs), len(inputs), as_json)
+    print_records(records(request.inputs, outputs), len(inputs), as_json)
 
 
 def print_records(recs: list[dict], n_inputs: int, as_json: bool) -> None:
@@ -98,11 +87,9 @@ def print_records(recs: list[dict], n_inputs: int, as_json: bool) -> None:
         click.echo("\t".join(hyps))
 
 
-def _generate_on_ray(model, inputs, beam, num_return, length_penalty, max_new_tokens, provider, threads, as_json,
-                     replicas, batch_size, address) -> None:
+def _generate_on_ray(model, inputs, options, provider, threads, as_json, replicas, batch_size, address) -> None:
     from runtime.bundle import load_bundle
-    from runtime.generate import check_request, encode_inputs
-    from runtime.search import SearchOptions
+    from runtime.request import Request, search_options
     from toolkit.apps.extras import require
     from toolkit.apps.engines import model_kind
 
@@ -113,13 +100,10 @@ def _generate_on_ray(model, inputs, beam, num_return, length_penalty, max_new_to
     if batch_size < 1:
         raise InputError(f"--batch-size must be at least 1, got {batch_size}")
     loaded = load_bundle(model, provider=provider, threads=threads)
-    engine = loaded.engine
-    opts = SearchOptions(max_new_tokens=min(64, engine.max_len) if max_new_tokens is None else max_new_tokens,
-                         beam=beam, num_return=num_return, length_penalty=length_penalty)
-    check_request(encode_inputs(inputs, loaded.tokenizer), opts, engine.vocab_size, engine.max_len)   # fail before Ray
-    from toolkit.apps.serve.ray_data import generate_on_ray
+    request = Request.build(loaded.engine, inputs, loaded.tokenizer, search_options(loaded.engine, **options))
+    from toolkit.apps.serve.ray_data import generate_on_ray                 # validated first: fail before Ray
 
     click.echo(f"generating {len(inputs)} inputs with Ray Data: {replicas} actor(s), batches of {batch_size}", err=True)
-    recs = generate_on_ray(model, inputs, opts, actors=replicas, batch_size=batch_size, provider=provider,
+    recs = generate_on_ray(model, request, actors=replicas, batch_size=batch_size, provider=provider,
                            threads=threads, address=address)
     print_records(recs, len(inputs), as_json)

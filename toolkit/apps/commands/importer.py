@@ -1,4 +1,4 @@
-"""onnxformer import: a Marian (opus-mt) directory or a tutorial-style nn.Transformer state dict -> checkpoint."""
+"""onnxformer import: a checkpoint of a registered model family (toolkit/reference/importers) -> checkpoint."""
 
 from __future__ import annotations
 
@@ -9,19 +9,23 @@ import click
 
 from toolkit.apps.commands._common import friendly
 from toolkit.apps.extras import require
+from toolkit.reference.importers.registry import families
+
+FAMILIES = families()
 
 
-@click.command("import")
+@click.command("import", help="Import SOURCE into an onnxformer checkpoint. SOURCE is one of: " +
+               "; ".join(f"{f.name}: {f.source}" for f in FAMILIES.values()) + ".")
 @click.argument("source")
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="checkpoint directory to write")
-@click.option("--format", "fmt", type=click.Choice(["marian", "nn-transformer"]),
-              help="source format [default: detected: a directory with a Marian config.json, or a state-dict file]")
+@click.option("--format", "fmt", type=click.Choice(list(FAMILIES)),
+              help="source family [default: detected: a directory by its config.json's model_type, a file as a "
+                   "state dict]")
 @click.option("--config", "config_file", type=click.Path(path_type=Path),
               help="nn-transformer: JSON with nhead and the special ids (see examples/marian/README.md)")
 @click.option("--force", is_flag=True, help="replace an existing checkpoint at --out")
 @friendly
 def command(source, out, fmt, config_file, force):
-    """Import SOURCE (a Marian save_pretrained directory or hub name, or an nn.Transformer state dict)."""
     require("torch")
     from toolkit.reference.checkpoint import load_checkpoint
     from toolkit.reference.importers import import_model

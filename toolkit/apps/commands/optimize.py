@@ -4,6 +4,7 @@ import click
 
 from toolkit.apps.commands._common import friendly, text_lines
 from toolkit.apps.extras import require
+from toolkit.parity.inputs import DEFAULT_SAMPLES
 
 
 @click.command("optimize")
@@ -36,7 +37,8 @@ from toolkit.apps.extras import require
               help="source texts, one a line, for the parity gate's token check (the first --samples; the "
                    "bundle's tokenizer encodes them) [default: the model's task's held-out inputs, else random ids, which "
                    "a text model such as an imported Marian never sees]")
-@click.option("--samples", default=32, show_default=True, help="inputs of the parity gate's token check")
+@click.option("--samples", default=DEFAULT_SAMPLES, show_default=True,
+              help="inputs of the parity gate's token check (the same inputs `onnxformer parity` judges)")
 @click.option("--json", "as_json", is_flag=True, help="print the report as JSON")
 @friendly
 def command(bundle, out, target, precision, fuse, attention, kv_cache, per_channel, activation_scales, ort_format,

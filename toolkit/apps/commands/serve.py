@@ -11,7 +11,7 @@ from toolkit.apps.extras import require
 
 
 @click.command("serve")
-@click.argument("bundle", type=click.Path(path_type=Path))
+@click.argument("bundles", nargs=-1, required=True, metavar="[NAME=]BUNDLE...")
 @click.option("--host", default="127.0.0.1", show_default=True, help="address to listen on")
 @click.option("--port", default=8000, show_default=True, help="port to listen on (0: a free one, printed)")
 @click.option("--provider", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
@@ -27,10 +27,22 @@ from toolkit.apps.extras import require
 @click.option("--ray", "use_ray", is_flag=True, help="run the server in Ray Serve replicas (the ray extra)")
 @click.option("--replicas", default=1, show_default=True, help="with --ray: replicas, spread over the cluster's nodes")
 @click.option("--address", help="with --ray: join this Ray cluster ('auto' or HOST:6379) instead of a local one")
+@click.option("--languages", multiple=True, metavar="NAME=SRC:TGT",
+              help="the language pair a model translates (codes may be comma lists); repeat per model; default: "
+                   "the bundle manifest's 'languages' field")
+@click.option("--api-keys", type=click.Path(path_type=Path), help="file of API keys, one a line, each optionally "
+              "with rpm=N (requests per minute) and chars=N (characters per month); the /v1, /translate and /v2 "
+              "routes then need a key")
+@click.option("--protect-metrics", is_flag=True, help="with --api-keys: /metrics needs a key too")
+@click.option("--allow-open", is_flag=True, help="listen on a non-loopback --host without --api-keys")
+@click.option("--ssl-certfile", type=click.Path(path_type=Path), help="serve HTTPS with this certificate (PEM)")
+@click.option("--ssl-keyfile", type=click.Path(path_type=Path), help="the certificate's private key (PEM)")
 @friendly
-def command(bundle, host, port, provider, threads, max_batch, max_wait_ms, max_queue, batching, max_beam, use_ray,
-            replicas, address):
-    """Serve BUNDLE over HTTP: POST /v1/generate, GET /healthz, /v1/model, /metrics, /docs.
+def command(bundles, host, port, provider, threads, max_batch, max_wait_ms, max_queue, batching, max_beam, use_ray,
+            replicas, address, languages, api_keys, protect_metrics, allow_open, ssl_certfile, ssl_keyfile):
+    """Serve one or more bundles over HTTP: POST /v1/generate, GET /healthz, /v1/model, /v1/models, /metrics,
+    /docs, and the LibreTranslate (/translate, /languages) and DeepL (/v2/translate, /v2/languages, /v2/usage)
+    APIs. Several bundles are given as NAME=BUNDLE; a lone BUNDLE is named after its folder.
 
     Greedy requests join the running batch at the next decoding step and leave it when done (in-flight
     batching, where the bundle allows it: --batching auto, the default); with --batching request, and for beam
@@ -40,27 +52,41 @@ def command(bundle, host, port, provider, threads, max_batch, max_wait_ms, max_q
     --address.
     """
     require("serve")
-    from toolkit.apps.serve.app import ServeSettings, Service, bind, run
+    from toolkit.apps.serve.keys import check_access
+    from toolkit.apps.serve.app import ServeSettings, bind, run
+    from toolkit.apps.serve.models import ModelSet, parse_languages, parse_specs
 
     settings = ServeSettings(provider=provider, threads=threads, max_batch=max_batch, max_wait_ms=max_wait_ms,
                              max_queue=max_queue, max_beam=max_beam, batching=batching)
     settings.check()
+    named = parse_specs(list(bundles))
+    pairs = parse_languages(list(languages), list(named))
     if use_ray:
+        if len(named) > 1 or api_keys or ssl_certfile or languages:
+            raise click.UsageError("--ray serves one bundle, without --api-keys, --languages or --ssl-certfile")
+        check_access(host, None, protect_metrics, allow_open, None, None)     # no keys: loopback or --allow-open
         require("ray")
         from toolkit.apps.serve.ray_serve import serve_on_ray
 
-        serve_on_ray(bundle, settings, host, port, replicas, address, log=lambda line: click.echo(line, err=True))
+        serve_on_ray(next(iter(named.values())), settings, host, port, replicas, address,
+                     log=lambda line: click.echo(line, err=True))
         return
     if replicas != 1 or address:
         raise click.UsageError("--replicas and --address need --ray")
+    keys, ssl = check_access(host, api_keys, protect_metrics, allow_open, ssl_certfile, ssl_keyfile)
     sock = bind(host, port)                           # before loading: a taken port fails at once
-    click.echo(f"loading {bundle} ...", err=True)
-    service = Service.load(bundle, settings)
-    info = service.model_info()
+    click.echo(f"loading {', '.join(f'{n}={p}' for n, p in named.items())} ...", err=True)
+    models = ModelSet.load(named, settings, pairs)
     bound_host, bound_port = sock.getsockname()[:2]
-    click.echo(f"serving {bundle} ({info['precision']}, {info['kv_cache']} KV cache, ONNX Runtime on "
-               f"{info['provider']}) on http://{bound_host}:{bound_port}: {service.scheduler.kind} batching, "
-               f"max batch {max_batch}, max wait {max_wait_ms:g} ms, queue {max_queue}; warming up", err=True)
-    if service.scheduler.not_inflight:
-        click.echo(f"note: request-level batching, not in-flight: {service.scheduler.not_inflight}", err=True)
-    run(service, sock, log=lambda line: click.echo(line, err=True))
+    for model in models.models.values():
+        info = model.service.model_info()
+        langs = f", {','.join(model.source)} -> {','.join(model.target)}" if model.target else ""
+        click.echo(f"model {model.name}: {info['bundle']} ({info['precision']}, {info['kv_cache']} KV cache, ONNX "
+                   f"Runtime on {info['provider']}{langs}), {model.service.scheduler.kind} batching", err=True)
+        if model.service.scheduler.not_inflight:
+            click.echo(f"note: {model.name}: request-level batching, not in-flight: "
+                       f"{model.service.scheduler.not_inflight}", err=True)
+    click.echo(f"serving on {'https' if ssl else 'http'}://{bound_host}:{bound_port}: max batch {max_batch}, max "
+               f"wait {max_wait_ms:g} ms, queue {max_queue}, {'API keys' if keys else 'no API keys'}; warming up",
+               err=True)
+    run(models, sock, log=lambda line: click.echo(line, err=True), keys=keys, ssl=ssl)

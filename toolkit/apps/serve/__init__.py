@@ -1,4 +1,4 @@
-"""`onnxformer serve`: a bundle behind an HTTP API (FastAPI on uvicorn), with batching across requests.
+"""`onnxformer serve`: bundles behind an HTTP API (FastAPI on uvicorn), with batching across requests.
 
     app.py        the ASGI app: routes, error answers, the Service that owns the engine, `run` (uvicorn)
     scheduler.py  the batching scheduler: a bounded queue and one decoding thread
@@ -7,6 +7,11 @@
     ray_serve.py  the same app and engine in Ray Serve deployments
     ray_data.py   offline generation with Ray Data (map_batches over an actor pool)
     loadtest.py   a bounded load generator for a running server (loopback only)
+    models.py     several bundles in one server: names, languages, routing, merged metrics
+    segment.py    long texts: sentences (sentencex) and pieces that fit max_len, joined back with their whitespace
+    translate.py  texts in, texts out on one model (the compatible APIs' core), form and JSON bodies
+    compat.py     the LibreTranslate- and DeepL-compatible routes, the API-key check of every route
+    keys.py       API keys, per-key request rates and monthly character quotas, who may listen where
 
 The top layer of toolkit: it imports the runtime (and nothing that needs torch), so a bundle serves from a
 `pip install "onnxformer[cpu,serve]"` install.

@@ -4,9 +4,11 @@
     app = create_app(service)                 # ASGI: uvicorn here (`run`), or inside a Ray Serve replica
     run(service, host="127.0.0.1", port=8000) # blocks; SIGTERM drains and returns
 
-Routes: POST /v1/generate, GET /healthz, GET /v1/model, GET /metrics, and FastAPI's /docs and /openapi.json.
-Every refusal is a JSON body {"error": "<one line naming the problem and the fix>"} with a 4xx (the request)
-or 503 (not ready, queue full, shutting down; with Retry-After) status.
+Routes: POST /v1/generate, GET /healthz, GET /v1/model, GET /v1/models, GET /metrics, FastAPI's /docs and
+/openapi.json, and the LibreTranslate- and DeepL-compatible routes of compat.py. `create_app` takes one Service or
+a models.ModelSet (several bundles; a request names its model). Every refusal is a JSON body
+{"error": "<one line naming the problem and the fix>"} with a 4xx (the request) or 503 (not ready, queue full,
+shutting down; with Retry-After) status.
 """
 
 from __future__ import annotations
@@ -25,9 +27,9 @@ from fastapi.responses import JSONResponse, Response
 
 from runtime.bundle import Bundle, load_bundle
 from runtime.errors import InputError, OnnxformerError
-from runtime.generate import encode_inputs, generate_ids, records, to_outputs
-from runtime.search import SearchOptions
+from runtime.generate import records, to_outputs
 from toolkit.apps.serve.metrics import Metrics
+from toolkit.apps.serve.models import ModelSet
 from toolkit.apps.serve.inflight import InflightScheduler
 from toolkit.apps.serve.scheduler import Job, Overloaded, Scheduler, Stopped
 from toolkit.apps.serve.schemas import GenerateRequest, GenerateResponse, Limits, parse_request
@@ -119,12 +121,8 @@ class Service:
         self.state = "ready"
 
     def warm_up(self) -> None:
-        """Decode a few steps at batch 1 and at the full batch, so the first requests do not pay for first runs."""
-        seq = [min(self.engine.vocab_size - 1, max(self.engine.eos_id, self.engine.pad_id, self.engine.bos_id) + 1)]
-        for rows in sorted({1, self.settings.max_batch}):
-            generate_ids(self.engine, [seq * 4] * rows, SearchOptions(max_new_tokens=min(4, self.engine.max_len)))
-        if isinstance(self.scheduler, InflightScheduler):
-            self.scheduler.warm_up()
+        """Decode a few steps before serving, so the first requests do not pay for first runs."""
+        self.scheduler.warm_up()
 
     def stop(self) -> None:
         """Finish every accepted request, then stop the decoding thread."""
@@ -134,12 +132,13 @@ class Service:
 
     def model_info(self) -> dict:
         m = self.bundle.manifest
-        keys = ("vocab_size", "d_model", "n_heads", "n_encoder_layers", "n_decoder_layers", "max_len")
+        keys = ("vocab_size", "d_model", "n_heads", "n_encoder_layers", "n_decoder_layers", "max_len")   # vocab: target
         return {
             "bundle": str(self.bundle.path), "precision": m.get("precision"), "kv_cache": m.get("kv_cache", "dynamic"),
             "provider": self.bundle.provider, "engine": getattr(self.engine, "name", "ort"),
             "tokenizer": self.tokenizer is not None, "fusions": m.get("fusions", {}),
-            "model": {k: m["model"][k] for k in keys if k in m["model"]},
+            "model": {**{k: m["model"][k] for k in keys if k in m["model"]},
+                      "src_vocab_size": self.engine.src_vocab_size},
             "scheduler": {"kind": self.scheduler.kind, "max_batch": self.settings.max_batch,
                           "max_wait_ms": self.settings.max_wait_ms, "max_queue": self.settings.max_queue,
                           **({"not_inflight": self.scheduler.not_inflight} if self.scheduler.not_inflight else {})},
@@ -154,6 +153,16 @@ class RequestError(Exception):
     def __init__(self, status: int, kind: str, message: str, retry_after: int | None = None):
         super().__init__(message)
         self.status, self.kind, self.retry_after = status, kind, retry_after
+
+
+def submit(service: Service, job: Job) -> None:
+    """Queue `job` on the service's scheduler; RequestError (503 + Retry-After) when it is full or stopping."""
+    try:
+        service.scheduler.submit(job)
+    except Overloaded as exc:
+        raise RequestError(503, "queue_full", str(exc), retry_after=exc.retry_after) from None
+    except Stopped as exc:
+        raise RequestError(503, "shutting_down", str(exc), retry_after=1) from None
 
 
 def error_response(status: int, message: str, retry_after: int | None = None) -> JSONResponse:
@@ -185,12 +194,16 @@ async def wait_for_disconnect(request: Request) -> None:
             return
 
 
-def create_app(service: Service, start_in_background: bool = True, on_ready=None) -> FastAPI:
-    """The FastAPI app for `service`. Its lifespan starts the service (warm-up in a thread when
-    `start_in_background`, so /healthz answers 503 meanwhile; then `on_ready()`) and drains it at shutdown."""
+def create_app(service: Service | ModelSet, start_in_background: bool = True, on_ready=None, keys=None) -> FastAPI:
+    """The FastAPI app for `service` (or several: a ModelSet). Its lifespan starts the services (warm-up in a thread
+    when `start_in_background`, so /healthz answers 503 meanwhile; then `on_ready()`) and drains them at shutdown.
+    `keys` (keys.ApiKeys): the API keys the /v1, LibreTranslate and DeepL routes ask for (None: an open server)."""
+    from toolkit.apps.serve.compat import add_compat_routes
+
+    models = service if isinstance(service, ModelSet) else ModelSet.single(service)
 
     def start() -> None:
-        service.start()
+        models.start()
         if on_ready is not None:
             on_ready()
 
@@ -201,15 +214,15 @@ def create_app(service: Service, start_in_background: bool = True, on_ready=None
         else:
             await asyncio.to_thread(start)
         yield
-        await asyncio.to_thread(service.stop)
+        await asyncio.to_thread(models.stop)
 
     app = FastAPI(title="onnxformer", version="1", lifespan=lifespan,
                   description="Generate with an onnxformer bundle (ONNX Runtime), batched across requests.")
-    metrics, limits = service.metrics, service.limits
+    limits = models.services[0].limits                 # every model of a server has the same settings
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception):
-        metrics.refused("internal", "error")
+        models.front.refused("internal", "error")
         return error_response(500, f"internal error: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
 
     @app.post("/v1/generate", response_model=GenerateResponse, openapi_extra={"requestBody": {
@@ -220,12 +233,15 @@ def create_app(service: Service, start_in_background: bool = True, on_ready=None
     async def generate(request: Request):
         """Generate for each input; answers the records of `onnxformer generate --json`."""
         arrived = time.monotonic()
+        picked = []                                              # the model, once the body names it
         try:
-            job, inputs = await _accept(request, arrived)
+            job, inputs = await _accept(request, arrived, picked)
         except RequestError as exc:
             outcome = "overloaded" if exc.status == 503 else "client_error"
-            metrics.refused(exc.kind, outcome)
+            (picked[0].metrics if picked else models.front).refused(exc.kind, outcome)
             return error_response(exc.status, str(exc), exc.retry_after)
+        service = picked[0]
+        metrics = service.metrics
         future = asyncio.wrap_future(job.future)
         disconnect = asyncio.ensure_future(wait_for_disconnect(request))
         done, _ = await asyncio.wait({future, disconnect}, return_when=asyncio.FIRST_COMPLETED)
@@ -236,7 +252,7 @@ def create_app(service: Service, start_in_background: bool = True, on_ready=None
         disconnect.cancel()
         try:
             hyps = future.result()
-        except Exception as exc:                                 # the engine failed on this batch
+        except Exception as exc:                                 # the engine failed on this request (scheduler.fail)
             metrics.refused("engine", "error")
             return error_response(500, f"generation failed: {type(exc).__name__}: {exc}".splitlines()[0])
         outputs = to_outputs(hyps, service.engine.eos_id, service.tokenizer)
@@ -248,10 +264,11 @@ def create_app(service: Service, start_in_background: bool = True, on_ready=None
                              "queue_ms": round(((job.started or finished) - arrived) * 1000, 3),
                              "total_ms": round((finished - arrived) * 1000, 3)})
 
-    async def _accept(request: Request, arrived: float) -> tuple[Job, list]:
-        """Read, check and queue a request; RequestError for every way it can be refused."""
-        if not service.ready:
-            raise RequestError(503, "not_ready", f"the server is {service.state}; retry shortly", retry_after=1)
+    async def _accept(request: Request, arrived: float, picked: list) -> tuple[Job, list]:
+        """Read, check and queue a request (its Service appended to `picked`); RequestError for every refusal. It is
+        validated completely here (runtime.request), before it can join a batch: a bad request never fails another."""
+        if not models.ready:
+            raise RequestError(503, "not_ready", f"the server is {models.state}; retry shortly", retry_after=1)
         body = await read_body(request, limits.max_body_bytes)
         try:
             parsed = parse_request(body)
@@ -259,39 +276,46 @@ def create_app(service: Service, start_in_background: bool = True, on_ready=None
             malformed = str(exc).startswith("the body is not valid JSON")
             raise RequestError(400 if malformed else 422, "malformed_json" if malformed else "validation",
                                str(exc)) from None
-        inputs = parsed.inputs if parsed.inputs is not None else parsed.ids
         try:
-            sequences = encode_inputs(inputs, service.tokenizer)
-            opts = limits.check(parsed, sequences, service.engine.vocab_size, service.engine.max_len)
+            service = models.pick(parsed.model)
+        except LookupError as exc:
+            raise RequestError(422, "unknown_model", str(exc)) from None
+        picked.append(service)
+        try:
+            job = Job(limits.request(parsed, service.engine, service.tokenizer), arrived)
         except OnnxformerError as exc:
             kind = "too_many_inputs" if str(exc).startswith("too many inputs") else "validation"
             raise RequestError(422, kind, str(exc)) from None
-        job = Job(sequences, opts, arrived)
-        try:
-            service.scheduler.submit(job)
-        except Overloaded as exc:
-            raise RequestError(503, "queue_full", str(exc), retry_after=exc.retry_after) from None
-        except Stopped as exc:
-            raise RequestError(503, "shutting_down", str(exc), retry_after=1) from None
-        return job, inputs
+        submit(service, job)
+        return job, job.request.inputs
 
     @app.get("/healthz")
     async def healthz():
         """200 once the bundle is loaded and warmed up; 503 before (and while draining)."""
-        if service.ready:
+        if models.ready:
             return {"status": "ready"}
-        return JSONResponse({"status": service.state}, status_code=503, headers={"Retry-After": "1"})
+        return JSONResponse({"status": models.state}, status_code=503, headers={"Retry-After": "1"})
 
     @app.get("/v1/model")
-    async def model():
-        """The bundle's manifest summary, the provider it runs on, and the server's batching and limits."""
-        return service.model_info()
+    async def model(name: str | None = None):
+        """A bundle's manifest summary, the provider it runs on, and the server's batching and limits (?name=MODEL
+        when several are served)."""
+        try:
+            return models.pick(name).model_info()
+        except LookupError as exc:
+            return error_response(422, str(exc))
+
+    @app.get("/v1/models")
+    async def list_models():
+        """Every served model: its name, languages, precision, memory (bundle bytes), provider and batching."""
+        return {"models": [m.info() for m in models.models.values()]}
 
     @app.get("/metrics")
     async def prometheus():
         """Prometheus metrics (text format)."""
-        return Response(metrics.text(), media_type=metrics.content_type)
+        return Response(models.metrics_text(), media_type=Metrics.content_type)
 
+    add_compat_routes(app, models, keys)
     return app
 
 
@@ -314,15 +338,20 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def run(service: Service, sock: socket.socket, log=print) -> None:
-    """Serve `service` on the bound socket until SIGTERM or Ctrl-C; both stop accepting, finish every accepted
-    request, drain the scheduler and return (so the process exits 0)."""
+def run(service: Service | ModelSet, sock: socket.socket, log=print, keys=None, ssl: tuple | None = None) -> None:
+    """Serve `service` (or several: a ModelSet) on the bound socket until SIGTERM or Ctrl-C; both stop accepting,
+    finish every accepted request, drain the schedulers and return (so the process exits 0). `keys`: see
+    create_app; `ssl`: (certificate file, key file) to serve HTTPS."""
     import uvicorn
 
     host, port = sock.getsockname()[:2]
-    app = create_app(service, start_in_background=True, on_ready=lambda: log(f"ready: http://{host}:{port}"))
+    scheme = "https" if ssl else "http"
+    app = create_app(service, start_in_background=True, on_ready=lambda: log(f"ready: {scheme}://{host}:{port}"),
+                     keys=keys)
+    certfile, keyfile = ssl or (None, None)
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
-                            timeout_graceful_shutdown=None, timeout_keep_alive=5)
+                            timeout_graceful_shutdown=None, timeout_keep_alive=5,
+                            ssl_certfile=certfile, ssl_keyfile=keyfile)
     server = uvicorn.Server(config)
     stopping = []
     # uvicorn re-raises the signal it stopped on once it is done; with a handler of ours there, that is a no-op
@@ -332,7 +361,8 @@ def run(service: Service, sock: socket.socket, log=print) -> None:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    m = service.metrics
-    ok = m.requests.labels("ok")._value.get()
-    log(f"stopped: {int(ok)} requests answered, {int(m.tokens._value.get())} tokens generated, "
-        f"{service.scheduler.batches} batches")
+    services = service.services if isinstance(service, ModelSet) else [service]
+    ok = sum(s.metrics.requests.labels("ok")._value.get() for s in services)
+    tokens = sum(s.metrics.tokens._value.get() for s in services)
+    log(f"stopped: {int(ok)} requests answered, {int(tokens)} tokens generated, "
+        f"{sum(s.scheduler.batches for s in services)} batches")

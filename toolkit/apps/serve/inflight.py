@@ -1,27 +1,34 @@
 """In-flight (continuous) batching for the server: greedy requests join the running batch at the next step.
 
     scheduler = InflightScheduler(engine, max_batch=32, max_queue=256)   # same interface as Scheduler
-    scheduler.start(); future = scheduler.submit(Job(sequences, opts)); scheduler.stop()
+    scheduler.start(); future = scheduler.submit(Job(request)); scheduler.stop()
 
 One decoding thread drives a runtime.inflight.InflightBatch of max_batch slots. Before every step it admits
-waiting greedy jobs, oldest first, while their inputs fit in the free slots (the encoder runs for the joiners
-only); after the step, rows that finished leave at once and a job whose rows are all done gets its answer, so
-a short request never waits for a long one. Each row keeps its own max_new_tokens and ignore_eos. Beam jobs
-keep request-level batching: when the oldest waiting job is a beam job, admission stops until the running
-rows are done, then its batch (same width, length, penalty) decodes as in Scheduler.
+waiting greedy jobs (whose options differ from plain greedy search's only in ROW_OPTIONS, which each row keeps),
+oldest first, while their inputs fit in the free slots (the encoder runs for the joiners only); after the step,
+rows that finished leave at once and a job whose rows are all done gets its answer, so a short request never
+waits for a long one. Every other job (beam search, or any other option) keeps
+request-level batching: when the oldest waiting job is one, admission stops until the running rows are done,
+then its batch (equal batch keys) decodes as in Scheduler.
 
 The guarantees are Scheduler's: the queue (waiting + decoding jobs) is bounded by max_queue, every accepted
 job's future is resolved exactly once, a cancelled job that waits never runs, one that decodes gives up its rows
-at the next step (their slots go to the next joiners), and stop() drains every accepted job first.
+at the next step (their slots go to the next joiners), and stop() drains every accepted job first. A failure
+fails only the jobs it can be traced to: the joiners when their encoder run fails, the rows' jobs when a step
+gives them a non-finite logit (the other rows run the step again); anything else fails every live job.
 """
 
 from __future__ import annotations
 
 import time
 
+from runtime.errors import NumericsError
 from runtime.inflight import InflightBatch, check_engine
+from runtime.request import differing
 from runtime.search import SearchOptions
-from toolkit.apps.serve.scheduler import Job, Scheduler
+from toolkit.apps.serve.scheduler import Job, Scheduler, fail, warm_up_request
+
+ROW_OPTIONS = ("max_new_tokens", "ignore_eos")   # what an in-flight row keeps for itself
 
 
 class InflightScheduler(Scheduler):
@@ -34,13 +41,19 @@ class InflightScheduler(Scheduler):
         super().__init__(engine, max_batch, max_wait_ms, max_queue, metrics)
         self.batch = InflightBatch(engine, slots=max_batch)
         self._rows: dict[Job, list] = {}                         # decoding greedy jobs -> their rows
+        self.plain = warm_up_request(engine, 1).opts             # plain greedy search's options (built as any)
         self.steps = 0
 
+    def in_flight(self, job: Job) -> bool:
+        """Whether the job's rows can decode in the in-flight batch (else: request-level, as a beam job)."""
+        return not differing(job.opts, self.plain, ROW_OPTIONS)
+
     def warm_up(self) -> None:
-        """A few steps with every slot in use, so the first requests do not pay for first runs."""
-        seq = [min(self.engine.vocab_size - 1, max(self.engine.eos_id, self.engine.pad_id, self.engine.bos_id) + 1)]
+        """Request-level warm-up, then a few steps with every slot in use."""
+        super().warm_up()
         warm = InflightBatch(self.engine, slots=self.max_batch, opts=SearchOptions(ignore_eos=True))
-        warm.join([seq * 4] * self.max_batch, [3] * self.max_batch)
+        request = warm_up_request(self.engine, self.max_batch, max_new_tokens=min(3, self.engine.max_len))
+        warm.join(request.sequences, request.limits)
         while warm.live:
             warm.step()
 
@@ -62,15 +75,15 @@ class InflightScheduler(Scheduler):
                 return [], None                                  # stopping, nothing left
             joining, free = [], self.batch.free
             for job in list(self._pending):
-                if job.opts.beam != 1:
-                    break                                        # a beam job waits its turn: nothing passes it
+                if not self.in_flight(job):
+                    break                                        # a request-level job waits its turn: none passes it
                 if len(job.sequences) > free:
                     break                                        # oldest first: later jobs wait behind it
                 joining.append(job)
                 free -= len(job.sequences)
                 self._pending.remove(job)
             beam = None
-            if not joining and not self._rows and self._pending and self._pending[0].opts.beam != 1:
+            if not joining and not self._rows and self._pending and not self.in_flight(self._pending[0]):
                 first = self._pending[0]
                 beam, rows = [], 0
                 for job in list(self._pending):
@@ -100,9 +113,12 @@ class InflightScheduler(Scheduler):
                 continue
             try:
                 self._join(joining)
+            except Exception as exc:                             # their encoder run: the live rows are untouched
+                self._drop(joining, exc, known=False)
+            try:
                 self._step()
-            except Exception as exc:                             # the engine failed: every live job gets the error
-                self._fail(exc)
+            except Exception as exc:
+                self._failed_step(exc)
 
     def _join(self, jobs: list[Job]) -> None:
         """Every admitted job's inputs join in one InflightBatch.join: one encoder run for all of them."""
@@ -110,7 +126,7 @@ class InflightScheduler(Scheduler):
             return
         now = time.monotonic()
         sequences = [seq for job in jobs for seq in job.sequences]
-        limits = [job.opts.max_new_tokens for job in jobs for _ in job.sequences]
+        limits = [n for job in jobs for n in job.request.limits]
         keys = [(job, i) for job in jobs for i in range(len(job.sequences))]
         rows = iter(self.batch.join(sequences, limits, keys))
         for job in jobs:
@@ -150,13 +166,27 @@ class InflightScheduler(Scheduler):
         if not job.future.done():
             job.future.set_result([[row.hypothesis()] for row in rows])
 
-    def _fail(self, exc: Exception) -> None:
+    def _failed_step(self, exc: Exception) -> None:
+        """A step raised before any row moved on: fail the jobs of the rows that caused it (a NumericsError names
+        them; the others run the step again) or, when that is not known, every live job on a fresh batch."""
+        if isinstance(exc, NumericsError) and exc.rows:
+            self._drop(list(dict.fromkeys(self.batch.rows[i].key[0] for i in exc.rows)), exc, known=True)
+            for job in list(self._rows):                         # rows that left before the failed step
+                self._finish_if_done(job)
+            return
         with self._cond:
-            jobs, self._rows, self._running = list(self._rows), {}, []
+            jobs = list(self._rows)
+        self._drop(jobs, exc, known=False)
         self.batch = InflightBatch(self.engine, slots=self.max_batch)    # a fresh batch for the next jobs
-        for job in jobs:
-            if not job.future.done():
-                job.future.set_exception(exc)
+
+    def _drop(self, jobs: list[Job], exc: Exception, known: bool) -> None:
+        """The jobs fail with `exc` (scheduler.fail) and give up their rows, which leave at the next step."""
+        with self._cond:
+            for job in jobs:
+                for row in self._rows.pop(job, ()):
+                    self.batch.stop(row)
+            self._running = list(self._rows)
+        fail(jobs, exc, known)
 
 
 __all__ = ["InflightScheduler"]

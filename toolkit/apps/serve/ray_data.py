@@ -1,9 +1,10 @@
 """Offline generation with Ray Data: `onnxformer generate BUNDLE --input FILE --ray [--replicas N]`.
 
-    records = generate_on_ray("out/bundle", inputs, SearchOptions(), actors=2)
+    records = generate_on_ray("out/bundle", request, actors=2)      # a runtime.request.Request, built on the driver
 
-The inputs become a dataset; `map_batches` sends batches of them to a pool of `BatchGenerator` actors, each with
-its own engine, and the records come back in input order: the records of `onnxformer generate --json`.
+The request's inputs become a dataset; `map_batches` sends batches of them to a pool of `BatchGenerator` actors,
+each with its own engine and the request's SearchOptions (the object itself, as built), and the records come back
+in input order: the records of `onnxformer generate --json`.
 Needs only the runtime and ray (no web stack); ray_serve.py shares `init_ray`.
 """
 
@@ -11,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict
 from pathlib import Path
 
 from runtime.errors import OnnxformerError
@@ -43,20 +43,20 @@ def init_ray(address: str | None, num_cpus: int | None = None) -> None:
 class BatchGenerator:
     """A Ray Data actor: one engine; turns a batch of inputs into their generate --json records."""
 
-    def __init__(self, bundle: str, provider: str, threads: int | None, opts: dict):
+    def __init__(self, bundle: str, provider: str, threads: int | None, opts):
         from runtime.bundle import load_bundle
-        from runtime.search import SearchOptions
 
         self.bundle = load_bundle(bundle, provider=provider, threads=threads)
-        self.opts = SearchOptions(**opts)
+        self.opts = opts                                                # the driver's request's SearchOptions
 
     def __call__(self, batch: dict) -> dict:
-        from runtime.generate import encode_inputs, generate_ids, records, to_outputs
+        from runtime.generate import generate, records, to_outputs
+        from runtime.request import Request
 
         inputs = [json.loads(x) for x in batch["input"]]
         engine, tokenizer = self.bundle.engine, self.bundle.tokenizer
-        outputs = to_outputs(generate_ids(engine, encode_inputs(inputs, tokenizer), self.opts), engine.eos_id,
-                             tokenizer)
+        request = Request.build(engine, inputs, tokenizer, self.opts)   # this actor's part of the request
+        outputs = to_outputs(generate(engine, request), engine.eos_id, tokenizer)
         recs = records(inputs, outputs)
         for rec in recs:
             rec["index"] = int(batch["index"][rec["index"]])            # position in the whole input, not the batch
@@ -66,10 +66,10 @@ class BatchGenerator:
         return {"index": batch["index"], "records": [json.dumps(per, ensure_ascii=False) for per in per_input]}
 
 
-def generate_on_ray(bundle: str | Path, inputs: list, opts, actors: int = 1, batch_size: int = 32,
+def generate_on_ray(bundle: str | Path, request, actors: int = 1, batch_size: int = 32,
                     provider: str = "auto", threads: int | None = None, address: str | None = None) -> list[dict]:
-    """The generate --json records of every input, in input order, computed by `actors` Ray Data actors.
-    (The caller checks the bundle and the request first: inside the actors a bad one is a Ray error.)"""
+    """The generate --json records of every input of `request` (validated on the driver, against the bundle: inside
+    the actors a bad one would be a Ray error), in input order, computed by `actors` Ray Data actors."""
     if actors < 1:
         raise RayError(f"--replicas must be at least 1, got {actors}")
     init_ray(address, None if address else max(actors * int(threads or 1), os.cpu_count() or 1))
@@ -78,10 +78,10 @@ def generate_on_ray(bundle: str | Path, inputs: list, opts, actors: int = 1, bat
     ctx = ray.data.DataContext.get_current()
     ctx.execution_options.preserve_order = True
     ctx.enable_progress_bars = False
-    items = [{"index": i, "input": json.dumps(x)} for i, x in enumerate(inputs)]
+    items = [{"index": i, "input": json.dumps(x)} for i, x in enumerate(request.inputs)]
     ds = ray.data.from_items(items).map_batches(
         BatchGenerator, batch_size=batch_size, concurrency=actors, num_cpus=float(threads or 1),
         fn_constructor_kwargs={"bundle": str(Path(bundle).resolve()), "provider": provider, "threads": threads,
-                               "opts": asdict(opts)})
+                               "opts": request.opts})
     rows = sorted(ds.take_all(), key=lambda r: r["index"])             # preserve_order keeps it; sorting proves it
     return [rec for row in rows for rec in json.loads(row["records"])]

@@ -2,25 +2,28 @@
 
     scheduler = Scheduler(engine, max_batch=32, max_wait_ms=5, max_queue=256)
     scheduler.start()
-    future = scheduler.submit(Job(sequences, opts))     # Overloaded when max_queue requests already wait
+    future = scheduler.submit(Job(request))             # a runtime.request.Request; Overloaded when the queue is full
     hypotheses = future.result()                        # list[list[Hypothesis]], one list per input
     scheduler.stop()                                    # finishes every accepted job, then the thread ends
 
 The thread takes the oldest waiting job, waits until max_wait has passed since that job arrived or since the
 engine became free, whichever is later (or until the batch is full: so the clients whose answers just went out
 can come back into the next batch instead of the one after), and decodes it together with every waiting job
-that can share its search: greedy jobs of any
-max_new_tokens (each input keeps its own limit, runtime.search.greedy), beam jobs with the same width, length
-and length penalty. A batch holds at most max_batch inputs. One batch runs at a time: on a CPU the engine
-already uses every core, and the batch is where requests share the work.
+that can share its search (equal runtime.request batch keys: every search option equal, except a greedy input's
+max_new_tokens, which each input keeps as its limit). A batch holds at most max_batch inputs. One batch runs at a
+time: on a CPU the engine already uses every core, and the batch is where requests share the work.
 
-Every submitted job's future is resolved exactly once: with its hypotheses, with the engine's exception, or
-cancelled (the client went away: `cancel`). A cancelled job that is still waiting never runs; one that is
+Every submitted job's future is resolved exactly once: with its hypotheses, with an exception, or cancelled (the
+client went away: `cancel`). Requests are validated before they are queued (runtime.request), so what fails in a
+batch is the engine: where the inputs that caused it are known (a non-finite logit), only their jobs fail and the
+others decode again; else every job of the batch fails, and when it shared the batch it learns only the error's
+type (the message may quote another request's input). A cancelled job that is still waiting never runs; one that is
 decoding gives up its rows at the next step (greedy) or when all its batch is cancelled (beam).
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
@@ -29,8 +32,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from runtime.generate import generate_ids
-from runtime.search import SearchOptions
+from runtime.errors import NumericsError
+from runtime.generate import generate
+from runtime.request import Request, merge, search_options
+
+log = logging.getLogger("onnxformer.serve")
 
 
 class Overloaded(Exception):
@@ -45,24 +51,52 @@ class Stopped(Exception):
     """The scheduler is draining (the server is shutting down): no new jobs."""
 
 
+class SharedFailure(Exception):
+    """The engine failed on a batch several requests shared, for a reason no one request can be told apart by."""
+
+
 @dataclass(eq=False)
 class Job:
-    """One request: its inputs' token ids and search options, and the future its answer goes to."""
+    """One validated request and the future its answer goes to."""
 
-    sequences: list[list[int]]
-    opts: SearchOptions
+    request: Request
     arrived: float = field(default_factory=time.monotonic)
     future: Future = field(default_factory=Future)
     started: float | None = None                    # when its batch began decoding
     cancelled: bool = False
     _stop: tuple | None = None                      # (the running batch's stop array, this job's slice of it)
 
+    @property
+    def sequences(self) -> list[list[int]]:
+        return self.request.sequences
+
+    @property
+    def opts(self):
+        return self.request.opts
+
     def key(self) -> tuple:
         """Jobs with equal keys can decode in one search."""
-        o = self.opts
-        if o.beam == 1:                             # greedy: lengths may differ per input
-            return (1, o.ignore_eos)
-        return (o.beam, o.max_new_tokens, o.num_return, o.length_penalty, o.ignore_eos)
+        return self.request.batch_key
+
+
+def culprits(jobs: list[Job], exc: Exception) -> list[Job] | None:
+    """The jobs whose inputs caused `exc` (a NumericsError that names them), or None when that is not known."""
+    inputs = (exc.inputs or ()) if isinstance(exc, NumericsError) else ()
+    bad = [job for job in jobs if any(job._stop[1].start <= i < job._stop[1].stop for i in inputs)]
+    return bad or None
+
+
+def fail(jobs: list[Job], exc: Exception, known: bool = False) -> None:
+    """Resolve the jobs' futures with `exc`. Where the cause is not `known` per job and several shared the batch,
+    each gets only its type: its message may quote another request's input (the server's log has it)."""
+    if not known and len(jobs) > 1:
+        log.error("decoding a batch of %d requests failed: %s: %s", len(jobs), type(exc).__name__, exc)
+        exc = SharedFailure(f"the engine failed on a batch this request shared with {len(jobs) - 1} other(s) "
+                            f"({type(exc).__name__}); retry the request, and tell the server's operator if it "
+                            f"fails again")
+    for job in jobs:
+        if not job.future.done():
+            job.future.set_exception(exc)
 
 
 class Scheduler:
@@ -171,31 +205,27 @@ class Scheduler:
                     self._free_since = time.monotonic()
 
     def _decode(self, batch: list[Job]) -> None:
-        sequences = [s for job in batch for s in job.sequences]
-        limits = np.concatenate([np.full(len(job.sequences), job.opts.max_new_tokens) for job in batch])
-        stop = np.zeros(len(sequences), dtype=bool)
+        request = merge([job.request for job in batch])
+        stop = np.zeros(len(request.sequences), dtype=bool)
         now, start = time.monotonic(), 0
         with self._cond:
             for job in batch:
                 rows = slice(start, start + len(job.sequences))
                 job._stop, job.started, start = (stop, rows), now, rows.stop
                 stop[rows] = job.cancelled
-        opts = batch[0].opts
-        opts = SearchOptions(max_new_tokens=int(limits.max()), beam=opts.beam, num_return=opts.num_return,
-                             length_penalty=opts.length_penalty, ignore_eos=opts.ignore_eos)
         self.batches += 1
         if self.metrics is not None:
-            self.metrics.batch_rows.observe(len(sequences))
-            self.metrics.active_rows.set(len(sequences) * opts.beam)
+            self.metrics.batch_rows.observe(len(request.sequences))
+            self.metrics.active_rows.set(len(request.sequences) * request.opts.beam)
             for job in batch:
                 self.metrics.queue_wait.observe(now - job.arrived)
         try:
-            hyps = generate_ids(self.engine, sequences, opts, limits if opts.beam == 1 else None, stop)
-        except Exception as exc:                             # every job of the batch gets the one error
-            for job in batch:
-                if not job.future.done():
-                    job.future.set_exception(exc)
-            return
+            hyps = generate(self.engine, request, stop)
+        except Exception as exc:
+            bad = culprits(batch, exc)
+            fail(bad or batch, exc, known=bad is not None)
+            rest = [job for job in batch if bad is not None and job not in bad]
+            return self._decode(rest) if rest else None     # the others decode again, without them
         finally:
             if self.metrics is not None:
                 self.metrics.active_rows.set(0)
@@ -204,3 +234,14 @@ class Scheduler:
             job._stop = None
             if not job.future.done():
                 job.future.set_result(hyps[rows])
+
+    def warm_up(self) -> None:
+        """Decode a few steps at batch 1 and at the full batch, so the first requests do not pay for first runs."""
+        for rows in sorted({1, self.max_batch}):
+            generate(self.engine, warm_up_request(self.engine, rows, max_new_tokens=min(4, self.engine.max_len)))
+
+
+def warm_up_request(engine, rows: int, **options) -> Request:
+    """`rows` inputs of 4 copies of one ordinary source id (not pad, BOS or EOS) with these search options."""
+    token = min(engine.src_vocab_size - 1, max(engine.eos_id, engine.pad_id, engine.bos_id) + 1)
+    return Request.build(engine, [[token] * 4] * rows, None, search_options(engine, **options))

@@ -1,8 +1,10 @@
 """Request and answer bodies of the HTTP API, and the limits a server puts on a request.
 
 A request body is checked in two steps: its shape and types here (pydantic, strict: no string for a number,
-no unknown field), then its values against the model and the server's limits (`Limits.check`, using the same
-`runtime.generate.check_request` as `onnxformer generate`), so both say the same thing about the same mistake.
+no unknown field), then its values against the server's limits and the model (`Limits.request`: the same
+`runtime.request.Request.build` as `onnxformer generate`), so both say the same thing about the same mistake.
+Every field but `model`, `inputs` and `ids` is a runtime.search.SearchOptions field of the same name: a new search option
+is one field here, passed on by name.
 """
 
 from __future__ import annotations
@@ -12,8 +14,7 @@ from dataclasses import dataclass
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from runtime.errors import InputError
-from runtime.generate import check_request
-from runtime.search import SearchOptions
+from runtime.request import Request, search_options
 
 
 class GenerateRequest(BaseModel):
@@ -21,6 +22,7 @@ class GenerateRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
+    model: str | None = Field(None, description="the served model to use (required when the server serves several)")
     inputs: list[str] | None = Field(None, description="texts to generate from (the bundle needs a tokenizer)")
     ids: list[list[int]] | None = Field(None, description="token id lists to generate from")
     beam: int = Field(1, description="beam width (1 = greedy)")
@@ -28,6 +30,10 @@ class GenerateRequest(BaseModel):
     num_return: int = Field(1, description="hypotheses returned per input (<= beam)")
     length_penalty: float = Field(1.0, description="beam scores are log-prob / length ** this")
     ignore_eos: bool = Field(False, description="never stop at EOS: generate exactly max_new_tokens (benchmarks)")
+
+    def options(self) -> dict:
+        """The search options it names (SearchOptions' fields), for runtime.request.search_options."""
+        return self.model_dump(exclude={"model", "inputs", "ids"})
 
 
 class Record(BaseModel):
@@ -56,19 +62,15 @@ class Limits:
     max_beam: int = 8
     max_body_bytes: int = 1 << 20   # request body size (413 above it)
 
-    def check(self, request: GenerateRequest, sequences: list[list[int]], vocab_size: int,
-              max_len: int) -> SearchOptions:
-        """The request's SearchOptions, or an InputError naming the bad value and the allowed range."""
-        if len(sequences) > self.max_inputs:
-            raise InputError(f"too many inputs: {len(sequences)}, this server takes at most {self.max_inputs} "
+    def request(self, body: GenerateRequest, model, tokenizer) -> Request:
+        """The validated request, or an InputError naming the bad value and the allowed range."""
+        inputs = body.inputs if body.inputs is not None else body.ids
+        if len(inputs) > self.max_inputs:
+            raise InputError(f"too many inputs: {len(inputs)}, this server takes at most {self.max_inputs} "
                              f"in one request; split the request")
-        if not 1 <= request.beam <= self.max_beam:
-            raise InputError(f"beam must be between 1 and {self.max_beam}, got {request.beam}")
-        max_new = min(64, max_len) if request.max_new_tokens is None else request.max_new_tokens
-        opts = SearchOptions(max_new_tokens=max_new, beam=request.beam, num_return=request.num_return,
-                             length_penalty=request.length_penalty, ignore_eos=request.ignore_eos)
-        check_request(sequences, opts, vocab_size, max_len)
-        return opts
+        if not 1 <= body.beam <= self.max_beam:
+            raise InputError(f"beam must be between 1 and {self.max_beam}, got {body.beam}")
+        return Request.build(model, inputs, tokenizer, search_options(model, **body.options()))
 
 
 def parse_request(body: bytes) -> GenerateRequest:

@@ -15,15 +15,15 @@ local directory (only for downloads and for parity against MarianMTModel).
 
 from __future__ import annotations
 
-import json
-import re
 from pathlib import Path
-from typing import Callable
-
-import torch
+from typing import TYPE_CHECKING
 
 from toolkit.reference.config import ModelConfig
-from toolkit.reference.importers import ImportRefused
+from toolkit.reference.importers.registry import Converted, Family, ImportOptions, ImportRefused, register_family
+from toolkit.reference.importers.sources import quiet_from_pretrained, read_json, read_state, require_transformers
+
+if TYPE_CHECKING:
+    import torch
 
 ACTIVATIONS = {"relu": "relu", "gelu": "gelu", "swish": "silu", "silu": "silu"}
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
@@ -44,40 +44,6 @@ ENCODER_LAYER = {"self_attn.{p}_proj": "self_attn.{p}_proj", "self_attn_layer_no
 DECODER_LAYER = {"self_attn.{p}_proj": "self_attn.{p}_proj", "self_attn_layer_norm": "sublayers.0.norm",
                  "encoder_attn.{p}_proj": "cross_attn.{p}_proj", "encoder_attn_layer_norm": "sublayers.1.norm",
                  "fc1": "ffn.w_1", "fc2": "ffn.w_2", "final_layer_norm": "sublayers.2.norm"}
-
-
-def read_json(path: Path) -> dict:
-    try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ImportRefused(f"{path} is missing; pass the complete model directory") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ImportRefused(f"{path} is not valid JSON ({exc}); download the model again") from None
-    if not isinstance(data, dict):
-        raise ImportRefused(f"{path} is not a JSON object; download the model again")
-    return data
-
-
-def resolve_source(source: str | Path, progress: Callable[[str], None]) -> Path:
-    """A local directory as it is; a hub name downloaded by transformers' hub client (exit 2 without a network)."""
-    path = Path(source)
-    if path.exists():
-        return path
-    name = str(source)
-    try:
-        from huggingface_hub import snapshot_download
-    except ImportError:
-        raise ImportRefused(f"{name} is not a directory, and downloading a hub model needs transformers; "
-                            f"pip install 'onnxformer[import]', or download the model elsewhere and pass its "
-                            f"directory") from None
-    progress(f"downloading {name} from the Hugging Face hub")
-    try:
-        return Path(snapshot_download(name, allow_patterns=["*.json", "*.spm", "*.safetensors", "*.bin"]))
-    except Exception as exc:                        # no network, unknown repo, refused: all the same to the user
-        first = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else type(exc).__name__
-        raise ImportRefused(f"cannot download {name} ({first}); without a network, download the model where there "
-                            f"is one (e.g. huggingface-cli download {name} --local-dir DIR), copy DIR here and "
-                            f"pass it as SOURCE") from None
 
 
 def marian_model_config(hf: dict, where: Path) -> ModelConfig:
@@ -122,34 +88,53 @@ def marian_model_config(hf: dict, where: Path) -> ModelConfig:
         raise ImportRefused(f"{where}: the config cannot be represented ({exc})") from None
 
 
-def load_state(directory: Path) -> dict[str, torch.Tensor]:
-    """The weights: model.safetensors (plain data) or pytorch_model.bin loaded with weights_only=True."""
-    if (directory / "model.safetensors").is_file():
-        from safetensors import SafetensorError
-        from safetensors.torch import load_file
-        try:
-            return load_file(str(directory / "model.safetensors"))
-        except (SafetensorError, OSError, ValueError) as exc:
-            raise ImportRefused(f"{directory}/model.safetensors is unreadable ({exc}); download it again") from None
-    if (directory / "pytorch_model.bin").is_file():
-        try:
-            state = torch.load(directory / "pytorch_model.bin", map_location="cpu", weights_only=True)
-        except Exception as exc:
-            raise ImportRefused(f"{directory}/pytorch_model.bin cannot be loaded safely ({type(exc).__name__}); "
-                                f"convert it to model.safetensors") from None
-        if isinstance(state, dict):
-            return state
+def load_state(directory: Path, progress) -> dict[str, torch.Tensor]:
+    """The weights: model.safetensors, else pytorch_model.bin (loaded with weights_only=True)."""
+    for name in WEIGHT_FILES:
+        if (directory / name).is_file():
+            return read_state(directory / name, "download the model again", progress)
     raise ImportRefused(f"{directory} has no weights ({' or '.join(WEIGHT_FILES)}); pass the complete model directory")
 
 
 def map_state(state: dict[str, torch.Tensor], config: ModelConfig, where: Path) -> dict[str, torch.Tensor]:
     """Marian parameter names -> the reference model's; every Marian tensor must be used (or be the sinusoid
     table, checked equal to ours), so that nothing the original computes is dropped."""
-    from toolkit.reference.model import sinusoid_table
+    import torch
 
     state = {k[len("model."):] if k.startswith("model.") else k: v for k, v in state.items()}
-    out: dict[str, torch.Tensor] = {}
     used: set[str] = set()
+    out = map_embeddings(state, config, where, used)
+    for side, layers, mapping in (("encoder", config.n_encoder_layers, ENCODER_LAYER),
+                                  ("decoder", config.n_decoder_layers, DECODER_LAYER)):
+        for i in range(layers):
+            for theirs, ours in mapping.items():
+                for p in ("q", "k", "v", "out") if "{p}" in theirs else ("",):
+                    for kind in ("weight", "bias"):
+                        name = f"{side}.layers.{i}.{theirs.format(p=p)}.{kind}"
+                        if name not in state:
+                            raise ImportRefused(f"{where}: the weights lack {name}; the checkpoint does not match "
+                                                f"its config.json")
+                        out[f"{side}.layers.{i}.{ours.format(p=p)}.{kind}"] = state[name]
+                        used.add(name)
+    unused = sorted(set(state) - used)
+    if unused:
+        feature = next((f for f in ("layernorm_embedding", "layer_norm", "embed_positions") if any(f in u for u in unused)),
+                       None)
+        hint = f" (it has {feature} weights the reference model lacks)" if feature else ""
+        raise ImportRefused(f"{where}: {len(unused)} weight(s) cannot be represented{hint}: "
+                            f"{', '.join(unused[:4])}{' ...' if len(unused) > 4 else ''}")
+    return {k: v.detach().to(torch.float32).contiguous() for k, v in out.items()}
+
+
+def map_embeddings(state: dict[str, torch.Tensor], config: ModelConfig, where: Path,
+                   used: set[str]) -> dict[str, torch.Tensor]:
+    """Token embeddings (aliases checked equal to what they share), the output projection and logits bias, and the
+    position tables (checked to be Marian's sinusoids); every name read is added to used."""
+    import torch
+
+    from toolkit.reference.model import sinusoid_table
+
+    out: dict[str, torch.Tensor] = {}
 
     def take(name: str) -> torch.Tensor:
         used.add(name)
@@ -193,25 +178,7 @@ def map_state(state: dict[str, torch.Tensor], config: ModelConfig, where: Path) 
             if got.shape != table.shape or not torch.allclose(got, table, atol=1e-6, rtol=0):
                 raise ImportRefused(f"{where}: {name} is not Marian's sinusoid table (learned positions?); "
                                     f"learned positions cannot be represented")
-    for side, layers, mapping in (("encoder", config.n_encoder_layers, ENCODER_LAYER),
-                                  ("decoder", config.n_decoder_layers, DECODER_LAYER)):
-        for i in range(layers):
-            for theirs, ours in mapping.items():
-                for p in ("q", "k", "v", "out") if "{p}" in theirs else ("",):
-                    for kind in ("weight", "bias"):
-                        name = f"{side}.layers.{i}.{theirs.format(p=p)}.{kind}"
-                        if name not in state:
-                            raise ImportRefused(f"{where}: the weights lack {name}; the checkpoint does not match "
-                                                f"its config.json")
-                        out[f"{side}.layers.{i}.{ours.format(p=p)}.{kind}"] = take(name)
-    unused = sorted(set(state) - used)
-    if unused:
-        feature = next((f for f in ("layernorm_embedding", "layer_norm", "embed_positions") if any(f in u for u in unused)),
-                       None)
-        hint = f" (it has {feature} weights the reference model lacks)" if feature else ""
-        raise ImportRefused(f"{where}: {len(unused)} weight(s) cannot be represented{hint}: "
-                            f"{', '.join(unused[:4])}{' ...' if len(unused) > 4 else ''}")
-    return {k: v.detach().to(torch.float32).contiguous() for k, v in out.items()}
+    return out
 
 
 def marian_tokenizer(directory: Path, config: ModelConfig):
@@ -248,8 +215,8 @@ def _token(value) -> str:
     return value["content"] if isinstance(value, dict) else str(value)
 
 
-def import_marian_model(directory: Path):
-    """(the reference Transformer in eval mode, the SentencePieceTokenizer) of a local Marian directory."""
+def convert(directory: Path, options: ImportOptions) -> Converted:
+    """The reference Transformer (eval mode) and SentencePieceTokenizer of a local Marian directory."""
     from toolkit.reference.model import Transformer
 
     hf = read_json(directory / "config.json")
@@ -257,7 +224,7 @@ def import_marian_model(directory: Path):
         raise ImportRefused(f"{directory}/config.json has model_type {hf.get('model_type')!r}, not 'marian'")
     config = marian_model_config(hf, directory / "config.json")
     tokenizer = marian_tokenizer(directory, config)
-    state = map_state(load_state(directory), config, directory)
+    state = map_state(load_state(directory, options.progress), config, directory)
     model = Transformer(config, seed=0)
     expected = model.state_dict()
     for name, tensor in state.items():
@@ -269,21 +236,23 @@ def import_marian_model(directory: Path):
     if missing:
         raise ImportRefused(f"{directory}: no Marian weight maps to {', '.join(missing[:4])}")
     model.load_state_dict(state)
-    return model.eval(), tokenizer
+    record = {"files": sorted(p.name for p in directory.iterdir() if p.is_file())}
+    return Converted(model.eval(), tokenizer, record)
 
 
-def import_marian(source: str | Path, out: str | Path, force: bool = False,
-                  progress: Callable[[str], None] | None = None) -> Path:
-    from toolkit.reference.checkpoint import save_checkpoint
+def load_original(directory: Path):
+    """(MarianMTModel in eval mode, MarianTokenizer) from a local directory: the reference of parity."""
+    require_transformers("parity against a Marian directory")
+    from transformers import MarianMTModel, MarianTokenizer
 
-    progress = progress or (lambda msg: None)
-    directory = resolve_source(source, progress)
-    model, tokenizer = import_marian_model(directory)
-    state = model.state_dict()
-    progress(f"mapped {len(state)} tensors ({model.num_parameters():,} parameters) from {directory}")
-    record = {"format": "marian", "source": str(source), "files": sorted(p.name for p in directory.iterdir()
-                                                                          if p.is_file())}
-    return save_checkpoint(out, model, tokenizer, force=force, imported=record)
+    tok = quiet_from_pretrained(MarianTokenizer.from_pretrained, directory)
+    return quiet_from_pretrained(MarianMTModel.from_pretrained, directory).eval(), tok
 
 
-__all__ = ["import_marian", "import_marian_model", "marian_model_config", "map_state", "marian_tokenizer", "read_json"]
+FAMILY = register_family(Family(
+    name="marian", source="a Marian (opus-mt) save_pretrained directory or hub name", convert=convert,
+    model_types=("marian",), load_original=load_original, original="MarianMTModel (transformers)",
+    hub_files=("*.json", "*.spm", "*.safetensors", "*.bin")))
+
+__all__ = ["FAMILY", "convert", "load_original", "marian_model_config", "map_state", "map_embeddings",
+           "marian_tokenizer"]

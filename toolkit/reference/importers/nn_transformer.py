@@ -13,7 +13,9 @@ the tutorial builds it, or norm_first=True when the JSON says so: the state dict
     transformer.decoder.norm.*
     generator.weight [tgt_vocab, d], generator.bias [tgt_vocab]
 
-saved with torch.save(model.state_dict(), PATH) (loaded with weights_only=True), plus a JSON file (--config):
+saved with torch.save(model.state_dict(), PATH) (loaded with weights_only=True) or with safetensors; a training
+checkpoint's {"model_state_dict": ...} (or "state_dict", "model") and DataParallel's 'module.' prefix are taken
+off (sources.read_state). Plus a JSON file (--config):
 
     {"nhead": 8, "pad_id": 1, "bos_id": 2, "eos_id": 3, "unk_id": 0,          required: heads and special ids
      "activation": "relu", "layer_norm_eps": 1e-5, "max_len": 256,          optional (max_len: <= the table's rows)
@@ -30,12 +32,14 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Callable
-
-import torch
+from typing import TYPE_CHECKING
 
 from toolkit.reference.config import ModelConfig
-from toolkit.reference.importers import ImportRefused
+from toolkit.reference.importers.registry import Converted, Family, ImportOptions, ImportRefused, register_family
+from toolkit.reference.importers.sources import read_state
+
+if TYPE_CHECKING:
+    import torch
 
 REQUIRED = ("nhead", "pad_id", "bos_id", "eos_id")
 OPTIONAL = ("unk_id", "activation", "layer_norm_eps", "max_len", "source_spm", "target_spm", "dropout", "norm_first")
@@ -79,24 +83,14 @@ def read_config(path: Path | None) -> dict:
     return data
 
 
-def load_state(path: Path) -> dict[str, torch.Tensor]:
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:
-        raise ImportRefused(f"{path} cannot be loaded as a plain state dict with weights_only=True "
-                            f"({type(exc).__name__}); save it with torch.save(model.state_dict(), PATH)") from None
-    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise ImportRefused(f"{path} is not a state dict (name -> tensor); save it with "
-                            f"torch.save(model.state_dict(), PATH)")
-    return state
-
-
 def layer_count(state: dict, side: str) -> int:
     found = {int(m.group(1)) for k in state if (m := re.match(rf"transformer\.{side}\.layers\.(\d+)\.", k))}
     return max(found) + 1 if found else 0
 
 
 def tutorial_config(state: dict, hp: dict, where: Path) -> ModelConfig:
+    import torch
+
     n_enc, n_dec = layer_count(state, "encoder"), layer_count(state, "decoder")
     expected = expected_names(n_enc, n_dec)
     missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
@@ -195,27 +189,26 @@ def spm_tokenizer(hp: dict, base: Path, config: ModelConfig, work: Path):
     return SentencePieceTokenizer(work, spec)
 
 
-def import_nn_transformer(source: str | Path, out: str | Path, config_file: str | Path | None = None,
-                          force: bool = False, progress: Callable[[str], None] | None = None) -> Path:
-    import tempfile
-
-    from toolkit.reference.checkpoint import save_checkpoint
+def convert(source: Path, options: ImportOptions) -> Converted:
+    """The reference Transformer (eval mode) of a tutorial-layout state dict, with SentencePiece tokenizers when the
+    --config JSON names them (written into options.work)."""
     from toolkit.reference.model import Transformer
 
-    progress = progress or (lambda msg: None)
-    source = Path(source)
-    hp = read_config(Path(config_file) if config_file else None)
-    state = load_state(source)
+    hp = read_config(options.config_file)
+    state = read_state(source, "save it with torch.save(model.state_dict(), PATH)", options.progress)
     config = tutorial_config(state, hp, source)
     model = Transformer(config, seed=0)
     model.load_state_dict(map_state(state, config))
-    model.eval()
-    progress(f"mapped {len(state)} tensors ({model.num_parameters():,} parameters) from {source}")
-    record = {"format": "nn-transformer", "source": str(source), "config": hp}
-    with tempfile.TemporaryDirectory() as work:
-        tokenizer = None
-        if hp.get("source_spm") or hp.get("target_spm"):
-            if not (hp.get("source_spm") and hp.get("target_spm")):
-                raise ImportRefused("--config names one SentencePiece model; give both source_spm and target_spm")
-            tokenizer = spm_tokenizer(hp, Path(config_file).parent, config, Path(work))
-        return save_checkpoint(out, model, tokenizer, force=force, imported=record)
+    tokenizer = None
+    if hp.get("source_spm") or hp.get("target_spm"):
+        if not (hp.get("source_spm") and hp.get("target_spm")):
+            raise ImportRefused("--config names one SentencePiece model; give both source_spm and target_spm")
+        tokenizer = spm_tokenizer(hp, Path(options.config_file).parent, config, options.work)
+    return Converted(model.eval(), tokenizer, {"config": hp})
+
+
+FAMILY = register_family(Family(
+    name="nn-transformer", source="a state dict of the PyTorch tutorial's nn.Transformer model (with --config JSON)",
+    convert=convert, reads_files=True, takes_config=True))
+
+__all__ = ["FAMILY", "convert", "read_config", "tutorial_config", "map_state"]

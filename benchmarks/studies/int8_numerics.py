@@ -1,6 +1,6 @@
 """int8 numerics study: which weight scales and reduce_range to ship, measured against the fused fp32 bundle.
 
-    python benchmarks/int8_numerics.py [--dates examples/dates/checkpoint] [--base] [--work out/int8-study]
+    python benchmarks/studies/int8_numerics.py [--dates examples/dates/checkpoint] [--base] [--work out/int8-study]
 
 For each model (the trained dates example; with --base, the paper's base shape with random weights, vocab 8000)
 it exports, fuses (fp32), then quantizes the same fused graphs several ways and runs optimize's gate on each
@@ -21,7 +21,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 VARIANTS = {"per-tensor": dict(per_channel=False, packed=False), "packed-channel": dict(per_channel=False, packed=True),

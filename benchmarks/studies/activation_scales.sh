@@ -4,17 +4,17 @@
 # per token on one thread (benchmarks/cpu_time_per_token.py, which the neighbours' load hardly moves), and on the
 # dates model the batch-neighbour dependence and held-out accuracy (benchmarks/batch_neighbours.py).
 #
-#   bash benchmarks/activation_scales.sh build                                          # bundles, not timed
-#   flock /tmp/onnxformer-bench.lock bash benchmarks/activation_scales.sh measure       # the measurements
+#   bash benchmarks/studies/activation_scales.sh build                                    # bundles, not timed
+#   flock /tmp/onnxformer-bench.lock bash benchmarks/studies/activation_scales.sh measure # the measurements
 #
 # Bundles (under $DIR, default out/activation-scales): dates (examples/dates/checkpoint) fused fp32, int8 and
 # int8-row (the gate must pass); base (`onnxformer init --preset base --vocab 8000`, random weights, so
 # --allow-unverified) int8 and int8-row with the gate's weight-scale choice (per channel on this model), and
 # int8-pt / int8-pt-row with --per-tensor weight scales (the faster kernel setting); base-nbits8 / dates-nbits8:
-# the int8-pt / int8 weights as MatMulNBits 8-bit (benchmarks/nbits8_variant.py, the one-kernel batch-invariant
+# the int8-pt / int8 weights as MatMulNBits 8-bit (benchmarks/studies/nbits8_variant.py, the one-kernel batch-invariant
 # form, not gated). JSON beside the tables in $DIR.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OX=${ONNXFORMER:-.venv/bin/onnxformer}
 PY=${PYTHON:-.venv/bin/python}
 DIR=${DIR:-out/activation-scales}
@@ -37,8 +37,8 @@ build() {
   [ -d "$DIR/base-int8-pt" ] || "$OX" optimize "$DIR/base-fp32" --out "$DIR/base-int8-pt" "${b[@]}" --per-tensor
   [ -d "$DIR/base-int8-pt-row" ] || "$OX" optimize "$DIR/base-fp32" --out "$DIR/base-int8-pt-row" "${b[@]}" \
       --per-tensor --activation-scales per-row
-  [ -d "$DIR/base-nbits8" ] || "$PY" benchmarks/nbits8_variant.py "$DIR/base-int8-pt" "$DIR/base-nbits8"
-  [ -d "$DIR/dates-nbits8" ] || "$PY" benchmarks/nbits8_variant.py "$DIR/dates-int8" "$DIR/dates-nbits8"
+  [ -d "$DIR/base-nbits8" ] || "$PY" benchmarks/studies/nbits8_variant.py "$DIR/base-int8-pt" "$DIR/base-nbits8"
+  [ -d "$DIR/dates-nbits8" ] || "$PY" benchmarks/studies/nbits8_variant.py "$DIR/dates-int8" "$DIR/dates-nbits8"
 }
 
 measure() {
@@ -80,6 +80,6 @@ tokens equal {g['tokens_equal']:.2%} ({g['samples']} inputs)  accuracy {a.get('c
 case "$step" in
   build) build ;;
   measure) measure ;;
-  *) echo "usage: bash benchmarks/activation_scales.sh build|measure (measure under flock /tmp/onnxformer-bench.lock)" >&2
+  *) echo "usage: bash benchmarks/studies/activation_scales.sh build|measure (measure under flock /tmp/onnxformer-bench.lock)" >&2
      exit 2 ;;
 esac

@@ -1,6 +1,6 @@
 """Static-cache decoder step time by filled length, and where it goes (ONNX Runtime's profiler, per op type).
 
-    .venv/bin/python benchmarks/static_step_ops.py out/bench/base/base-int8 [OTHER_BUNDLE ...] --rows 1 8 32
+    .venv/bin/python benchmarks/studies/static_step_ops.py out/bench/base/base-int8 [OTHER_BUNDLE ...] --rows 1 8 32
 
 For each bundle and row count: one IO-bound step over zeroed [rows, H, 256, Dh] buffers (past and present bound to
 one buffer, as the runtime binds them), every row at the same filled length (10, 60, 120, 180, 240), 30 steps each;

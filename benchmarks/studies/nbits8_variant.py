@@ -2,12 +2,12 @@
 com.microsoft.MatMulNBits with bits=8 and accuracy_level 4 (MLAS quantizes each row of A to int8 per block of K
 inside the kernel, so rows do not see each other), with the same int8 weights and scales.
 
-    python benchmarks/nbits8_variant.py INT8_BUNDLE OUT [--block 128]
+    python benchmarks/studies/nbits8_variant.py INT8_BUNDLE OUT [--block 128]
 
 The weights are the bundle's own (per-column scale repeated for every block of K, zero point 128 = int8 + 128),
 so only the activation quantization differs from the source. The new bundle is not gated (a benchmark variant:
 `onnxformer optimize` does not make it); it is measured beside `--activation-scales per-row` in
-benchmarks/activation_scales.sh.
+benchmarks/studies/activation_scales.sh.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from exporters.bundle import graph_entry, write_manifest  # noqa: E402
 from exporters.row_activations import RowActivationsPass, _const  # noqa: E402

@@ -1,6 +1,6 @@
 """One decoder self-attention step over a KV cache, three ways, on this onnxruntime (an ad-hoc study, not a test).
 
-    python benchmarks/attention_cache_ops.py --batch 1 --threads 2
+    python benchmarks/studies/attention_cache_ops.py --batch 1 --threads 2
 
 - concat:  com.microsoft.MultiHeadAttention with past/present: the present is a new tensor, past + 1 long
            (the exported, dynamic cache)

@@ -1,6 +1,6 @@
 """Shared write slot vs per-row write positions for an in-flight batch (an ad-hoc study, not a test).
 
-    python benchmarks/per_row_attention.py --rows 32 --threads 2
+    python benchmarks/studies/per_row_attention.py --rows 32 --threads 2
 
 The study behind the per-row static cache (exporters/static_cache.py). In-flight batching (runtime/inflight.py)
 keeps rows that joined at different steps in one static cache. com.microsoft.DecoderMaskedMultiHeadAttention takes

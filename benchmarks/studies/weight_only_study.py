@@ -1,6 +1,6 @@
 """Would weight-only quantization (onnxruntime's MatMulNBits) beat the int8 bundle? An ad-hoc study, not a test.
 
-    python benchmarks/weight_only_study.py out/bench/base/base-fp32-fused out/bench/base/base-int8 \
+    python benchmarks/studies/weight_only_study.py out/bench/base/base-fp32-fused out/bench/base/base-int8 \
         --work out/bench/base/weight-only --batches 1,8
 
 From a fused fp32 bundle it writes two copies whose MatMul weights onnxruntime's MatMulNBitsQuantizer turned into
@@ -16,6 +16,7 @@ import argparse
 import hashlib
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -53,7 +54,8 @@ def weight_only(source: Path, out: Path, bits: int, block: int = 32) -> Path:
 
 
 def main() -> None:
-    from fusion_step_time import Decoder                                 # the sibling script (its directory is on sys.path)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))         # benchmarks/, for its step-time tool
+    from fusion_step_time import Decoder
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("fp32", type=Path, help="a fused fp32 bundle")

@@ -1,0 +1,157 @@
+"""One generation request: inputs and search options, validated once against the model, then never rebuilt.
+
+    opts = search_options(engine, beam=4, max_new_tokens=None)       # None: the one default, min(64, max_len)
+    request = Request.build(engine, ["Monday, 30 November 2026"], tokenizer, opts)   # InputError if bad
+    hyps = runtime.generate.generate(engine, request)
+
+Every edge builds its requests here: the command line, the HTTP server (before a request is queued, so a bad one
+never reaches a batch), Ray, and Python's runtime.generate.generate_ids. Nothing downstream copies options field by
+field: a scheduler batches requests whose `batch_key` is equal (every search option except the ones an input keeps
+for itself) and `merge`s them into one request, each input keeping its own limit.
+
+What is checked, once:
+- the inputs: at least one; none empty (a blank text included); at most max_len tokens; source ids inside the
+  SOURCE vocabulary (a model may have separate source and target vocabularies);
+- the options: max_new_tokens in [0, max_len], beam, num_return, length_penalty; token ids the search acts on
+  (`suppress`) inside the TARGET vocabulary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import Protocol, Sequence
+
+from runtime.errors import InputError
+from runtime.search import SearchOptions
+
+DEFAULT_MAX_NEW_TOKENS = 64          # most new tokens when a request names none (capped at the model's max_len)
+MAX_LENGTH_PENALTY = 10.0            # |length_penalty| above this overflows len ** lp and means nothing anyway
+PER_INPUT = ("max_new_tokens",)      # greedy options each input of a merged batch keeps for itself (`limits`)
+
+
+class Model(Protocol):
+    """What validation needs of an engine (runtime.generate.Engine has it all)."""
+
+    vocab_size: int                 # target vocabulary (logits)
+    src_vocab_size: int             # source vocabulary (input ids)
+    suppress_ids: tuple[int, ...]   # ids the model never generates
+    max_len: int
+
+
+def search_options(model: Model, max_new_tokens: int | None = None, **options) -> SearchOptions:
+    """SearchOptions from named options (SearchOptions' field names: the CLI's flags, the server's JSON fields);
+    max_new_tokens None: min(64, max_len), the one default. Values are checked by Request.build."""
+    limit = min(DEFAULT_MAX_NEW_TOKENS, model.max_len) if max_new_tokens is None else max_new_tokens
+    return SearchOptions(max_new_tokens=limit, **options)
+
+
+@dataclass(frozen=True, eq=False)
+class Request:
+    """Validated inputs and options. Build it with Request.build (or merge validated ones); never by hand."""
+
+    inputs: list                    # as given: texts or token id lists (answers echo them)
+    sequences: list[list[int]]      # each input's source token ids
+    opts: SearchOptions             # the search's options (a merged request: max_new_tokens = the largest limit)
+    limits: list[int]               # each input's own max_new_tokens
+
+    @classmethod
+    def build(cls, model: Model, inputs: Sequence, tokenizer=None, opts: SearchOptions | None = None,
+              limits: Sequence[int] | None = None) -> "Request":
+        """Encode and check `inputs` (texts, or token id lists) for `model`; InputError naming the input or option
+        and the fix. `opts` default: search_options(model). `limits`: each input's own max_new_tokens (greedy),
+        at most opts.max_new_tokens. The model's own suppressed ids join opts.suppress."""
+        inputs = list(inputs)
+        opts = search_options(model) if opts is None else opts
+        opts = replace(opts, suppress=tuple(sorted({*opts.suppress, *model.suppress_ids})))
+        sequences = encode_inputs(inputs, tokenizer)
+        check_sources(sequences, model)
+        check_options(opts, model)
+        limits = [opts.max_new_tokens] * len(sequences) if limits is None else [int(n) for n in limits]
+        if len(limits) != len(sequences) or any(not 0 <= n <= opts.max_new_tokens for n in limits) or \
+                (opts.beam != 1 and len(set(limits)) > 1):
+            raise ValueError("limits must give one max_new_tokens per input, each in [0, opts.max_new_tokens] "
+                             "(beam search: all equal)")
+        return cls(inputs, sequences, opts, limits)
+
+    @property
+    def batch_key(self) -> tuple:
+        """Requests with equal keys decode in one search: every option but those an input keeps for itself."""
+        own = PER_INPUT if self.opts.beam == 1 else ()
+        return tuple((f.name, getattr(self.opts, f.name)) for f in fields(self.opts) if f.name not in own)
+
+
+def merge(requests: Sequence[Request]) -> Request:
+    """One request of the inputs of validated requests with equal batch keys, in order, each with its limit."""
+    first = requests[0]
+    if any(r.batch_key != first.batch_key for r in requests):
+        raise ValueError("only requests with equal batch keys decode together")
+    limits = [n for r in requests for n in r.limits]
+    opts = replace(first.opts, max_new_tokens=max(limits))
+    return Request([x for r in requests for x in r.inputs], [s for r in requests for s in r.sequences], opts, limits)
+
+
+def differing(opts: SearchOptions, base: SearchOptions, own: Sequence[str] = ()) -> list[str]:
+    """The options of `opts` that differ from `base`, other than `own` ones (what a batch row keeps for itself)."""
+    return [f.name for f in fields(opts) if f.name not in own and getattr(opts, f.name) != getattr(base, f.name)]
+
+
+def encode_inputs(inputs: list, tokenizer) -> list[list[int]]:
+    """Token ids of every input; text needs a tokenizer, and a blank text is no input."""
+    seqs = []
+    for i, item in enumerate(inputs):
+        if not isinstance(item, str):
+            seqs.append(list(item))
+        elif not item.strip():
+            raise InputError(f"input {i} is empty; every input needs at least one token (a text that is not blank)")
+        elif tokenizer is None:
+            raise InputError(f"input {i} is text, but this model has no tokenizer (tokenizer.json); pass token ids "
+                             f"instead (--ids \"5 6 7\" on the command line, \"ids\" in a server request)")
+        else:
+            seqs.append(tokenizer.encode(item))
+    return seqs
+
+
+def check_sources(sequences: Sequence[Sequence[int]], model: Model) -> None:
+    """Refuse source ids the encoder cannot take, naming the input and the fix; nothing is silently truncated."""
+    if len(sequences) == 0:
+        raise InputError("no inputs given; pass at least one text (or --ids) to generate from")
+    vocab = model.src_vocab_size
+    for i, seq in enumerate(sequences):
+        if len(seq) == 0:
+            raise InputError(f"input {i} is empty; every input needs at least one token")
+        if len(seq) > model.max_len:
+            raise InputError(f"input {i} has {len(seq)} tokens, more than the model's maximum source length "
+                             f"{model.max_len}; shorten or split it")
+        bad = [int(t) for t in seq if not 0 <= int(t) < vocab]
+        if bad:
+            raise InputError(f"input {i} has token id(s) {bad[:5]} outside the source vocabulary of {vocab} ids; "
+                             f"use source ids 0..{vocab - 1}")
+
+
+def check_options(opts: SearchOptions, model: Model) -> None:
+    """Refuse options the search cannot honour on this model, naming the option and its range."""
+    if not 0 <= opts.max_new_tokens <= model.max_len:
+        raise InputError(f"max new tokens must be between 0 and the model's maximum length {model.max_len}, "
+                         f"got {opts.max_new_tokens}")
+    if opts.beam < 1:
+        raise InputError(f"beam width must be at least 1, got {opts.beam}")
+    if not 1 <= opts.num_return <= opts.beam:
+        raise InputError(f"number of returned hypotheses ({opts.num_return}) must be between 1 and the beam width "
+                         f"({opts.beam})")
+    lp = opts.length_penalty
+    if not isinstance(lp, (int, float)) or not -MAX_LENGTH_PENALTY <= lp <= MAX_LENGTH_PENALTY:   # NaN fails too
+        raise InputError(f"length penalty must be a number between {-MAX_LENGTH_PENALTY:g} and "
+                         f"{MAX_LENGTH_PENALTY:g} (1.0 divides a beam's log-probability by its length), got {lp!r}")
+    check_target_ids("suppressed", opts.suppress, model)
+
+
+def check_target_ids(what: str, ids: Sequence[int], model: Model) -> None:
+    """Token ids an option gives the search (generated, banned, forced) must be target ids."""
+    bad = [int(t) for t in ids if not 0 <= int(t) < model.vocab_size]
+    if bad:
+        raise InputError(f"{what} token id(s) {bad[:5]} are outside the target vocabulary of {model.vocab_size} "
+                         f"ids; use target ids 0..{model.vocab_size - 1}")
+
+
+__all__ = ["Request", "search_options", "merge", "differing", "encode_inputs", "check_sources", "check_options",
+           "check_target_ids", "DEFAULT_MAX_NEW_TOKENS", "PER_INPUT"]

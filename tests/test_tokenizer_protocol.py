@@ -1,0 +1,75 @@
+"""Every tokenizer the runtime loads is a runtime.tokenizer.Tokenizer: same members, same method signatures."""
+
+from __future__ import annotations
+
+import inspect
+import json
+
+import pytest
+
+from runtime.tokenizer import CharTokenizer, SentencePieceTokenizer, Tokenizer, load_tokenizer, tokenizer_files
+
+METHODS = ("encode", "decode", "to_dict", "save")
+PROPERTIES = ("vocab_size", "src_vocab_size", "files")
+
+
+@pytest.fixture(scope="module")
+def sentencepiece_tokenizer(tmp_path_factory) -> SentencePieceTokenizer:
+    """A Marian-style SentencePiece tokenizer: one small unigram model for both sides, a Marian vocabulary."""
+    pytest.importorskip("sentencepiece")
+    from toolkit.testing.tiny_marian import corpus, marian_vocab, train_spm
+
+    root = tmp_path_factory.mktemp("spm")
+    model = train_spm(corpus(n=200), 60)
+    (root / "source.spm").write_bytes(model)
+    (root / "target.spm").write_bytes(model)
+    (root / "vocab.json").write_text(json.dumps(marian_vocab([root / "source.spm"])))
+    spec = {"source_spm": "source.spm", "target_spm": "target.spm", "vocab": "vocab.json",
+            "eos": "</s>", "unk": "<unk>", "pad": "<pad>"}
+    return SentencePieceTokenizer(root, spec)
+
+
+def _protocol_parameters(name: str) -> list[str]:
+    return list(inspect.signature(getattr(Tokenizer, name)).parameters)
+
+
+@pytest.mark.parametrize("kind", ["char", "sentencepiece"])
+def test_both_tokenizers_satisfy_the_protocol(kind, request, tmp_path):
+    tok = CharTokenizer("abc") if kind == "char" else request.getfixturevalue("sentencepiece_tokenizer")
+    assert isinstance(tok, Tokenizer)
+    for name in METHODS:                                  # same parameter names as the protocol, in its order
+        assert list(inspect.signature(getattr(type(tok), name)).parameters) == _protocol_parameters(name), name
+    for name in PROPERTIES:
+        assert isinstance(inspect.getattr_static(type(tok), name), property), name
+    assert isinstance(tok.vocab_size, int) and isinstance(tok.src_vocab_size, int)
+    assert all(isinstance(f, str) for f in tok.files) and tokenizer_files(tok) == tok.files
+    tok.save(tmp_path / "tokenizer.json")                 # what save writes loads back as the same tokenizer
+    again = load_tokenizer(tmp_path / "tokenizer.json")
+    assert isinstance(again, Tokenizer) and again.to_dict() == tok.to_dict()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["tokenizer.json", *tok.files])
+
+
+def test_char_tokenizer_has_one_vocabulary_and_no_files():
+    tok = CharTokenizer("abc")
+    assert tok.src_vocab_size == tok.vocab_size == 6 and tok.files == []
+
+
+def test_an_object_missing_a_member_is_not_a_tokenizer():
+    class NoFiles:
+        pad_id, eos_id, vocab_size, src_vocab_size = 0, 2, 6, 6
+
+        def encode(self, text):
+            return []
+
+        def decode(self, ids):
+            return ""
+
+        def to_dict(self):
+            return {}
+
+        def save(self, path):
+            pass
+
+    assert not isinstance(NoFiles(), Tokenizer)
+    NoFiles.files = []
+    assert isinstance(NoFiles(), Tokenizer)

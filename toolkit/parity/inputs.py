@@ -1,0 +1,68 @@
+"""The inputs a token verdict is judged on, chosen by one rule for `onnxformer parity` and optimize's gate, so both
+judge a bundle on the same inputs:
+
+    source texts given (--input, one a line, through the model's tokenizer, the first `samples`)
+    > the held-out inputs of the model's task (toolkit.reference.tasks: the dates model's)
+    > `samples` seeded random id sequences
+
+`samples` defaults to DEFAULT_SAMPLES in both. Random ids are what a model that takes ids sees, but a text model
+(one with a tokenizer) never sees them: its verdict on them says it is not representative.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from runtime.errors import InputError
+from toolkit.reference.tasks import task_parity_inputs
+
+DEFAULT_SAMPLES = 100               # inputs per token check, for parity and the optimize gate alike
+UNREPRESENTATIVE = ("random ids are not representative of a text model's inputs (it never sees them): pass "
+                    "--input with source texts like the model's own (one a line)")
+
+
+@dataclass(frozen=True)
+class ParityInputs:
+    """Token id inputs, where they came from, and whether they are inputs the model is made for."""
+
+    seqs: list[list[int]]
+    source: str                     # "100 dates held-out examples" | "64 given source texts" | "100 random id ..."
+    representative: bool = True     # False: random ids for a text model
+
+    @property
+    def note(self) -> str | None:
+        return None if self.representative else UNREPRESENTATIVE
+
+
+def choose_inputs(config, tokenizer=None, samples: int = DEFAULT_SAMPLES, texts: list[str] | None = None,
+                  seed: int = 0) -> ParityInputs:
+    """The inputs by the rule above. config: the model's ModelConfig; tokenizer: its tokenizer or None."""
+    if samples < 1:
+        raise InputError(f"--samples must be at least 1, got {samples}")
+    if texts:
+        if tokenizer is None:
+            raise InputError("--input texts need a model with a tokenizer; this one has none (it takes token ids), "
+                             "so leave --input out and parity uses random ids")
+        texts = texts[:samples]
+        return ParityInputs([tokenizer.encode(t) for t in texts], f"{len(texts)} given source texts")
+    held_out = task_parity_inputs(tokenizer, config.max_len, samples)
+    if held_out is not None:
+        return ParityInputs(*held_out)
+    rng = np.random.default_rng(seed)
+    vocab = config.source_vocab_size
+    low, longest = min(3, vocab - 1), min(config.max_len, 24)
+    lens = rng.integers(1, longest + 1, size=samples)
+    return ParityInputs([rng.integers(low, vocab, size=int(n)).tolist() for n in lens],
+                        f"{samples} random id sequences, lengths 1..{longest}", representative=tokenizer is None)
+
+
+def parity_inputs(config, tokenizer=None, samples: int = DEFAULT_SAMPLES, seed: int = 0
+                  ) -> tuple[list[list[int]], str]:
+    """(token id inputs, their description) without given texts: the task's held-out inputs, else random ids."""
+    chosen = choose_inputs(config, tokenizer, samples, seed=seed)
+    return chosen.seqs, chosen.source
+
+
+__all__ = ["ParityInputs", "choose_inputs", "parity_inputs", "DEFAULT_SAMPLES", "UNREPRESENTATIVE"]

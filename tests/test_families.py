@@ -21,7 +21,7 @@ transformers = pytest.importorskip("transformers")
 from runtime.generate import generate_ids, pad_batch  # noqa: E402
 from runtime.search import SearchOptions  # noqa: E402
 from toolkit.reference.importers import ImportRefused  # noqa: E402
-from toolkit.reference.importers.bart import BART, convert, fairseq_table, load_family, model_config  # noqa: E402
+from toolkit.reference.importers.bart import BART, convert_state, fairseq_table, load_family, model_config  # noqa: E402
 from toolkit.reference.importers.m2m100 import M2M100  # noqa: E402
 from toolkit.reference.torch_engine import TorchEngine  # noqa: E402
 from toolkit.testing.tiny_families import FAMILIES, SIZES, tiny_original  # noqa: E402
@@ -157,7 +157,7 @@ def test_config_features_are_refused_by_name(bart_parts, change, message):
     hf = {k: v for k, v in {**hf, **change}.items() if v is not ...}          # ...: the key is removed
 
     with pytest.raises(ImportRefused, match=message):
-        convert(BART, hf, state)
+        convert_state(BART, hf, state)
 
 
 @pytest.mark.parametrize("drop,add,message", [
@@ -174,23 +174,60 @@ def test_weights_the_family_lacks_or_needs_are_refused(bart_parts, drop, add, me
     if add:
         state[add] = torch.ones(SIZES["d_model"])
     with pytest.raises(ImportRefused, match=message):
-        convert(BART, hf, state)
+        convert_state(BART, hf, state)
 
 
-def test_import_family_writes_a_checkpoint_and_bundle_with_the_tokenizer(tmp_path):
+TOKENIZER_OF = {"bart": "bart", "mbart": "mbart50", "m2m100": "nllb", "pegasus": "pegasus"}
+
+
+def cli_import(directory, out):
+    from click.testing import CliRunner
+
+    from toolkit.apps.cli import main
+
+    return CliRunner().invoke(main, ["import", str(directory), "--out", str(out)])
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_onnxformer_import_detects_each_family(name, tmp_path):
+    """`onnxformer import DIR` detects the family from config.json, converts it and keeps its tokenizer: the
+    checkpoint tokenizes as transformers does and its greedy ids equal transformers' generate."""
+    from runtime.tokenizer import FastTokenizer
+    from toolkit.reference.checkpoint import load_checkpoint
+    from toolkit.testing.tiny_families import tiny_tokenizer
+
+    theirs = tiny_tokenizer(TOKENIZER_OF[name])
+    original = tiny_original(name, tmp_path / name, seed=2, vocab_size=max(SIZES["vocab_size"], len(theirs)))
+    theirs.save_pretrained(tmp_path / name)
+    result = cli_import(tmp_path / name, tmp_path / "ckpt")
+    assert result.exit_code == 0, result.output
+    ckpt = load_checkpoint(tmp_path / "ckpt")
+    assert json.loads((tmp_path / "ckpt" / "import.json").read_text())["format"] == name
+    assert isinstance(ckpt.tokenizer, FastTokenizer)
+    texts = ["the quick fox jumps", "a lazy dog", "seven wizards hex the box", "over the jolly fox", "quietly"]
+    seqs = [ckpt.tokenizer.encode(t) for t in texts]
+    assert seqs == [theirs(t)["input_ids"] for t in texts]
+    want = original_greedy(original, seqs, 10, None)
+    assert len({tuple(w) for w in want}) >= 4, want                # outputs that vary with the input
+    pad = original.config.pad_token_id                             # M2M100 positions a generated pad differently
+    assert name != "m2m100" or not any(pad in w for w in want)     # (m2m100.py): these outputs have none
+    got = [h[0].tokens for h in generate_ids(TorchEngine(ckpt.model), seqs, SearchOptions(max_new_tokens=10))]
+    assert got == want
+
+
+def test_an_imported_bart_exports_a_bundle_with_its_tokenizer(tmp_path):
     from exporters.export import export_checkpoint
     from runtime.bundle import load_bundle
     from runtime.tokenizer import FastTokenizer
     from toolkit.reference.checkpoint import load_checkpoint
-    from toolkit.reference.importers.bart import import_family
     from toolkit.testing.tiny_families import CONDITIONED, tiny_tokenizer
 
     original = tiny_original("bart", tmp_path / "bart", matrix=CONDITIONED)
     theirs = tiny_tokenizer("bart")
     theirs.save_pretrained(tmp_path / "bart")
-    ckpt = load_checkpoint(import_family(tmp_path / "bart", tmp_path / "ckpt"))
+    assert cli_import(tmp_path / "bart", tmp_path / "ckpt").exit_code == 0
+    ckpt = load_checkpoint(tmp_path / "ckpt")
     assert isinstance(ckpt.tokenizer, FastTokenizer) and ckpt.config.positions == "table"
-    assert json.loads((tmp_path / "ckpt" / "import.json").read_text())["format"] == "bart"
     text = "the quick fox jumps"
     ids = ckpt.tokenizer.encode(text)
     assert ids == theirs(text)["input_ids"]
@@ -199,11 +236,16 @@ def test_import_family_writes_a_checkpoint_and_bundle_with_the_tokenizer(tmp_pat
     opts = SearchOptions(max_new_tokens=8)
     want = original_greedy(original, [ids], 8, None)
     assert [h[0].tokens for h in generate_ids(bundle.engine, [ids], opts)] == want
-    with pytest.raises(ImportRefused, match="not 'bart'|model_type"):
-        cfg = json.loads((tmp_path / "bart" / "config.json").read_text())
-        (tmp_path / "bart" / "config.json").write_text(json.dumps({**cfg, "model_type": "t5"}))
-        import_family(tmp_path / "bart", tmp_path / "ckpt2")
-    assert not (tmp_path / "ckpt2").exists()                      # nothing half-written
+
+
+def test_a_refused_family_import_writes_nothing(tmp_path):
+    from toolkit.testing.tiny_families import tiny_tokenizer
+
+    tiny_original("bart", tmp_path / "bart")
+    tiny_tokenizer("pegasus").save_pretrained(tmp_path / "bart")    # eos and pad ids that are not BART's
+    result = cli_import(tmp_path / "bart", tmp_path / "ckpt")
+    assert result.exit_code == 2 and "differ from config.json's" in result.output, result.output
+    assert "Traceback" not in result.output and not (tmp_path / "ckpt").exists()      # nothing half-written
 
 
 def test_m2m100_checkpoints_that_saved_their_sinusoids_import(tmp_path):
@@ -215,8 +257,8 @@ def test_m2m100_checkpoints_that_saved_their_sinusoids_import(tmp_path):
     table = Theirs.get_embedding(SIZES["max_position_embeddings"] + 2, SIZES["d_model"], 1)
     state = {**original.state_dict(), "model.encoder.embed_positions.weights": table,
              "model.decoder.embed_positions.weights": table}
-    ours = convert(M2M100, hf, state)
+    ours = convert_state(M2M100, hf, state)
     assert torch.equal(ours.pos.pe, fairseq_table(ours.config))
     state["model.decoder.embed_positions.weights"] = table * 2
     with pytest.raises(ImportRefused, match="decoder.embed_positions.weights is not M2M100"):
-        convert(M2M100, hf, state)
+        convert_state(M2M100, hf, state)

@@ -31,17 +31,20 @@ TOKENIZERS = ("bart", "nllb", "mbart", "mbart50", "pegasus")
 WORDS = "the quick brown fox jumps over the lazy dog while seven wizards quietly hex a jolly box".split()
 
 
-def tiny_original(name: str, directory: str | Path, seed: int = 0, matrix: float = MATRIX):
+def tiny_original(name: str, directory: str | Path, seed: int = 0, matrix: float = MATRIX,
+                  vocab_size: int | None = None):
     """A random transformers model of the family, saved in `directory`; forced EOS is off (the runtime has none).
     The default weights are large (varied outputs, but float32 rounding alone moves logits by ~1e-3); `matrix`
-    CONDITIONED gives a model float32 computes as exactly as export's parity gate asks."""
+    CONDITIONED gives a model float32 computes as exactly as export's parity gate asks. `vocab_size` replaces
+    SIZES' (a model imported with a tokenizer needs at least its tokens)."""
     import torch
     import transformers
 
     config_cls, model_cls, overrides = FAMILIES[name]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        config = getattr(transformers, config_cls)(**SIZES, **overrides)
+        config = getattr(transformers, config_cls)(**{**SIZES, "vocab_size": vocab_size or SIZES["vocab_size"]},
+                                                   **overrides)
         config.forced_eos_token_id = None
         model = getattr(transformers, model_cls)(config).eval()
     gen = torch.Generator().manual_seed(seed)

@@ -14,10 +14,13 @@ rows the original reads (position p reads row p + offset), so positions 0..max_l
 Every tensor of the checkpoint must be used (toolkit/reference/importers/marian.py's map_state maps the shared
 layer names), so a feature the reference model lacks is refused by name, never dropped.
 
-    model = convert(BART, hf_config_dict, state_dict)     # a Transformer in eval mode
+    model = convert_state(BART, hf_config_dict, state_dict)  # a Transformer in eval mode
     model = load_family(directory)                          # config.json + model.safetensors / pytorch_model.bin
     tokenizer = family_tokenizer(directory, model.config)   # runtime.tokenizer.FastTokenizer, or None
-    import_family(directory, "out/ckpt")                    # both, written as an onnxformer checkpoint
+    FAMILY = register_family(family(BART, "bart", "..."))   # `onnxformer import` reads the model_type's directories
+
+Each model_type is one family of the importer registry (this module and mbart.py, m2m100.py, pegasus.py):
+convert_directory is its convert (both of the above), load_original loads the transformers original for parity.
 
 How each tokenizer frames a source is data (FRAMINGS): "{bos}" and "{eos}" are resolved here from
 tokenizer_config.json, "{src_lang}" is kept for the runtime tokenizer, which puts spec["src_lang"] there.
@@ -27,12 +30,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from toolkit.reference.config import ModelConfig
-from toolkit.reference.importers import ImportRefused
-from toolkit.reference.importers.marian import ACTIVATIONS, _token, load_state, map_state, read_json, resolve_source
+from toolkit.reference.importers.marian import ACTIVATIONS, _token, load_state, map_state
+from toolkit.reference.importers.registry import Converted, Family, ImportOptions, ImportRefused, register_family
+from toolkit.reference.importers.sources import quiet_from_pretrained, read_json, require_transformers
 
 if TYPE_CHECKING:
     import torch
@@ -56,6 +61,8 @@ class Architecture:
 
 BART = Architecture("bart", "BartForConditionalGeneration", "post", "learned", True, True)
 LEARNED_OFFSET = 2           # BART-family learned tables start with two unused rows
+# what a hub download fetches: config, generation and tokenizer JSON, the weights (safetensors, else the .bin)
+HUB_FILES = ("*.json", "*.safetensors", "pytorch_model.bin")
 
 
 def model_config(arch: Architecture, hf: dict, where: Path) -> ModelConfig:
@@ -174,7 +181,7 @@ def take_norms(arch: Architecture, state: dict, config: ModelConfig, where: Path
     return out
 
 
-def convert(arch: Architecture, hf: dict, state: dict[str, torch.Tensor], where: Path = Path("config.json")):
+def convert_state(arch: Architecture, hf: dict, state: dict[str, torch.Tensor], where: Path = Path("config.json")):
     """The reference Transformer (eval mode) holding a family checkpoint's weights: config.json as a dict and the
     state dict of its *ForConditionalGeneration (keys with or without the "model." prefix)."""
     import torch
@@ -203,7 +210,7 @@ def convert(arch: Architecture, hf: dict, state: dict[str, torch.Tensor], where:
     return model.eval()
 
 
-def load_family(directory: str | Path, arch: Architecture | None = None):
+def load_family(directory: str | Path, arch: Architecture | None = None, progress=None):
     """The reference Transformer of a save_pretrained directory of any family here (from its model_type)."""
     directory = Path(directory)
     hf = read_json(directory / "config.json")
@@ -212,7 +219,8 @@ def load_family(directory: str | Path, arch: Architecture | None = None):
     if hf.get("decoder_start_token_id") is None and (directory / "generation_config.json").is_file():
         start = read_json(directory / "generation_config.json").get("decoder_start_token_id")
         hf = {**hf, "decoder_start_token_id": start}
-    return convert(arch, hf, load_state(directory), directory / "config.json")
+    state = load_state(directory, progress or (lambda msg: None))
+    return convert_state(arch, hf, state, directory / "config.json")
 
 
 FRAMINGS = {   # tokenizer_config.json's tokenizer_class (without "Fast") -> (source prefix, suffix, default src_lang)
@@ -277,22 +285,31 @@ def architecture_of(hf: dict, where: Path) -> Architecture:
     return known[hf["model_type"]]
 
 
-def import_family(source: str | Path, out: str | Path, force: bool = False, progress=None) -> Path:
-    """Import a BART-family save_pretrained directory (or hub name) into an onnxformer checkpoint at OUT."""
-    from toolkit.reference.checkpoint import check_checkpoint_output, save_checkpoint
-
-    progress = progress or (lambda msg: None)
-    check_checkpoint_output(out, force)
-    directory = resolve_source(source, progress)
-    model = load_family(directory)
+def convert_directory(arch: Architecture, directory: Path, options: ImportOptions) -> Converted:
+    """A family's registry convert: the reference Transformer and FastTokenizer (or None) of a local directory."""
+    model = load_family(directory, arch, options.progress)
     tokenizer = family_tokenizer(directory, model.config)
     if tokenizer is None:
-        progress(f"{directory} has no tokenizer.json: the checkpoint takes token ids only")
-    progress(f"mapped {len(model.state_dict())} tensors ({model.num_parameters():,} parameters) from {directory}")
-    record = {"format": read_json(directory / "config.json").get("model_type"), "source": str(source),
-              "files": sorted(p.name for p in directory.iterdir() if p.is_file())}
-    return save_checkpoint(out, model, tokenizer, force=force, imported=record)
+        options.progress(f"{directory} has no tokenizer.json: the checkpoint takes token ids only")
+    return Converted(model, tokenizer, {"files": sorted(p.name for p in directory.iterdir() if p.is_file())})
 
 
-__all__ = ["BART", "FRAMINGS", "Architecture", "architectures", "convert", "fairseq_table", "family_tokenizer",
-           "import_family", "load_family", "model_config"]
+def load_original(arch: Architecture, directory: Path):
+    """(the transformers model of the architecture in eval mode, its tokenizer) from a local directory: the
+    reference of parity."""
+    transformers = require_transformers(f"parity against a {arch.title} directory")
+    model = quiet_from_pretrained(getattr(transformers, arch.title).from_pretrained, directory).eval()
+    return model, quiet_from_pretrained(transformers.AutoTokenizer.from_pretrained, directory)
+
+
+def family(arch: Architecture, name: str, source: str) -> Family:
+    """The importer registry's Family of an architecture (register it with register_family)."""
+    return Family(name=name, source=source, convert=partial(convert_directory, arch), model_types=(arch.model_type,),
+                  load_original=partial(load_original, arch), original=f"{arch.title} (transformers)",
+                  hub_files=HUB_FILES)
+
+
+FAMILY = register_family(family(BART, "bart", "a BART save_pretrained directory or hub name"))
+
+__all__ = ["BART", "FAMILY", "FRAMINGS", "Architecture", "architectures", "convert_directory", "convert_state",
+           "fairseq_table", "family", "family_tokenizer", "load_family", "load_original", "model_config"]

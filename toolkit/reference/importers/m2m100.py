@@ -13,8 +13,11 @@ a generated pad (trained models do not emit one) would be positioned differently
 
 from __future__ import annotations
 
-from toolkit.reference.importers.bart import Architecture
+from toolkit.reference.importers.bart import Architecture, family
+from toolkit.reference.importers.registry import register_family
 
 M2M100 = Architecture("m2m_100", "M2M100ForConditionalGeneration", "pre", "fairseq", False, False)
 
-__all__ = ["M2M100"]
+FAMILY = register_family(family(M2M100, "m2m100", "an M2M100 or NLLB-200 save_pretrained directory or hub name"))
+
+__all__ = ["FAMILY", "M2M100"]

@@ -7,8 +7,11 @@ positions (offset 2). mbart-large-50 starts decoding from eos and forces the tar
 
 from __future__ import annotations
 
-from toolkit.reference.importers.bart import Architecture
+from toolkit.reference.importers.bart import Architecture, family
+from toolkit.reference.importers.registry import register_family
 
 MBART = Architecture("mbart", "MBartForConditionalGeneration", "pre", "learned", True, True)
 
-__all__ = ["MBART"]
+FAMILY = register_family(family(MBART, "mbart", "an mBART (cc25 or 50) save_pretrained directory or hub name"))
+
+__all__ = ["FAMILY", "MBART"]

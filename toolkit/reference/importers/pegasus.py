@@ -7,8 +7,11 @@ is never generated: suppress_pad, as in Marian). Conversion: bart.convert.
 
 from __future__ import annotations
 
-from toolkit.reference.importers.bart import Architecture
+from toolkit.reference.importers.bart import Architecture, family
+from toolkit.reference.importers.registry import register_family
 
 PEGASUS = Architecture("pegasus", "PegasusForConditionalGeneration", "pre", "halves", False, True)
 
-__all__ = ["PEGASUS"]
+FAMILY = register_family(family(PEGASUS, "pegasus", "a Pegasus save_pretrained directory or hub name"))
+
+__all__ = ["FAMILY", "PEGASUS"]

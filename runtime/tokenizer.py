@@ -1,5 +1,6 @@
-"""Tokenizers stored as tokenizer.json: characters, or SentencePiece with a vocabulary (Marian), both typed by the
-Tokenizer protocol. Torch-free: they ship in bundles."""
+"""Tokenizers stored as tokenizer.json: characters, SentencePiece with a vocabulary (Marian), or a Hugging Face
+tokenizer.json (BART, mBART, NLLB, Pegasus), all typed by the Tokenizer protocol. Torch-free: they ship in
+bundles."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ SPECIALS = ("<pad>", "<s>", "</s>")  # ids 0, 1, 2: pad, bos, eos (ModelConfig's
 
 @runtime_checkable
 class Tokenizer(Protocol):
-    """What every tokenizer of a bundle or checkpoint offers (CharTokenizer, SentencePieceTokenizer)."""
+    """What every tokenizer of a bundle or checkpoint offers (CharTokenizer, SentencePieceTokenizer,
+    FastTokenizer)."""
 
     pad_id: int
     eos_id: int
@@ -240,7 +242,7 @@ def _read_vocab(path: Path) -> dict[str, int]:
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:
-    """The tokenizer described by a tokenizer.json: a CharTokenizer or a SentencePieceTokenizer."""
+    """The tokenizer described by a tokenizer.json: a CharTokenizer, SentencePieceTokenizer or FastTokenizer."""
     path = Path(path)
     data = read_json(path, TokenizerError, "regenerate it")
     kind = data.get("type") if isinstance(data, dict) else None

@@ -188,12 +188,13 @@ def cli_import(directory, out):
     return CliRunner().invoke(main, ["import", str(directory), "--out", str(out)])
 
 
-@pytest.mark.parametrize("name", sorted(FAMILIES))
-def test_onnxformer_import_detects_each_family(name, tmp_path):
-    """`onnxformer import DIR` detects the family from config.json, converts it and keeps its tokenizer: the
-    checkpoint tokenizes as transformers does and its greedy ids equal transformers' generate."""
-    from runtime.tokenizer import FastTokenizer
-    from toolkit.reference.checkpoint import load_checkpoint
+TEXTS = ["the quick fox jumps", "a lazy dog", "seven wizards hex the box", "over the jolly fox", "quietly",
+         "the box", "brown dog jumps", "wizards"]
+
+
+def imported(name, tmp_path):
+    """(transformers model, its tokenizer) of a family's tiny directory at tmp_path/name, imported by
+    `onnxformer import` into tmp_path/ckpt."""
     from toolkit.testing.tiny_families import tiny_tokenizer
 
     theirs = tiny_tokenizer(TOKENIZER_OF[name])
@@ -201,10 +202,21 @@ def test_onnxformer_import_detects_each_family(name, tmp_path):
     theirs.save_pretrained(tmp_path / name)
     result = cli_import(tmp_path / name, tmp_path / "ckpt")
     assert result.exit_code == 0, result.output
+    return original, theirs
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_onnxformer_import_detects_each_family(name, tmp_path):
+    """`onnxformer import DIR` detects the family from config.json, converts it and keeps its tokenizer: the
+    checkpoint tokenizes as transformers does and its greedy ids equal transformers' generate."""
+    from runtime.tokenizer import FastTokenizer
+    from toolkit.reference.checkpoint import load_checkpoint
+
+    original, theirs = imported(name, tmp_path)
     ckpt = load_checkpoint(tmp_path / "ckpt")
     assert json.loads((tmp_path / "ckpt" / "import.json").read_text())["format"] == name
     assert isinstance(ckpt.tokenizer, FastTokenizer)
-    texts = ["the quick fox jumps", "a lazy dog", "seven wizards hex the box", "over the jolly fox", "quietly"]
+    texts = TEXTS[:5]
     seqs = [ckpt.tokenizer.encode(t) for t in texts]
     assert seqs == [theirs(t)["input_ids"] for t in texts]
     want = original_greedy(original, seqs, 10, None)
@@ -213,6 +225,26 @@ def test_onnxformer_import_detects_each_family(name, tmp_path):
     assert name != "m2m100" or not any(pad in w for w in want)     # (m2m100.py): these outputs have none
     got = [h[0].tokens for h in generate_ids(TorchEngine(ckpt.model), seqs, SearchOptions(max_new_tokens=10))]
     assert got == want
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_parity_against_each_familys_original(name, tmp_path):
+    """`onnxformer parity ORIGINAL_DIR CHECKPOINT` loads the family's transformers model (its load_original) and
+    finds tokenizer, logits, greedy and beam outputs equal to the imported checkpoint's."""
+    from click.testing import CliRunner
+
+    from toolkit.apps.cli import main
+
+    imported(name, tmp_path)
+    (tmp_path / "texts.txt").write_text("\n".join(TEXTS) + "\n")
+    result = CliRunner().invoke(main, ["parity", str(tmp_path / name), str(tmp_path / "ckpt"), "--input",
+                                       str(tmp_path / "texts.txt"), "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output[result.output.index("{"):])
+    checks = {c["what"]: c for c in report["checks"]}
+    assert report["verdict"] == "ok" and set(checks) == {"tokenizer", "logits", "greedy", "beam 4"}
+    assert checks["logits"]["value"] <= 1e-5
+    assert all(checks[s]["value"] == 1.0 and checks[s]["distinct_outputs"] >= 6 for s in ("greedy", "beam 4"))
 
 
 def test_an_imported_bart_exports_a_bundle_with_its_tokenizer(tmp_path):

@@ -1,5 +1,6 @@
-"""Tokenizers stored as tokenizer.json: characters, or SentencePiece with a vocabulary (Marian), both typed by the
-Tokenizer protocol. Torch-free: they ship in bundles."""
+"""Tokenizers stored as tokenizer.json: characters, SentencePiece with a vocabulary (Marian), or a Hugging Face
+tokenizer.json (BART, mBART, NLLB, Pegasus), all typed by the Tokenizer protocol. Torch-free: they ship in
+bundles."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ SPECIALS = ("<pad>", "<s>", "</s>")  # ids 0, 1, 2: pad, bos, eos (ModelConfig's
 
 @runtime_checkable
 class Tokenizer(Protocol):
-    """What every tokenizer of a bundle or checkpoint offers (CharTokenizer, SentencePieceTokenizer)."""
+    """What every tokenizer of a bundle or checkpoint offers (CharTokenizer, SentencePieceTokenizer,
+    FastTokenizer)."""
 
     pad_id: int
     eos_id: int
@@ -240,7 +242,7 @@ def _read_vocab(path: Path) -> dict[str, int]:
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:
-    """The tokenizer described by a tokenizer.json: a CharTokenizer or a SentencePieceTokenizer."""
+    """The tokenizer described by a tokenizer.json: a CharTokenizer, SentencePieceTokenizer or FastTokenizer."""
     path = Path(path)
     data = read_json(path, TokenizerError, "regenerate it")
     kind = data.get("type") if isinstance(data, dict) else None
@@ -254,9 +256,98 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
             if name is not None and (not isinstance(name, str) or Path(name).name != name):
                 raise TokenizerError(f"{path}: {key} must be a file name beside it, got {name!r}")
         return SentencePieceTokenizer(path.parent, data)
+    if kind == FastTokenizer.TYPE:
+        name = data.get("file")
+        if not isinstance(name, str) or Path(name).name != name or not all(isinstance(data.get(k), str)
+                                                                         for k in ("eos", "pad")):
+            raise TokenizerError(f"{path} needs 'file' (a file name beside it), 'eos' and 'pad'; re-import the model")
+        return FastTokenizer(path.parent, data)
     return CharTokenizer.load(path, data)
 
 
 def tokenizer_files(tokenizer: Tokenizer) -> list[str]:
     """Names of a tokenizer's files besides tokenizer.json (none for a character tokenizer)."""
     return list(tokenizer.files)
+
+
+class FastTokenizer:
+    """A Hugging Face fast tokenizer (its tokenizer.json, read by the `tokenizers` library, never transformers; the
+    `type` "hf-tokenizers" of our tokenizer.json, loaded by load_tokenizer like the others):
+    BART's byte-level BPE, the SentencePiece-derived tokenizers of NLLB, mBART and Pegasus.
+
+    The original's file is kept beside our tokenizer.json as spec["file"] (`source`: where it is read from
+    before it is saved there, an imported model's own tokenizer.json). How a source is
+    framed is data, not code: spec["source_prefix"] and spec["source_suffix"] are token lists put around the
+    text's tokens, where "{src_lang}" stands for spec["src_lang"] (NLLB: ["{src_lang}"] + tokens + ["</s>"];
+    mBART-cc25: tokens + ["</s>", "{src_lang}"]; BART: ["<s>"] + tokens + ["</s>"]). decode() skips special
+    tokens (the forced target-language token among them).
+    """
+
+    TYPE = "hf-tokenizers"
+
+    def __init__(self, directory: str | Path, spec: dict, source: str | Path | None = None):
+        self.directory, self.spec = Path(directory), dict(spec)
+        self.source = Path(source) if source is not None else self.directory / spec["file"]
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:
+            raise TokenizerError("this model's tokenizer needs the tokenizers package; pip install tokenizers") \
+                from None
+        try:
+            self._tok = Tokenizer.from_file(str(self.source))
+        except Exception as exc:                        # the library raises its own Exception for bad files
+            first = str(exc).splitlines()[0][:120] if str(exc) else type(exc).__name__
+            raise TokenizerError(f"{self.source} is not a Hugging Face tokenizer.json ({first}); copy the model's "
+                                 f"tokenizer.json again") from None
+        self.prefix, self.suffix = (self._ids(spec.get(k, []), k) for k in ("source_prefix", "source_suffix"))
+        self.eos_id, self.pad_id = (self._ids([spec[k]], k)[0] for k in ("eos", "pad"))
+        self.clean_up = bool(spec.get("clean_up_tokenization_spaces", False))
+
+    def _ids(self, tokens, key: str) -> list[int]:
+        if not isinstance(tokens, list) or not all(isinstance(t, str) for t in tokens):
+            raise TokenizerError(f"tokenizer {key} must be a list of tokens, got {tokens!r}; re-import the model")
+        ids = []
+        for token in tokens:
+            token = token.replace("{src_lang}", str(self.spec.get("src_lang")))
+            i = self._tok.token_to_id(token)
+            if i is None:
+                raise TokenizerError(f"{self.source} has no token {token!r} (tokenizer "
+                                     f"{key}); re-import the model or choose a source language it has")
+            ids.append(i)
+        return ids
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def src_vocab_size(self) -> int:
+        """One vocabulary for both sides."""
+        return self.vocab_size
+
+    @property
+    def files(self) -> list[str]:
+        return [self.spec["file"]]
+
+    def encode(self, text: str) -> list[int]:
+        """Source ids of a text: the framing's prefix, the text's tokens, the framing's suffix."""
+        return self.prefix + self._tok.encode(text, add_special_tokens=False).ids + self.suffix
+
+    def decode(self, ids) -> str:
+        """Text of target ids, special tokens skipped."""
+        ids = [int(i) for i in ids]
+        bad = [i for i in ids if not 0 <= i < self.vocab_size]
+        if bad:
+            raise TokenizerError(f"token id {bad[0]} is outside the vocabulary (size {self.vocab_size})")
+        text = self._tok.decode(ids, skip_special_tokens=True)
+        return _clean_up_spaces(text) if self.clean_up else text
+
+    def to_dict(self) -> dict:
+        return dict(self.spec, type=self.TYPE)
+
+    def save(self, path: str | Path) -> None:
+        """Write tokenizer.json at path and copy the original's file beside it."""
+        path = Path(path)
+        if self.source.resolve() != (path.parent / self.spec["file"]).resolve():
+            shutil.copyfile(self.source, path.parent / self.spec["file"])
+        path.write_text(json.dumps(self.to_dict(), ensure_ascii=False, indent=2) + "\n")

@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from runtime.tokenizer import CharTokenizer, SentencePieceTokenizer, Tokenizer, load_tokenizer, tokenizer_files
+from runtime.tokenizer import (CharTokenizer, FastTokenizer, SentencePieceTokenizer, Tokenizer, load_tokenizer,
+                               tokenizer_files)
 
 METHODS = ("encode", "decode", "to_dict", "save")
 PROPERTIES = ("vocab_size", "src_vocab_size", "files")
@@ -29,13 +30,27 @@ def sentencepiece_tokenizer(tmp_path_factory) -> SentencePieceTokenizer:
     return SentencePieceTokenizer(root, spec)
 
 
+@pytest.fixture(scope="module")
+def fast_tokenizer(tmp_path_factory) -> FastTokenizer:
+    """A Hugging Face tokenizer.json (NLLB's framing over a small BPE vocabulary), read without transformers."""
+    pytest.importorskip("tokenizers")
+    pytest.importorskip("transformers")
+    from toolkit.testing.tiny_families import tiny_tokenizer
+
+    root = tmp_path_factory.mktemp("fast")
+    tiny_tokenizer("nllb").save_pretrained(root)
+    spec = {"file": "hf_tokenizer.json", "source_prefix": ["{src_lang}"], "source_suffix": ["</s>"],
+            "src_lang": "fra_Latn", "eos": "</s>", "pad": "<pad>"}
+    return FastTokenizer(root, spec, source=root / "tokenizer.json")
+
+
 def _protocol_parameters(name: str) -> list[str]:
     return list(inspect.signature(getattr(Tokenizer, name)).parameters)
 
 
-@pytest.mark.parametrize("kind", ["char", "sentencepiece"])
-def test_both_tokenizers_satisfy_the_protocol(kind, request, tmp_path):
-    tok = CharTokenizer("abc") if kind == "char" else request.getfixturevalue("sentencepiece_tokenizer")
+@pytest.mark.parametrize("kind", ["char", "sentencepiece", "fast"])
+def test_every_tokenizer_satisfies_the_protocol(kind, request, tmp_path):
+    tok = CharTokenizer("abc") if kind == "char" else request.getfixturevalue(f"{kind}_tokenizer")
     assert isinstance(tok, Tokenizer)
     for name in METHODS:                                  # same parameter names as the protocol, in its order
         assert list(inspect.signature(getattr(type(tok), name)).parameters) == _protocol_parameters(name), name

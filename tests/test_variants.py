@@ -5,6 +5,10 @@ activation) and passes the fp32 parity gate; the defaults stay the paper's.
     tutorial    torch.nn.Transformer as PyTorch's translation tutorial builds it: separate vocabularies and
                 embeddings, untied generator with a bias, the final encoder/decoder LayerNorm
     plain-gelu  embeddings not scaled, exact GELU (BiasGelu)
+    bart        a stored position table per side, embedding LayerNorm, GELU, logits bias, decoding from eos
+    mbart       bart's variants in pre-norm stacks (final LayerNorms)
+    m2m100      pre-norm, a stored position table per side (fairseq's sinusoids when imported), decoding from eos
+    pegasus     pre-norm, sin|cos halves, logits bias, decoding from pad (pad never generated)
 """
 
 from __future__ import annotations
@@ -31,6 +35,13 @@ VARIANTS = {
     "tutorial": dict(src_vocab_size=50, share_embeddings=False, tie_embeddings=False, logits_bias=True,
                      final_norm=True, pad_id=1, bos_id=2, eos_id=3),
     "plain-gelu": dict(scale_embeddings=False, activation="gelu"),
+    "bart": dict(positions="table", layernorm_embedding=True, activation="gelu", logits_bias=True,
+                 scale_embeddings=False, pad_id=1, bos_id=2, eos_id=2),
+    "mbart": dict(norm="pre", positions="table", layernorm_embedding=True, activation="gelu", logits_bias=True,
+                  pad_id=1, bos_id=2, eos_id=2),
+    "m2m100": dict(norm="pre", positions="table", pad_id=1, bos_id=2, eos_id=2),
+    "pegasus": dict(norm="pre", positions="halves", logits_bias=True, pad_id=0, bos_id=0, eos_id=1,
+                    suppress_pad=True),
 }
 ACTIVATION_OP = {"silu": "com.microsoft.QuickGelu", "gelu": "com.microsoft.BiasGelu", "relu": "Relu"}
 
@@ -46,8 +57,9 @@ def variant_model(name: str, seed: int = 3) -> Transformer:
 def test_defaults_are_the_papers():
     c = ModelConfig()
     assert (c.positions, c.scale_embeddings, c.activation, c.logits_bias, c.src_vocab_size, c.share_embeddings,
-            c.tie_embeddings, c.final_norm, c.suppress_pad, c.norm) == \
-        ("interleaved", True, "relu", False, None, True, True, False, False, "post")
+            c.tie_embeddings, c.final_norm, c.suppress_pad, c.norm, c.layernorm_embedding) == \
+        ("interleaved", True, "relu", False, None, True, True, False, False, "post", False)
+    assert not any(name.startswith("src_pos.") for name in Transformer(preset("tiny")).state_dict())
     pe = sinusoid_table(c)
     assert torch.allclose(pe[5, 0::2], torch.sin(5 / 10000 ** (torch.arange(0, 512, 2) / 512)), atol=1e-5)
 
@@ -61,6 +73,8 @@ def test_halves_table_is_marians():
 
 @pytest.mark.parametrize("fields,message", [
     (dict(positions="learned"), "positions must be one of"),
+    (dict(layernorm_embedding=1), "must be true or false"),
+    (dict(eos_id=0), "eos_id must differ from pad_id"),
     (dict(activation="gelu_new"), "activation must be one of"),
     (dict(src_vocab_size=50), "shared source/target embeddings need one vocabulary size"),
     (dict(bos_id=0, pad_id=0), "only with suppress_pad"),
@@ -70,6 +84,19 @@ def test_halves_table_is_marians():
 def test_bad_variants_are_refused(fields, message):
     with pytest.raises(ConfigError, match=message):
         preset("tiny", **fields)
+
+
+def test_position_tables_are_stored_per_side(tmp_path):
+    from toolkit.reference.checkpoint import load_checkpoint, save_checkpoint
+
+    model = variant_model("bart")
+    state = model.state_dict()
+    assert {"pos.pe", "src_pos.pe", "pos.norm.weight", "src_pos.norm.weight"} <= set(state)
+    assert not torch.equal(state["pos.pe"], state["src_pos.pe"])       # the encoder reads its own table
+    loaded = load_checkpoint(save_checkpoint(tmp_path / "ckpt", model, None)).model
+    src, mask, tgt = torch.tensor([[5, 6, 7, 2]]), torch.ones(1, 4, dtype=torch.long), torch.tensor([[2, 9, 10]])
+    with torch.no_grad():
+        assert torch.equal(loaded(src, mask, tgt), model(src, mask, tgt))
 
 
 def test_marian_never_generates_pad():
@@ -82,7 +109,11 @@ def test_marian_never_generates_pad():
         assert all(model.config.pad_id not in h[0].tokens and h[0].tokens for h in hyps)
 
 
-@pytest.mark.parametrize("name", ["marian", "tutorial"])
+def layer_norms(*modules: torch.nn.Module) -> int:
+    return sum(isinstance(m, torch.nn.LayerNorm) for module in modules for m in module.modules())
+
+
+@pytest.mark.parametrize("name", ["marian", "tutorial", "bart", "mbart", "m2m100", "pegasus"])
 def test_variant_exports_fuses_and_passes_the_fp32_gate(name, tmp_path):
     model = variant_model(name)
     c = model.config
@@ -94,8 +125,10 @@ def test_variant_exports_fuses_and_passes_the_fp32_gate(name, tmp_path):
     assert enc["com.microsoft.SkipLayerNormalization"] == 2 * c.n_encoder_layers
     assert enc[ACTIVATION_OP[c.activation]] == c.n_encoder_layers and dec[ACTIVATION_OP[c.activation]] == \
         c.n_decoder_layers
-    if c.final_norm:
-        assert enc["LayerNormalization"] == 1 and dec["LayerNormalization"] == 1
+    assert dec["com.microsoft.SkipLayerNormalization"] >= 3 * c.n_decoder_layers
+    for counts, modules in ((enc, (model.encoder, model.source_pos)), (dec, (model.decoder, model.pos))):
+        fused_norms = counts["com.microsoft.SkipLayerNormalization"] + counts.get("LayerNormalization", 0)
+        assert fused_norms == layer_norms(*modules)               # every LayerNorm there, none lost or doubled
     assert manifest["model"] == c.to_dict()
     record = graph_parity(model, fused, provider="cpu", precision="fp32")
     assert record.ok, record.summary()

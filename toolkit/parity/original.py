@@ -1,15 +1,16 @@
-"""Parity against the original framework: an imported model, and bundles made from it, against MarianMTModel.
+"""Parity against the original framework: an imported model, and bundles made from it, against the transformers
+model it was imported from (MarianMTModel, BartForConditionalGeneration, ...: the registered family's original).
 
     report = marian_parity("opus-mt-en-de/", engine, texts=None, samples=64)   # engine: bundle or checkpoint
 
 checks, on the same batched and padded inputs:
-- tokenizer: our SentencePieceTokenizer's ids equal MarianTokenizer's (for text inputs);
-- logits: the reference model imported in memory vs MarianMTModel, teacher-forced, max abs error <= 1e-5
+- tokenizer: our tokenizer's ids equal the original's (for text inputs);
+- logits: the reference model imported in memory vs the original, teacher-forced, max abs error <= 1e-5
   (the IMPORTED row: PyTorch vs PyTorch);
-- tokens: the engine's greedy and beam-K best hypotheses vs MarianMTModel.generate with the same settings
+- tokens: the engine's greedy and beam-K best hypotheses vs the original's generate with the same settings
   (num_beams, length_penalty, max_new_tokens, early_stopping="never": the exact stopping rule of runtime.search;
-  Marian's own bad_words_ids = [[pad]]; sampling, forced EOS, repetition rules and the rest off), identical for
-  fp32 (the bundle's token row otherwise), judged by the token rule every parity uses (report.token_verdict): the
+  bad_words_ids = [[pad]] where decoding starts from pad (Marian, Pegasus); sampling, forced first and last
+  tokens, repetition rules and the rest off), identical for fp32 (the bundle's token row otherwise), judged by the token rule every parity uses (report.token_verdict): the
   reference outputs must vary, or equal tokens are "inconclusive", never "ok"; random piece ids (no texts given)
   are said not to be representative.
 The original is loaded by its registered family (toolkit/reference/importers), which imports transformers
@@ -112,7 +113,7 @@ def load_original(path: str | Path):
 
 def marian_inputs(tok, ours, texts: list[str] | None, samples: int, seed: int = 0,
                   max_len: int = 24) -> tuple[list[list[int]], str, OriginalCheck | None]:
-    """Source ids: texts tokenized by MarianTokenizer (checked against our tokenizer), else random piece ids."""
+    """Source ids: texts tokenized by the original's tokenizer (checked against ours), else random piece ids."""
     if samples < 1:
         raise InputError(f"--samples must be at least 1, got {samples}")
     if texts:
@@ -129,7 +130,7 @@ def marian_inputs(tok, ours, texts: list[str] | None, samples: int, seed: int = 
                                   {"index": bad, "text": texts[bad], "marian": ref[bad], "onnxformer": got[bad]})
         return ref, f"{len(texts)} texts", check
     special = set(tok.all_special_ids)
-    ids = [i for i in range(len(tok.encoder)) if i not in special]
+    ids = [i for i in range(tok.vocab_size) if i not in special]       # the base vocabulary, added tokens aside
     rng = np.random.default_rng(seed)
     lens = rng.integers(1, max_len + 1, size=samples)
     seqs = [[ids[j] for j in rng.integers(0, len(ids), size=int(n))] + [tok.eos_token_id] for n in lens]
@@ -144,14 +145,16 @@ def hf_pad(model) -> int:
 
 def hf_generate(model, seqs: list[list[int]], beam: int, max_new_tokens: int, length_penalty: float = 1.0,
                 batch: int = 64) -> list[list[int]]:
-    """MarianMTModel.generate's best hypothesis per input, start token dropped, cut after the first EOS."""
+    """The original's generate: best hypothesis per input, start token dropped, cut after the first EOS; pad is
+    never generated where decoding starts from it (the reference model's suppress_pad)."""
     import torch
     from transformers import GenerationConfig
 
     c = model.config
     gc = GenerationConfig(num_beams=beam, length_penalty=length_penalty, max_new_tokens=max_new_tokens,
                           do_sample=False, early_stopping="never", num_return_sequences=1,
-                          bad_words_ids=[[c.pad_token_id]], decoder_start_token_id=c.decoder_start_token_id,
+                          bad_words_ids=[[c.pad_token_id]] if c.decoder_start_token_id == c.pad_token_id else None,
+                          decoder_start_token_id=c.decoder_start_token_id,
                           eos_token_id=c.eos_token_id, pad_token_id=c.pad_token_id, forced_eos_token_id=None,
                           forced_bos_token_id=None, no_repeat_ngram_size=0, repetition_penalty=1.0, min_length=0,
                           use_cache=True)
@@ -181,7 +184,10 @@ def logits_check(model, reference, seqs: list[list[int]], steps: int = 8, seed: 
     c = model.config
     ids, mask = pad_batch(seqs[:64], hf_pad(model))
     rng = np.random.default_rng(seed)
-    tgt = rng.integers(0, c.decoder_vocab_size, size=(len(ids), steps))
+    # target tokens other than pad: a decoder reads pad only where generation ended, and M2M100 positions a pad
+    # inside a sequence differently (toolkit/reference/importers/m2m100.py)
+    tgt = rng.integers(0, (getattr(c, "decoder_vocab_size", None) or c.vocab_size) - 1, size=(len(ids), steps))
+    tgt[tgt >= c.pad_token_id] += 1
     tgt[:, 0] = c.decoder_start_token_id
     ids_t, mask_t, tgt_t = (torch.from_numpy(a) for a in (ids, mask, tgt))
     with torch.no_grad():
@@ -199,13 +205,13 @@ def logits_check(model, reference, seqs: list[list[int]], steps: int = 8, seed: 
     err64, noise = float((want64 - got64).abs().max()), float((want.double() - want64).abs().max())
     return OriginalCheck("logits", ok_or_failed(err64 <= tolerance.atol, varied),
                          f"max abs error {err64:.2e} in float64 (limit {tolerance.atol:.0e}, {where}); float32: "
-                         f"{err:.2e}, rounding: MarianMTModel's own float32 logits are {noise:.2e} from float64 "
+                         f"{err:.2e}, rounding: the original's own float32 logits are {noise:.2e} from float64 "
                          f"(largest |logit| {float(want64.abs().max()):.1f})", err64, tolerance.atol)
 
 
 def token_checks(model, engine, seqs: list[list[int]], beams=(1, 4), max_new_tokens: int = 32,
                  length_penalty: float = 1.0, token_match: float = 1.0) -> list[OriginalCheck]:
-    """Best hypotheses of the engine vs MarianMTModel.generate, per search; needs varied reference outputs."""
+    """Best hypotheses of the engine vs the original's generate, per search; needs varied reference outputs."""
     checks = []
     for beam in beams:
         ref = hf_generate(model, seqs, beam, max_new_tokens, length_penalty)
@@ -241,10 +247,11 @@ def marian_parity(original: str | Path, engine, candidate: str = "", texts: list
                             representative=bool(texts))
     if tok_check is not None:
         report.checks.append(tok_check)
-    progress("logits: MarianMTModel vs the imported reference model")
+    progress(f"logits: {family.original} vs the imported reference model")
     ours = reference_of(original)
     report.checks.append(logits_check(model, ours, seqs))
     max_new_tokens = min(max_new_tokens, engine.max_len)
-    progress(f"tokens: MarianMTModel.generate vs {candidate or 'the engine'} (beams {', '.join(map(str, beams))})")
+    progress(f"tokens: {family.original} generate vs {candidate or 'the engine'} "
+             f"(beams {', '.join(map(str, beams))})")
     report.checks += token_checks(model, engine, seqs, beams, max_new_tokens, length_penalty, token_match)
     return report

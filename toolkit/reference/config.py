@@ -12,7 +12,7 @@ from toolkit.reference.errors import ConfigError
 
 
 ACTIVATIONS = ("relu", "gelu", "silu")
-POSITIONS = ("interleaved", "halves")
+POSITIONS = ("interleaved", "halves", "table")
 
 
 @dataclass(frozen=True)
@@ -32,16 +32,19 @@ class ModelConfig:
     tie_embeddings: bool = True     # output projection shares the target embedding matrix (sec. 3.4)
     layer_norm_eps: float = 1e-5    # LayerNorm epsilon
     pad_id: int = 0                 # padding token
-    bos_id: int = 1                 # decoder start token (Marian starts from pad: bos_id == pad_id)
+    bos_id: int = 1                 # decoder start token (Marian starts from pad: bos_id == pad_id; BART from eos)
     eos_id: int = 2                 # end of sequence
     # variants of real checkpoints (importers set them; the defaults are the paper's choices)
-    positions: str = "interleaved"  # sinusoid table: "interleaved" sin/cos (paper) or "halves": sin | cos (Marian)
+    positions: str = "interleaved"  # sinusoid table: "interleaved" sin/cos (paper) or "halves": sin | cos (Marian);
+                                    # "table": a [max_len, d_model] table per side stored in the checkpoint (BART's
+                                    # learned positions, M2M100's fairseq sinusoids; importers drop their offset rows)
     scale_embeddings: bool = True   # token embeddings times sqrt(d_model) (paper); False: times 1
     logits_bias: bool = False       # a bias added to the logits (Marian's final_logits_bias, a tutorial Linear's bias)
     src_vocab_size: int | None = None   # source vocabulary size when it differs from the target's (None: shared)
     share_embeddings: bool = True   # source and target token embeddings are one matrix (needs one vocabulary size)
     final_norm: bool = False        # a LayerNorm after the post-norm encoder and decoder stacks (torch.nn.Transformer)
     suppress_pad: bool = False      # never generate pad (Marian: its bad_words_ids are [[pad]])
+    layernorm_embedding: bool = False   # a LayerNorm per side on embeddings + positions (BART, mBART)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -70,7 +73,7 @@ class ModelConfig:
         if self.positions not in POSITIONS:
             raise ConfigError(f"positions must be one of {', '.join(POSITIONS)}, got {self.positions!r}")
         for name in ("tie_embeddings", "scale_embeddings", "logits_bias", "share_embeddings", "final_norm",
-                     "suppress_pad"):
+                     "suppress_pad", "layernorm_embedding"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"config field {name!r} must be true or false, got {getattr(self, name)!r}")
         if self.src_vocab_size is not None and (not isinstance(self.src_vocab_size, int) or self.src_vocab_size < 1):
@@ -91,8 +94,8 @@ class ModelConfig:
         for name in ("pad_id", "bos_id", "eos_id"):
             if not 0 <= ints[name] < self.vocab_size:
                 raise ConfigError(f"{name} ({ints[name]}) must lie inside the vocabulary [0, {self.vocab_size})")
-        if self.eos_id in (self.pad_id, self.bos_id):
-            raise ConfigError("eos_id must differ from pad_id and bos_id")
+        if self.eos_id == self.pad_id:
+            raise ConfigError("eos_id must differ from pad_id")
         if self.bos_id == self.pad_id and not self.suppress_pad:
             raise ConfigError("bos_id equals pad_id (decoding starts from pad, as in Marian) only with suppress_pad "
                               "true, so that pad is never generated")

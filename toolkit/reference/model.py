@@ -57,11 +57,17 @@ def sinusoid_table(config: ModelConfig) -> torch.Tensor:
 
 
 class PositionalEncoding(nn.Module):
-    """Sinusoidal positions added to the embeddings (sec. 3.5), in the table layout the config names."""
+    """Positions added to the embeddings (sec. 3.5): the sinusoid table the config names, or a table stored in the
+    checkpoint (positions "table"); then the embedding LayerNorm where the config has one (BART), then dropout."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.register_buffer("pe", sinusoid_table(config), persistent=False)  # derived, never stored in checkpoints
+        if config.positions == "table":
+            self.pe = nn.Parameter(torch.zeros(config.max_len, config.d_model))   # learned or imported, stored
+        else:
+            self.register_buffer("pe", sinusoid_table(config), persistent=False)  # derived, never stored in checkpoints
+        self.norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps) if config.layernorm_embedding \
+            else nn.Identity()
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor, start: int | torch.Tensor = 0,
@@ -69,7 +75,12 @@ class PositionalEncoding(nn.Module):
         """positions [B, T]: each token's own position (rows at different positions); default start + 0..T-1."""
         if positions is None:
             positions = torch.arange(x.shape[1], device=x.device) + start  # [T], starting at the past length
-        return self.dropout(x + self.pe[positions])
+        return self.dropout(self.norm(x + self.pe[positions]))
+
+
+def per_side_positions(config: ModelConfig) -> bool:
+    """Whether source and target have their own PositionalEncoding (tables or embedding LayerNorms of their own)."""
+    return config.positions == "table" or config.layernorm_embedding
 
 
 class MultiHeadAttention(nn.Module):
@@ -246,7 +257,9 @@ class Transformer(nn.Module):
         self.embed = Embeddings(config)  # the target's; also the source's when shared, and the output matrix when tied
         if not config.share_embeddings:
             self.src_embed = Embeddings(config, config.source_vocab_size)
-        self.pos = PositionalEncoding(config)
+        self.pos = PositionalEncoding(config)  # the target's; also the source's unless per_side_positions
+        if per_side_positions(config):
+            self.src_pos = PositionalEncoding(config)
         self.encoder = Encoder(config)
         self.decoder = Decoder(config)
         self.generator = Generator(config, self.embed)
@@ -271,10 +284,15 @@ class Transformer(nn.Module):
         """The source side's token embeddings (the target's when they are shared)."""
         return self.embed if self.config.share_embeddings else self.src_embed
 
+    @property
+    def source_pos(self) -> PositionalEncoding:
+        """The source side's positions (the target's module unless each side has its own)."""
+        return self.src_pos if per_side_positions(self.config) else self.pos
+
     def encode(self, src_ids: torch.Tensor, src_mask: torch.Tensor) -> tuple[torch.Tensor, list[KV]]:
         """Encoder output [B, S, D] and each decoder layer's cross-attention K/V [B, H, S, Dh]."""
         mask = src_mask.bool()[:, None, None, :]  # [B, 1, 1, S]: keys that are real tokens
-        memory = self.encoder(self.pos(self.source_embed(src_ids)), mask)
+        memory = self.encoder(self.source_pos(self.source_embed(src_ids)), mask)
         cross = [layer.cross_attn.project_kv(memory) for layer in self.decoder.layers]
         return memory, cross
 

@@ -174,7 +174,7 @@ def optimize_bundle(bundle_dir: str | Path, out_dir: str | Path, target: str = "
 
     kv_cache: "static" rewrites the decoder for a preallocated cache updated in place (exporters/static_cache);
     "auto" chooses it for CPU targets with fused attention (the static attention ops have no float16 CPU kernel,
-    and CUDA keeps the dynamic cache until it is measured on a GPU). On CPU the cache is per row
+    and CUDA keeps the dynamic cache: no GPU run has compared the two yet). On CPU the cache is per row
     (GroupQueryAttention: each row at its own length, as in-flight batching needs); --target cuda --kv-cache static
     gets the shared-slot layout (DecoderMaskedMultiHeadAttention).
 

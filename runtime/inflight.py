@@ -24,7 +24,7 @@ leave moves only as many rows as left. Each row's tokens, finished flag and scor
 runtime.search.greedy computes them for that row alone (fp32: the same tokens; the score within float rounding:
 tests/test_inflight.py).
 
-CPU only for now: the buffers are numpy arrays bound without a copy (runtime/feed.py's bind_static).
+CPU only: the buffers are numpy arrays bound without a copy (runtime/feed.py's bind_static).
 """
 
 from __future__ import annotations

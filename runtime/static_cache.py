@@ -7,7 +7,7 @@ GroupQueryAttention nodes let rows sit at different lengths; one int32 [1] for a
 DecoderMaskedMultiHeadAttention). The runtime sizes cache_len per request: the most tokens it may generate (at
 most the model's max_len). The attention nodes write the new key/value at that position and attend over the
 filled part. The buffer is bound as past input and present output (runtime/feed.py's bind_static), so a step
-copies nothing: the step time no longer grows with a copy of the whole cache.
+copies nothing: the step time does not grow with a copy of the whole cache.
 
     StaticPath        the OrtEngine data path for such decoders (IO binding; buffers in host memory on CPU,
                       on the device on CUDA)

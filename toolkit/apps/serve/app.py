@@ -50,7 +50,7 @@ class ServeSettings:
     max_queue: int = 256            # requests waiting or decoding; more get 503 + Retry-After
     max_beam: int = 8
     batching: str = "auto"          # request | inflight | auto (in-flight where the bundle allows it, else
-                                    # request-level): in-flight measured 1.2x request-level's throughput on CPU
+                                    # request-level): in-flight gives more throughput on CPU
                                     # (benchmarks/RESULTS.md, "Serving")
 
     def check(self) -> None:

@@ -108,7 +108,7 @@ class Worker:
     def __init__(self, label: str, threads: int):
         self.label = label
         env = dict(os.environ, **{var: str(threads) for var in THREAD_VARS})
-        root = str(Path(__file__).resolve().parents[2])
+        root = str(Path(__file__).resolve().parents[3])
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
         self.log = tempfile.TemporaryFile(mode="w+")
         self.proc = subprocess.Popen([sys.executable, "-m", "toolkit.apps.bench"], stdin=subprocess.PIPE,

@@ -68,66 +68,96 @@ def share_weights(paths: dict[str, Path], min_bytes: int = MIN_BYTES, external_b
     tensor of >= external_bytes is stored there too, so that ONNX Runtime maps it from the file (page-aligned
     offsets) instead of parsing it out of the graph's protobuf: no transient copy, no heap left fragmented after
     loading. Smaller tensors stay inside the graphs."""
-    models = {g: onnx.load(str(paths[g])) for g in GRAPHS}
-    for model in models.values():                                       # raw_data for every tensor, to compare bytes
-        for tensor in model.graph.initializer:
-            if not tensor.HasField("raw_data") and tensor.data_type != onnx.TensorProto.STRING:
-                tensor.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(tensor), tensor.name))
+    models = {g: _load_raw(paths[g]) for g in GRAPHS}
+    out = paths["encoder"].parent / SHARED_FILE
+    with open(out, "wb") as f:
+        weights = _WeightsFile(f, external_bytes)
+        tensors = _store_common(models, min_bytes, weights)
+        for g in GRAPHS:                                                      # the rest of the large weights
+            for tensor in models[g].graph.initializer:
+                if tensor.data_location != onnx.TensorProto.EXTERNAL and len(tensor.raw_data) >= external_bytes:
+                    data = tensor.raw_data
+                    _point(tensor, weights.place(data), len(data))
+    if weights.offset == 0:                                                   # nothing large, nothing common
+        out.unlink()
+        return None
+    for g in GRAPHS:
+        onnx.save(models[g], str(paths[g]))
+    return {"file": SHARED_FILE, "sha256": sha256_file(out), "bytes": out.stat().st_size, "tensors": tensors}
+
+
+def _load_raw(path: Path) -> onnx.ModelProto:
+    """A graph with raw_data for every tensor, to compare bytes."""
+    model = onnx.load(str(path))
+    for tensor in model.graph.initializer:
+        if not tensor.HasField("raw_data") and tensor.data_type != onnx.TensorProto.STRING:
+            tensor.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(tensor), tensor.name))
+    return model
+
+
+class _WeightsFile:
+    """The weights file being written: each tensor's bytes at an aligned offset (a page for large ones)."""
+
+    def __init__(self, f, external_bytes: int):
+        self.f, self.external_bytes, self.offset = f, external_bytes, 0
+
+    def place(self, data: bytes) -> int:
+        """Append `data`; returns the offset it starts at."""
+        pad = -self.offset % (PAGE if len(data) >= self.external_bytes else ALIGN)
+        self.f.write(b"\0" * pad + data)
+        start, self.offset = self.offset + pad, self.offset + pad + len(data)
+        return start
+
+
+def _point(tensor: onnx.TensorProto, start: int, length: int) -> None:
+    """Make `tensor` read its values from the weights file at [start, start + length)."""
+    tensor.ClearField("raw_data")
+    tensor.data_location = onnx.TensorProto.EXTERNAL
+    del tensor.external_data[:]
+    for key, value in (("location", SHARED_FILE), ("offset", str(start)), ("length", str(length))):
+        entry = tensor.external_data.add()
+        entry.key, entry.value = key, value
+
+
+def _store_common(models: dict, min_bytes: int, weights: _WeightsFile) -> list[dict]:
+    """Write each tensor found in both graphs (>= min_bytes) once, both graphs reading it under one name; returns
+    the manifest's records of them."""
     index = {g: {} for g in GRAPHS}
     for g, model in models.items():
         for tensor in model.graph.initializer:
             if len(tensor.raw_data) >= min_bytes:
                 index[g].setdefault(_digest(tensor), tensor)
     common = [d for d in index["encoder"] if d in index["decoder"]]
-    out = paths["encoder"].parent / SHARED_FILE
     taken = {g: _names(models[g].graph) for g in GRAPHS}
-    tensors, offset = [], 0
-    with open(out, "wb") as f:
-        def place(data: bytes) -> int:
-            nonlocal offset
-            pad = -offset % (PAGE if len(data) >= external_bytes else ALIGN)
-            f.write(b"\0" * pad + data)
-            start, offset = offset + pad, offset + pad + len(data)
-            return start
+    tensors = []
+    for digest in common:
+        first = index["encoder"][digest]
+        name = _shared_name(digest, index, taken)
+        data = first.raw_data
+        start = weights.place(data)
+        for g in GRAPHS:
+            tensor = index[g][digest]
+            if tensor.name != name:
+                _rename_inputs(models[g].graph, tensor.name, name)
+                tensor.name = name
+            _point(tensor, start, len(data))
+        tensors.append({"name": name, "dtype": str(onnx.helper.tensor_dtype_to_np_dtype(first.data_type)),
+                        "shape": list(first.dims), "offset": start, "length": len(data), "graphs": list(GRAPHS)})
+    return tensors
 
-        def point(tensor: onnx.TensorProto, start: int, length: int) -> None:
-            tensor.ClearField("raw_data")
-            tensor.data_location = onnx.TensorProto.EXTERNAL
-            del tensor.external_data[:]
-            for key, value in (("location", SHARED_FILE), ("offset", str(start)), ("length", str(length))):
-                entry = tensor.external_data.add()
-                entry.key, entry.value = key, value
 
-        for digest in common:
-            first = index["encoder"][digest]
-            name = first.name                                                 # kept when it means the same in both
-            if any(name in taken[g] and index[g][digest].name != name for g in GRAPHS):
-                name = f"shared.{first.name}"
-                while any(name in taken[g] for g in GRAPHS):                    # a name free in both graphs
-                    name += "_"
-            for g in GRAPHS:
-                taken[g].add(name)
-            data = first.raw_data
-            start = place(data)
-            for g in GRAPHS:
-                tensor = index[g][digest]
-                if tensor.name != name:
-                    _rename_inputs(models[g].graph, tensor.name, name)
-                    tensor.name = name
-                point(tensor, start, len(data))
-            tensors.append({"name": name, "dtype": str(onnx.helper.tensor_dtype_to_np_dtype(first.data_type)),
-                            "shape": list(first.dims), "offset": start, "length": len(data), "graphs": list(GRAPHS)})
-        for g in GRAPHS:                                                      # the rest of the large weights
-            for tensor in models[g].graph.initializer:
-                if tensor.data_location != onnx.TensorProto.EXTERNAL and len(tensor.raw_data) >= external_bytes:
-                    data = tensor.raw_data
-                    point(tensor, place(data), len(data))
-    if offset == 0:                                                           # nothing large, nothing common
-        out.unlink()
-        return None
+def _shared_name(digest: str, index: dict, taken: dict) -> str:
+    """The one name both graphs read a common tensor under (added to `taken`): the encoder's, unless that name
+    means something else in either graph."""
+    first = index["encoder"][digest]
+    name = first.name                                                     # kept when it means the same in both
+    if any(name in taken[g] and index[g][digest].name != name for g in GRAPHS):
+        name = f"shared.{first.name}"
+        while any(name in taken[g] for g in GRAPHS):                        # a name free in both graphs
+            name += "_"
     for g in GRAPHS:
-        onnx.save(models[g], str(paths[g]))
-    return {"file": SHARED_FILE, "sha256": sha256_file(out), "bytes": out.stat().st_size, "tensors": tensors}
+        taken[g].add(name)
+    return name
 
 
 def inline_external(model) -> None:

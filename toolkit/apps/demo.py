@@ -15,7 +15,7 @@ from typing import Callable
 from rich.console import Console
 from rich.table import Table
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "dates" / "checkpoint"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "dates" / "checkpoint"
 SAMPLES = ("Monday, 30 November 2026", "11/30/26", "30.11.2026", "Nov 30th 2026", "2026/11/30",
            "30th of July 1969", "Fri, 13 Feb 2009", "1/2/2003", "December 31, 1999", "20000229")
 
@@ -23,14 +23,7 @@ SAMPLES = ("Monday, 30 November 2026", "11/30/26", "30.11.2026", "Nov 30th 2026"
 def run_demo(out: Path, checkpoint: Path = EXAMPLE, held_out: int = 300, bench: bool = True,
              console: Console | None = None) -> dict:
     """Run every step into `out`; returns a summary dict (also what `--json` would print)."""
-    from exporters.export import export_checkpoint
-    from exporters.optimize import optimize_bundle
-    from runtime.bundle import load_bundle
-    from runtime.manifest import read_manifest
     from toolkit.reference.checkpoint import load_checkpoint
-    from toolkit.parity.generation import compare_tokens
-    from toolkit.parity.graphs import record_table
-    from toolkit.reference.tasks.dates import held_out_examples, normalize
     from toolkit.reference.torch_engine import TorchEngine
 
     console = console or Console()
@@ -44,6 +37,24 @@ def run_demo(out: Path, checkpoint: Path = EXAMPLE, held_out: int = 300, bench: 
     console.print(f"   {ckpt.model.num_parameters():,} parameters, {c.n_encoder_layers}+{c.n_decoder_layers} layers, "
                   f"d_model {c.d_model}, {c.n_heads} heads, {c.norm}-norm, vocabulary {c.vocab_size} characters")
     engines = {"PyTorch": TorchEngine(ckpt.model)}
+    bundles = _make_bundles(checkpoint, out, console, step)
+    engines.update(_load_engines(bundles))
+    _side_by_side(engines, ckpt.tokenizer, console, step)
+    summary = {"engines": _held_out_table(engines, ckpt.tokenizer, held_out, console, step)}
+    if bench:
+        summary["bench"] = _bench(checkpoint, bundles, step)
+    summary["seconds"] = time.perf_counter() - started
+    console.print(f"\n[bold]done[/bold] in {summary['seconds']:.0f} s; bundles in {out}/ "
+                  f"(try: onnxformer generate {bundles['ORT int8']} \"Nov 30th 2026\")", highlight=False)
+    return summary
+
+
+def _make_bundles(checkpoint: Path, out: Path, console: Console, step) -> dict[str, Path]:
+    """Steps 2 and 3: export the checkpoint, then optimize it (fused fp32, int8); the bundles by engine name."""
+    from exporters.export import export_checkpoint
+    from exporters.optimize import optimize_bundle
+    from runtime.manifest import read_manifest
+    from toolkit.parity.graphs import record_table
 
     step("2. export: encoder.onnx + KV-cached decoder.onnx, kept only if graph parity holds")
     fp32 = export_checkpoint(checkpoint, out / "dates-fp32", force=True, progress=_note(console))
@@ -56,43 +67,57 @@ def run_demo(out: Path, checkpoint: Path = EXAMPLE, held_out: int = 300, bench: 
     console.print(f"   fused: {_rewrites(report)}")
     int8, report8 = optimize_bundle(fp32, out / "dates-int8", precision="int8", force=True, progress=_note(console))
     console.print(f"   int8:  {_rewrites(report8)}")
-    bundles = {"ORT fp32": fp32, "ORT fused": fused, "ORT int8": int8}
-    for name, path in bundles.items():
-        engines[name] = load_bundle(path, provider="cpu").engine
+    return {"ORT fp32": fp32, "ORT fused": fused, "ORT int8": int8}
+
+
+def _load_engines(bundles: dict[str, Path]) -> dict:
+    from runtime.bundle import load_bundle
+
+    return {name: load_bundle(path, provider="cpu").engine for name, path in bundles.items()}
+
+
+def _side_by_side(engines: dict, tokenizer, console: Console, step) -> None:
+    """Step 4: the sample dates through every engine, one column each."""
+    from toolkit.reference.tasks.dates import normalize
 
     step("4. the same dates, side by side")
     table = Table("input", *engines, header_style="bold")
-    outputs = {name: normalize(engine, ckpt.tokenizer, SAMPLES) for name, engine in engines.items()}
+    outputs = {name: normalize(engine, tokenizer, SAMPLES) for name, engine in engines.items()}
     for i, text in enumerate(SAMPLES):
         table.add_row(text, *(outputs[name][i] for name in engines))
     console.print(table)
 
+
+def _held_out_table(engines: dict, tokenizer, held_out: int, console: Console, step) -> dict:
+    """Step 5: accuracy and agreement with PyTorch on held-out dates; the summary's "engines" entry."""
+    from toolkit.parity.generation import compare_tokens
+    from toolkit.reference.tasks.dates import held_out_examples, normalize
+
     step(f"5. parity and accuracy on {held_out} held-out dates (greedy)")
     examples = held_out_examples()[:held_out]
     texts, truth = [s for s, _ in examples], [t for _, t in examples]
-    predictions = {name: normalize(engine, ckpt.tokenizer, texts) for name, engine in engines.items()}
-    reference = [ckpt.tokenizer.encode(t) for t in predictions["PyTorch"]]
+    predictions = {name: normalize(engine, tokenizer, texts) for name, engine in engines.items()}
+    reference = [tokenizer.encode(t) for t in predictions["PyTorch"]]
     table = Table("engine", "exact match", "inputs = PyTorch", "tokens = PyTorch", header_style="bold")
-    summary = {"engines": {}}
+    summary = {}
     for name, predicted in predictions.items():
         accuracy = sum(p == t for p, t in zip(predicted, truth)) / len(truth)
-        same_inputs, same_tokens, _ = compare_tokens(reference, [ckpt.tokenizer.encode(p) for p in predicted])
+        same_inputs, same_tokens, _ = compare_tokens(reference, [tokenizer.encode(p) for p in predicted])
         table.add_row(name, f"{accuracy:.1%}", f"{same_inputs:.1%}", f"{same_tokens:.1%}")
-        summary["engines"][name] = {"accuracy": accuracy, "same_inputs": same_inputs, "same_tokens": same_tokens}
+        summary[name] = {"accuracy": accuracy, "same_inputs": same_inputs, "same_tokens": same_tokens}
     console.print(table)
-
-    if bench:
-        step("6. speed: PyTorch (KV cache) vs ONNX Runtime, batch 1 and 8, 16 new tokens, interleaved rounds")
-        from toolkit.apps.bench import BenchSettings, print_tables, run_bench
-
-        settings = BenchSettings(batch_sizes=(1, 8), src_len=24, new_tokens=16, repeat=15, warmup=2, nocache=False)
-        report = run_bench([str(checkpoint), str(fp32), str(fused), str(int8)], settings)
-        print_tables(report)
-        summary["bench"] = report["rows"]
-    summary["seconds"] = time.perf_counter() - started
-    console.print(f"\n[bold]done[/bold] in {summary['seconds']:.0f} s; bundles in {out}/ "
-                  f"(try: onnxformer generate {int8} \"Nov 30th 2026\")", highlight=False)
     return summary
+
+
+def _bench(checkpoint: Path, bundles: dict[str, Path], step) -> list:
+    """Step 6: the speed tables; their rows."""
+    from toolkit.apps.bench import BenchSettings, print_tables, run_bench
+
+    step("6. speed: PyTorch (KV cache) vs ONNX Runtime, batch 1 and 8, 16 new tokens, interleaved rounds")
+    settings = BenchSettings(batch_sizes=(1, 8), src_len=24, new_tokens=16, repeat=15, warmup=2, nocache=False)
+    report = run_bench([str(checkpoint), *(str(path) for path in bundles.values())], settings)
+    print_tables(report)
+    return report["rows"]
 
 
 def _stepper(console: Console) -> Callable[[str], None]:

@@ -123,12 +123,35 @@ def build_tiny_marian(out_dir: str | Path, steps: int = 150, seed: int = 0, sepa
     constant lr). The defaults make the quick test model; TRAINED a realistic one. <pad> (the decoder's start)
     keeps a zero embedding throughout, and the logits bias is random (small) and fixed before training."""
     import torch
-    from transformers import GenerationConfig, MarianMTModel, MarianTokenizer
+    from transformers import GenerationConfig, MarianMTModel
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     lines = corpus(sentences, seed=seed)
     targets = [TASKS[task](s) for s in lines]
+    config, tok = _write_tokenizer(out, lines, targets, pieces, separate_vocabs, shape)
+    torch.manual_seed(seed)
+    model = MarianMTModel(config)
+    pad = config.pad_token_id
+    with torch.no_grad():                                  # a logits bias that matters, as trained models have
+        model.final_logits_bias.copy_(torch.randn(model.final_logits_bias.shape, generator=torch.Generator()
+                                                  .manual_seed(seed)) * 0.1)
+    _pin(model, pad, tok.pad_token_id)
+    if steps:
+        _train(model, tok, lines, targets, steps=steps, seed=seed, lr=lr, batch=batch, warmup=warmup)
+    model.eval()
+    model.generation_config = GenerationConfig(bad_words_ids=[[pad]], decoder_start_token_id=pad, eos_token_id=0,
+                                               pad_token_id=pad, max_length=64, num_beams=4)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def _write_tokenizer(out: Path, lines: list[str], targets: list[str], pieces: int, separate_vocabs: bool,
+                     shape: dict):
+    """Train and write the .spm models and vocabularies of `lines` -> `targets`; the MarianConfig and tokenizer."""
+    from transformers import MarianTokenizer
+
     (out / "source.spm").write_bytes(train_spm(lines, pieces))
     (out / "target.spm").write_bytes(train_spm(targets, pieces - 20 if separate_vocabs else pieces))
     if separate_vocabs:
@@ -146,56 +169,53 @@ def build_tiny_marian(out_dir: str | Path, steps: int = 150, seed: int = 0, sepa
         config = marian_config(len(vocab), **shape)
         tok = MarianTokenizer(str(out / "source.spm"), str(out / "target.spm"), str(out / "vocab.json"),
                               source_lang="en", target_lang="de")
-    torch.manual_seed(seed)
-    model = MarianMTModel(config)
-    pad = config.pad_token_id
+    return config, tok
 
-    def pin() -> None:
-        # as in the converted opus-mt models: <pad>, the decoder's start, has a zero embedding (Marian itself starts
-        # from a zero vector); kept zero through training, which would otherwise move it (tied output projection)
-        with torch.no_grad():
-            model.get_decoder().embed_tokens.weight[pad] = 0.0
-            model.get_encoder().embed_tokens.weight[tok.pad_token_id] = 0.0
 
-    with torch.no_grad():                                  # a logits bias that matters, as trained models have
-        model.final_logits_bias.copy_(torch.randn(model.final_logits_bias.shape, generator=torch.Generator()
-                                                  .manual_seed(seed)) * 0.1)
-    pin()
-    if steps:
-        enc = tok(lines, text_target=targets, return_tensors="pt", padding=True)   # tokenized once
-        labels = enc["labels"].masked_fill((enc["labels"] == pad) | (enc["labels"] == tok.pad_token_id), -100)
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        gen = torch.Generator().manual_seed(seed)
-        opt = torch.optim.Adam(model.parameters(), lr=lr, betas=(0.9, 0.98))
-        # linear warmup, then linear decay to a tenth: the usual Transformer recipe, short
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min((s + 1) / max(warmup, 1), max(
-            0.1, 1 - (s - warmup) / max(steps - warmup, 1)))) if warmup else None
-        model.train()
-        try:
-            with torch.enable_grad():
-                for _ in range(steps):
-                    rows = torch.randint(0, len(lines), (batch,), generator=gen)
-                    mask = enc["attention_mask"][rows]
-                    width = int(mask.sum(1).max())
-                    lab = labels[rows]
-                    lab = lab[:, : int((lab != -100).sum(1).max())].contiguous()
-                    loss = model(input_ids=enc["input_ids"][rows, :width], attention_mask=mask[:, :width],
-                                 labels=lab).loss
-                    opt.zero_grad()
-                    loss.backward()
-                    opt.step()
-                    pin()
-                    if sched is not None:
-                        sched.step()
-        finally:
-            torch.set_num_threads(threads)
-    model.eval()
-    model.generation_config = GenerationConfig(bad_words_ids=[[pad]], decoder_start_token_id=pad, eos_token_id=0,
-                                               pad_token_id=pad, max_length=64, num_beams=4)
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
-    return out
+def _pin(model, pad: int, source_pad: int) -> None:
+    """As in the converted opus-mt models: <pad>, the decoder's start, has a zero embedding (Marian itself starts
+    from a zero vector); kept zero through training, which would otherwise move it (tied output projection)."""
+    import torch
+
+    with torch.no_grad():
+        model.get_decoder().embed_tokens.weight[pad] = 0.0
+        model.get_encoder().embed_tokens.weight[source_pad] = 0.0
+
+
+def _train(model, tok, lines: list[str], targets: list[str], steps: int, seed: int, lr: float, batch: int,
+           warmup: int) -> None:
+    """Adam on random batches of `lines` -> `targets`, on one thread, <pad> pinned to zero after every step."""
+    import torch
+
+    pad = model.config.pad_token_id
+    enc = tok(lines, text_target=targets, return_tensors="pt", padding=True)   # tokenized once
+    labels = enc["labels"].masked_fill((enc["labels"] == pad) | (enc["labels"] == tok.pad_token_id), -100)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    gen = torch.Generator().manual_seed(seed)
+    opt = torch.optim.Adam(model.parameters(), lr=lr, betas=(0.9, 0.98))
+    # linear warmup, then linear decay to a tenth: the usual Transformer recipe, short
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min((s + 1) / max(warmup, 1), max(
+        0.1, 1 - (s - warmup) / max(steps - warmup, 1)))) if warmup else None
+    model.train()
+    try:
+        with torch.enable_grad():
+            for _ in range(steps):
+                rows = torch.randint(0, len(lines), (batch,), generator=gen)
+                mask = enc["attention_mask"][rows]
+                width = int(mask.sum(1).max())
+                lab = labels[rows]
+                lab = lab[:, : int((lab != -100).sum(1).max())].contiguous()
+                loss = model(input_ids=enc["input_ids"][rows, :width], attention_mask=mask[:, :width],
+                             labels=lab).loss
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                _pin(model, pad, tok.pad_token_id)
+                if sched is not None:
+                    sched.step()
+    finally:
+        torch.set_num_threads(threads)
 
 
 def random_marian(out_dir: str | Path, vocab_size: int = 58101, seed: int = 0, **shape) -> Path:

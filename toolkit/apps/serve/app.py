@@ -201,7 +201,23 @@ def create_app(service: Service | ModelSet, start_in_background: bool = True, on
     from toolkit.apps.serve.compat import add_compat_routes
 
     models = service if isinstance(service, ModelSet) else ModelSet.single(service)
+    app = FastAPI(title="onnxformer", version="1", lifespan=_lifespan(models, start_in_background, on_ready),
+                  description="Generate with an onnxformer bundle (ONNX Runtime), batched across requests.")
 
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception):
+        models.front.refused("internal", "error")
+        return error_response(500, f"internal error: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+
+    _generate_route(app, models)
+    _info_routes(app, models)
+    add_compat_routes(app, models, keys)
+    return app
+
+
+def _lifespan(models: ModelSet, start_in_background: bool, on_ready):
+    """The app's lifespan: start the models (in a thread when `start_in_background`), then `on_ready()`; drain them
+    at shutdown."""
     def start() -> None:
         models.start()
         if on_ready is not None:
@@ -216,14 +232,12 @@ def create_app(service: Service | ModelSet, start_in_background: bool = True, on
         yield
         await asyncio.to_thread(models.stop)
 
-    app = FastAPI(title="onnxformer", version="1", lifespan=lifespan,
-                  description="Generate with an onnxformer bundle (ONNX Runtime), batched across requests.")
-    limits = models.services[0].limits                 # every model of a server has the same settings
+    return lifespan
 
-    @app.exception_handler(Exception)
-    async def internal_error(request: Request, exc: Exception):
-        models.front.refused("internal", "error")
-        return error_response(500, f"internal error: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+
+def _generate_route(app: FastAPI, models: ModelSet) -> None:
+    """POST /v1/generate on `app`."""
+    limits = models.services[0].limits                 # every model of a server has the same settings
 
     @app.post("/v1/generate", response_model=GenerateResponse, openapi_extra={"requestBody": {
         "required": True, "content": {"application/json": {"schema": GenerateRequest.model_json_schema()}}}},
@@ -235,7 +249,7 @@ def create_app(service: Service | ModelSet, start_in_background: bool = True, on
         arrived = time.monotonic()
         picked = []                                              # the model, once the body names it
         try:
-            job, inputs = await _accept(request, arrived, picked)
+            job, inputs = await _accept(models, limits, request, arrived, picked)
         except RequestError as exc:
             outcome = "overloaded" if exc.status == 503 else "client_error"
             (picked[0].metrics if picked else models.front).refused(exc.kind, outcome)
@@ -264,31 +278,36 @@ def create_app(service: Service | ModelSet, start_in_background: bool = True, on
                              "queue_ms": round(((job.started or finished) - arrived) * 1000, 3),
                              "total_ms": round((finished - arrived) * 1000, 3)})
 
-    async def _accept(request: Request, arrived: float, picked: list) -> tuple[Job, list]:
-        """Read, check and queue a request (its Service appended to `picked`); RequestError for every refusal. It is
-        validated completely here (runtime.request), before it can join a batch: a bad request never fails another."""
-        if not models.ready:
-            raise RequestError(503, "not_ready", f"the server is {models.state}; retry shortly", retry_after=1)
-        body = await read_body(request, limits.max_body_bytes)
-        try:
-            parsed = parse_request(body)
-        except ValueError as exc:
-            malformed = str(exc).startswith("the body is not valid JSON")
-            raise RequestError(400 if malformed else 422, "malformed_json" if malformed else "validation",
-                               str(exc)) from None
-        try:
-            service = models.pick(parsed.model)
-        except LookupError as exc:
-            raise RequestError(422, "unknown_model", str(exc)) from None
-        picked.append(service)
-        try:
-            job = Job(limits.request(parsed, service.engine, service.tokenizer), arrived)
-        except OnnxformerError as exc:
-            kind = "too_many_inputs" if str(exc).startswith("too many inputs") else "validation"
-            raise RequestError(422, kind, str(exc)) from None
-        submit(service, job)
-        return job, job.request.inputs
 
+async def _accept(models: ModelSet, limits: Limits, request: Request, arrived: float,
+                  picked: list) -> tuple[Job, list]:
+    """Read, check and queue a request (its Service appended to `picked`); RequestError for every refusal. It is
+    validated completely here (runtime.request), before it can join a batch: a bad request never fails another."""
+    if not models.ready:
+        raise RequestError(503, "not_ready", f"the server is {models.state}; retry shortly", retry_after=1)
+    body = await read_body(request, limits.max_body_bytes)
+    try:
+        parsed = parse_request(body)
+    except ValueError as exc:
+        malformed = str(exc).startswith("the body is not valid JSON")
+        raise RequestError(400 if malformed else 422, "malformed_json" if malformed else "validation",
+                           str(exc)) from None
+    try:
+        service = models.pick(parsed.model)
+    except LookupError as exc:
+        raise RequestError(422, "unknown_model", str(exc)) from None
+    picked.append(service)
+    try:
+        job = Job(limits.request(parsed, service.engine, service.tokenizer), arrived)
+    except OnnxformerError as exc:
+        kind = "too_many_inputs" if str(exc).startswith("too many inputs") else "validation"
+        raise RequestError(422, kind, str(exc)) from None
+    submit(service, job)
+    return job, job.request.inputs
+
+
+def _info_routes(app: FastAPI, models: ModelSet) -> None:
+    """GET /healthz, /v1/model, /v1/models and /metrics on `app`."""
     @app.get("/healthz")
     async def healthz():
         """200 once the bundle is loaded and warmed up; 503 before (and while draining)."""
@@ -314,9 +333,6 @@ def create_app(service: Service | ModelSet, start_in_background: bool = True, on
     async def prometheus():
         """Prometheus metrics (text format)."""
         return Response(models.metrics_text(), media_type=Metrics.content_type)
-
-    add_compat_routes(app, models, keys)
-    return app
 
 
 def bind(host: str, port: int) -> socket.socket:

@@ -27,9 +27,10 @@ def friendly(fn):
     return wrapper
 
 
-def text_lines(input_file: str | None, flag: str = "--input") -> list[str] | None:
+def text_lines(input_file: str | None, flag: str = "--input", blank_ok: bool = False) -> list[str] | None:
     """The lines of an --input file ('-': stdin), one input a line (None without one). A UTF-8 text file with at
-    least one line, none of them blank: a blank line would be an empty input (and shift every answer after it)."""
+    least one line, none of them blank: a blank line would be an empty input (and shift every answer after it);
+    `blank_ok`: blank lines are kept (--prefix-file: an input without a prefix)."""
     if input_file is None:
         return None
     try:
@@ -38,7 +39,7 @@ def text_lines(input_file: str | None, flag: str = "--input") -> list[str] | Non
     except (OSError, UnicodeDecodeError) as exc:
         raise InputError(f"cannot read {flag} {input_file}: {exc}; pass a UTF-8 text file, one input a line") from None
     for n, line in enumerate(lines, 1):
-        if not line.strip():
+        if not line.strip() and not blank_ok:
             raise InputError(f"{flag} {input_file} line {n} is blank; remove blank lines (one input a line)")
     if not lines:
         raise InputError(f"{flag} {input_file} has no text lines; pass texts, one a line")

@@ -31,7 +31,7 @@ def target_flags(tokenizer, inputs: int, prefix: str | None, prefix_ids: str | N
     if sum(x is not None for x in (prefix, prefix_ids, prefix_file)) > 1:
         raise InputError("give one of --prefix, --prefix-ids and --prefix-file")
     if prefix_file is not None:
-        prefix = text_lines(prefix_file, "--prefix-file")
+        prefix = text_lines(prefix_file, "--prefix-file", blank_ok=True)
         if len(prefix) != inputs:
             raise InputError(f"--prefix-file {prefix_file} has {len(prefix)} lines for {inputs} inputs; give one "
                              f"prefix a line for each input")
@@ -73,7 +73,8 @@ def read_inputs(texts: tuple[str, ...], input_file: str | None, ids: tuple[str, 
 # the target-side flags, turned into prefix_ids and bad_words_ids by runtime.request.target_options
 @click.option("--prefix", help="target text every output starts with (forced)")
 @click.option("--prefix-ids", help='target ids every output starts with, e.g. "5 6"')
-@click.option("--prefix-file", type=click.Path(allow_dash=True), help="one target prefix a line, one per input")
+@click.option("--prefix-file", type=click.Path(allow_dash=True),
+              help="one target prefix a line, one per input (a blank line: none)")
 @click.option("--bad-words", help='comma-separated target texts never generated, e.g. "w1,w2"')
 @click.option("--bad-words-ids", help='target id sequences never generated, ";" between them, e.g. "5 6;7"')
 @click.option("--provider", type=click.Choice(PROVIDER_CHOICES), default="auto", show_default=True)

@@ -186,7 +186,8 @@ def test_server_answers_the_records_of_generate_json(bundle):
         assert ids[0]["input"] == [5, 6, 7, 8] and len(ids[0]["ids"]) <= 5
 
 
-def test_server_decoding_controls_equal_generate(bundle):
+@pytest.mark.parametrize("batching", ["request", "auto"])
+def test_server_decoding_controls_equal_generate(bundle, batching):
     """One request with several decoding controls answers what `onnxformer generate` prints for the same flags
     (fp32 bundle): sampling with a seed, penalties, bans, a per-input prefix file and logprobs."""
     from fastapi.testclient import TestClient
@@ -207,7 +208,7 @@ def test_server_decoding_controls_equal_generate(bundle):
         cli = CliRunner().invoke(main, ["generate", str(bundle), *texts, "--json", "--provider", "cpu", *flags])
     assert cli.exit_code == 0, cli.output
     expected = [json.loads(line) for line in cli.stdout.splitlines() if line.startswith("{")]
-    service = Service.load(bundle, ServeSettings(provider="cpu", max_wait_ms=50))
+    service = Service.load(bundle, ServeSettings(provider="cpu", max_wait_ms=50, batching=batching))
     with TestClient(create_app(service, start_in_background=False)) as client:
         answer = client.post("/v1/generate", json=body)
         assert answer.status_code == 200, answer.text

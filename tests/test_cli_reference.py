@@ -228,7 +228,7 @@ def test_a_command_imports_only_its_own_module_and_help_lists_every_command():
     result = run("--help")
     listed = result.stdout.split("Commands:", 1)[1].split()
     names = ["bench", "demo", "export", "generate", "import", "init", "inspect", "loadtest", "optimize", "parity",
-             "serve", "train"]
+             "score", "serve", "train"]
     assert result.exit_code == 0 and [w for w in listed if w in names] == names
     version = run("--version")
     assert version.exit_code == 0 and ", version " in version.stdout

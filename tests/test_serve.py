@@ -186,15 +186,16 @@ def test_server_answers_the_records_of_generate_json(bundle):
         assert ids[0]["input"] == [5, 6, 7, 8] and len(ids[0]["ids"]) <= 5
 
 
-@pytest.mark.parametrize("batching", ["request", "auto"])
-def test_server_decoding_controls_equal_generate(bundle, batching):
+@pytest.mark.parametrize("kv, scheduler", [("dynamic", "request-level"), ("static", "in-flight")])
+def test_server_decoding_controls_equal_generate(bundles, kv, scheduler):
     """One request with several decoding controls answers what `onnxformer generate` prints for the same flags
-    (fp32 bundle): sampling with a seed, penalties, bans, a per-input prefix file and logprobs."""
+    (fp32 bundle): sampling with a seed, penalties, bans, a per-input prefix file and logprobs; under either
+    scheduler (in-flight: the request decodes request-level, after the plain greedy one decodes in-flight)."""
     from fastapi.testclient import TestClient
 
     from toolkit.apps.cli import main
 
-    texts = ["abcdef", "XYZ", "hello"]
+    bundle, texts = bundles[kv], ["abcdef", "XYZ", "hello"]
     body = {"inputs": texts, "max_new_tokens": 8, "sample": True, "seed": 7, "temperature": 0.8, "top_k": 20,
             "top_p": 0.95, "repetition_penalty": 1.3, "no_repeat_ngram_size": 2, "min_new_tokens": 2,
             "bad_words": ["ab"], "bad_words_ids": [[9, 10], [11]], "prefix": ["Q", "", "hi"],
@@ -208,12 +209,13 @@ def test_server_decoding_controls_equal_generate(bundle, batching):
         cli = CliRunner().invoke(main, ["generate", str(bundle), *texts, "--json", "--provider", "cpu", *flags])
     assert cli.exit_code == 0, cli.output
     expected = [json.loads(line) for line in cli.stdout.splitlines() if line.startswith("{")]
-    service = Service.load(bundle, ServeSettings(provider="cpu", max_wait_ms=50, batching=batching))
+    service = Service.load(bundle, ServeSettings(provider="cpu", max_wait_ms=50))
+    assert service.scheduler.kind == scheduler
     with TestClient(create_app(service, start_in_background=False)) as client:
+        plain = client.post("/v1/generate", json={"inputs": texts, "max_new_tokens": 8}).json()["outputs"]
         answer = client.post("/v1/generate", json=body)
         assert answer.status_code == 200, answer.text
         got = answer.json()["outputs"]
-        plain = client.post("/v1/generate", json={"inputs": texts, "max_new_tokens": 8}).json()["outputs"]
     assert [r["ids"] for r in got] == [r["ids"] for r in expected]
     for g, e in zip(got, expected):
         assert len(g["logprobs"]) == len(g["ids"])

@@ -225,6 +225,34 @@ def test_server_decoding_controls_equal_generate(bundles, kv, scheduler):
     assert [r["ids"] for r in got] != [r["ids"] for r in plain], "the controls changed nothing: proves nothing"
 
 
+@pytest.mark.parametrize("kv", ["dynamic", "static"])
+def test_server_sampling_equals_generate(bundles, kv):
+    """Seeded sampling, one sample an input, answers what generate prints; the in-flight scheduler decodes it in
+    its running batch (its step count moves) beside a greedy request."""
+    from fastapi.testclient import TestClient
+
+    from toolkit.apps.cli import main
+
+    bundle, texts = bundles[kv], ["abcdef", "XYZ", "hello", "q"]
+    flags = ["--max-new-tokens", "10", "--sample", "--seed", "5", "--temperature", "1.5", "--top-k", "30"]
+    outputs = {}
+    for seed in ("5", "6"):
+        cli = CliRunner().invoke(main, ["generate", str(bundle), *texts, "--json", "--provider", "cpu",
+                                        *flags[:4], seed, *flags[5:]])
+        assert cli.exit_code == 0, cli.output
+        outputs[seed] = [json.loads(line) for line in cli.stdout.splitlines() if line.startswith("{")]
+    assert [r["ids"] for r in outputs["5"]] != [r["ids"] for r in outputs["6"]], "the seed changes nothing"
+    service = Service.load(bundle, ServeSettings(provider="cpu", max_wait_ms=50))
+    with TestClient(create_app(service, start_in_background=False)) as client:
+        before = getattr(service.scheduler, "steps", 0)
+        body = {"inputs": texts, "max_new_tokens": 10, "sample": True, "seed": 5, "temperature": 1.5, "top_k": 30}
+        got = client.post("/v1/generate", json=body).json()["outputs"]
+        if service.scheduler.kind == "in-flight":
+            assert service.scheduler.steps > before
+    assert [(r["ids"], r["finished"]) for r in got] == [(r["ids"], r["finished"]) for r in outputs["5"]]
+    np.testing.assert_allclose([r["score"] for r in got], [r["score"] for r in outputs["5"]], atol=1e-4)
+
+
 # --- bad requests: a 4xx with one line naming the problem ---
 
 BAD = [

@@ -183,5 +183,5 @@ def check_target_ids(what: str, ids: Sequence[int], model: Model) -> None:
                          f"ids; use target ids 0..{model.vocab_size - 1}")
 
 
-__all__ = ["Request", "search_options", "target_options", "merge", "differing", "encode_inputs", "check_sources", "check_options",
-           "check_target_ids", "DEFAULT_MAX_NEW_TOKENS", "PER_INPUT"]
+__all__ = ["Request", "search_options", "target_options", "encode_target", "merge", "differing", "encode_inputs",
+           "check_sources", "check_options", "check_target_ids", "DEFAULT_MAX_NEW_TOKENS", "PER_INPUT"]

@@ -45,9 +45,14 @@ class Output:
     ids: list[int]                  # generated token ids, EOS excluded
     score: float                    # log-probability (beam: length-normalized)
     finished: bool                  # ended with EOS rather than at max_new_tokens
+    logprobs: list[float] | None = None   # return_logprobs: each id's log-probability (aligned with ids)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The record's fields; `logprobs` only when they were asked for."""
+        record = asdict(self)
+        if self.logprobs is None:
+            del record["logprobs"]
+        return record
 
 
 def pad_batch(sequences: Sequence[Sequence[int]], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
@@ -121,7 +126,8 @@ def to_outputs(hyps: list[list[Hypothesis]], eos_id: int, tokenizer=None) -> lis
         for rank, h in enumerate(per_input):
             ids = h.tokens[:-1] if h.tokens and h.tokens[-1] == eos_id else list(h.tokens)
             text = tokenizer.decode(ids) if tokenizer is not None else None
-            outs.append(Output(index, rank, text, [int(t) for t in ids], round(float(h.score), 6), h.finished))
+            lps = None if h.logprobs is None else [round(float(x), 6) for x in h.logprobs[:len(ids)]]
+            outs.append(Output(index, rank, text, [int(t) for t in ids], round(float(h.score), 6), h.finished, lps))
     return outs
 
 

@@ -41,9 +41,43 @@ class Model(Protocol):
 
 def search_options(model: Model, max_new_tokens: int | None = None, **options) -> SearchOptions:
     """SearchOptions from named options (SearchOptions' field names: the CLI's flags, the server's JSON fields);
-    max_new_tokens None: min(64, max_len), the one default. Values are checked by Request.build."""
-    limit = min(DEFAULT_MAX_NEW_TOKENS, model.max_len) if max_new_tokens is None else max_new_tokens
+    max_new_tokens None: min(64, max_len), the one default, less the longest prefix (so that the target fits).
+    Values are checked by Request.build."""
+    room = model.max_len - max((len(p) for p in options.get("prefix_ids", ())), default=0)
+    limit = max(min(DEFAULT_MAX_NEW_TOKENS, room), 0) if max_new_tokens is None else max_new_tokens
     return SearchOptions(max_new_tokens=limit, **options)
+
+
+def target_options(tokenizer, inputs: int, prefix=None, prefix_ids=None, bad_words=None,
+                   bad_words_ids=None) -> dict:
+    """The SearchOptions fields `prefix_ids` and `bad_words_ids` (tuples of id tuples) from what an edge was given:
+    `prefix` a text for every input or a list of texts, one per input; `prefix_ids` id lists, one per input;
+    `bad_words` texts; `bad_words_ids` id lists. Texts are encoded on the target side without EOS
+    (tokenizer.encode_target). Only the fields given are returned; the ids are checked by Request.build."""
+    out = {}
+    if prefix is not None and prefix_ids is not None:
+        raise InputError("give a prefix as text (prefix) or as ids (prefix_ids), not both")
+    if prefix is not None:
+        texts = [prefix] * inputs if isinstance(prefix, str) else list(prefix)
+        prefix_ids = [encode_target(tokenizer, "prefix", i, text, "prefix_ids") for i, text in enumerate(texts)]
+    if prefix_ids is not None:
+        out["prefix_ids"] = tuple(tuple(p) for p in prefix_ids)
+    if bad_words is not None or bad_words_ids is not None:
+        words = [encode_target(tokenizer, "bad_words", i, w, "bad_words_ids") for i, w in enumerate(bad_words or [])]
+        out["bad_words_ids"] = tuple(tuple(w) for w in [*(bad_words_ids or []), *words])
+    return out
+
+
+def encode_target(tokenizer, what: str, i: int, text: str, ids_field: str) -> list[int]:
+    """Target ids of the i-th text of option `what`; InputError when the tokenizer cannot encode target text."""
+    if not isinstance(text, str):
+        raise InputError(f"{what}[{i}] must be a text, got {text!r}")
+    if what == "bad_words" and not text.strip():
+        raise InputError(f"{what}[{i}] is blank; give words to ban, or drop it")
+    if tokenizer is None or not hasattr(tokenizer, "encode_target"):
+        raise InputError(f"{what} is text, but this model's tokenizer cannot encode target text; pass target token "
+                         f"ids instead ({ids_field})")
+    return tokenizer.encode_target(text)
 
 
 @dataclass(frozen=True, eq=False)
@@ -149,5 +183,5 @@ def check_target_ids(what: str, ids: Sequence[int], model: Model) -> None:
                          f"ids; use target ids 0..{model.vocab_size - 1}")
 
 
-__all__ = ["Request", "search_options", "merge", "differing", "encode_inputs", "check_sources", "check_options",
-           "check_target_ids", "DEFAULT_MAX_NEW_TOKENS", "PER_INPUT"]
+__all__ = ["Request", "search_options", "target_options", "encode_target", "merge", "differing", "encode_inputs",
+           "check_sources", "check_options", "check_target_ids", "DEFAULT_MAX_NEW_TOKENS", "PER_INPUT"]

@@ -3,6 +3,7 @@
     scored = score_ids(engine, sources, targets)      # any engine: PyTorch, a bundle of either decoder layout
     scored[i].logprobs                                # one per target token, EOS included (appended)
     scored[i].score                                   # their sum: log p(target | source)
+    records = score_texts(engine, tokenizer, ["source text"], ["target text"])   # `onnxformer score --json`
 
 The decoder reads the start token and the target (without its last token) and its logits at each position give
 the next token's log-probability, as transformers computes a loss from `labels=`. In the dynamic layout the whole
@@ -12,14 +13,14 @@ Targets are right-padded to the longest: the decoder's causal mask keeps padding
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Sequence
 
 import numpy as np
 
 from runtime.errors import InputError
 from runtime.generate import Engine, pad_batch
-from runtime.request import check_sources
+from runtime.request import check_sources, encode_inputs, encode_target
 from runtime.search import chosen_logprob
 
 
@@ -29,6 +30,7 @@ class Scored:
 
     logprobs: list[float]           # log p(token | source, earlier tokens), one per target token, EOS last
     score: float                    # their sum
+    ids: list[int] = field(default_factory=list)   # the target's ids, EOS last (aligned with logprobs)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -69,5 +71,15 @@ def score_ids(engine: Engine, sources: Sequence[Sequence[int]], targets: Sequenc
     ids, mask = pad_batch(sources, engine.src_pad_id)
     logits = engine.start(ids, mask, 1, width).feed(fed)                  # [B, T, V]
     logp = chosen_logprob(logits.reshape(-1, logits.shape[-1]), labels.ravel()).reshape(labels.shape)
-    return [Scored([float(x) for x in logp[row, :len(t)]], float(logp[row, :len(t)].sum()))
+    return [Scored([float(x) for x in logp[row, :len(t)]], float(logp[row, :len(t)].sum()), t)
             for row, t in enumerate(wanted)]
+
+
+def score_texts(engine: Engine, tokenizer, sources: Sequence[str], targets: Sequence[str]) -> list[dict]:
+    """The records of `onnxformer score --json`: each (source, target) text pair's target ids (target side, EOS
+    appended), their teacher-forced log-probabilities (`token_logprobs`) and their sum (`score`)."""
+    source_ids = encode_inputs(list(sources), tokenizer)
+    target_seqs = [encode_target(tokenizer, "target", i, text, "target ids") for i, text in enumerate(targets)]
+    scored = score_ids(engine, source_ids, target_seqs)
+    return [{"index": i, "source": src, "target": tgt, "ids": s.ids, "token_logprobs": s.logprobs, "score": s.score}
+            for i, (src, tgt, s) in enumerate(zip(sources, targets, scored))]

@@ -85,6 +85,10 @@ class CharTokenizer:
                 f"remove them (the vocabulary is: {''.join(self.chars)!r})")
         return [self._to_id[c] for c in text]
 
+    def encode_target(self, text: str) -> list[int]:
+        """Target ids of a text (a prefix, a banned word): one vocabulary for both sides, so encode's ids."""
+        return self.encode(text)
+
     def decode(self, ids) -> str:
         """Text of the ids, stopping at end of sequence and skipping padding and start tokens."""
         out = []
@@ -198,6 +202,12 @@ class SentencePieceTokenizer:
         (prepend_bos: the PyTorch tutorial's sources)."""
         ids = [self.source_vocab.get(p, self.unk_id) for p in self.pieces(text)] + [self.eos_id]
         return [self.source_vocab[self.spec["bos"]], *ids] if self.spec.get("prepend_bos") else ids
+
+    def encode_target(self, text: str) -> list[int]:
+        """Target ids of a text (a prefix, a banned word): target pieces, target vocabulary ids (unk outside it),
+        no EOS (a prefix is the start of a target; the search appends the end)."""
+        unk = self.target_vocab.get(self.spec["unk"], self.unk_id)
+        return [self.target_vocab.get(p, unk) for p in self._spm["target_spm"].encode(text, out_type=str)]
 
     def decode(self, ids) -> str:
         """Text of target ids, special tokens skipped."""

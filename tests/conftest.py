@@ -96,6 +96,14 @@ def dates_checkpoint():
     return load_checkpoint(EXAMPLE_CHECKPOINT)
 
 
+@pytest.fixture(scope="session")
+def dates_bundle(tmp_path_factory):
+    """The example checkpoint exported once (fp32 bundle); read-only."""
+    from exporters.export import export_checkpoint
+
+    return export_checkpoint(EXAMPLE_CHECKPOINT, tmp_path_factory.mktemp("dates_bundle") / "dates")
+
+
 # --- added by the runtime helper (issue 4): toy models whose outputs vary across inputs AND positions (dropout 0),
 # and one exported toy bundle shared by the runtime, torch-free, parity and edge tests.
 

@@ -114,6 +114,21 @@ def test_generate_on_max_new_tokens_zero_prints_empty_lines():
     (["generate", DATES, "x", "--beam", "2", "--num-return", "3"], ["between 1 and the beam width"]),
     (["generate", DATES, "x", "--max-new-tokens", "500"], ["max new tokens"]),
     (["generate", DATES, "x", "--threads", "0"], ["threads"]),
+    (["generate", DATES, "x", "--top-p", "0.5"], ["top_p shapes sampling only"]),
+    (["generate", DATES, "x", "--sample", "--top-p", "2"], ["top_p must be a number in (0, 1]"]),
+    (["generate", DATES, "x", "--sample", "--temperature", "0"], ["temperature must be"]),
+    (["generate", DATES, "x", "--sample", "--seed", "-1"], ["seed must be"]),
+    (["generate", DATES, "x", "--repetition-penalty", "0"], ["repetition_penalty must be"]),
+    (["generate", DATES, "x", "--no-repeat-ngram-size", "-1"], ["no_repeat_ngram_size must be"]),
+    (["generate", DATES, "x", "--min-new-tokens", "99"], ["min_new_tokens must be"]),
+    (["generate", DATES, "x", "--bad-words-ids", "5;999"], ["bad_words_ids[1]", "999"]),
+    (["generate", DATES, "x", "--bad-words-ids", "5;"], ["--bad-words-ids got an empty list"]),
+    (["generate", DATES, "x", "--bad-words", "1,@"], ["outside the vocabulary", "'@'"]),
+    (["generate", DATES, "x", "--bad-words", "1,"], ["bad_words[1] is blank"]),
+    (["generate", DATES, "x", "--prefix-ids", "5 x"], ["--prefix-ids", "not a list of integers"]),
+    (["generate", DATES, "x", "--prefix-ids", "2"], ["prefix_ids[0] holds the end token 2"]),
+    (["generate", DATES, "x", "--prefix", "1", "--prefix-ids", "5"], ["one of --prefix, --prefix-ids"]),
+    (["generate", DATES, "x", "y", "--prefix-file", "-"], ["--prefix-file - has no text lines"]),
 ])
 def test_generate_bad_input_is_one_line_exit_2(args, phrases):
     assert_user_error(run(*args), *phrases)
@@ -121,6 +136,35 @@ def test_generate_bad_input_is_one_line_exit_2(args, phrases):
 
 def test_generate_text_on_a_model_without_tokenizer(id_model):
     assert_user_error(run("generate", id_model, "hello"), "no tokenizer", "--ids")
+    assert_user_error(run("generate", id_model, "--ids", "5 6", "--prefix", "ab"), "prefix is text", "prefix_ids")
+
+
+def records_of(*args, input=None) -> list[dict]:
+    result = run("generate", DATES, *args, "--json", input=input)
+    assert result.exit_code == 0, result.output
+    return [json.loads(line) for line in result.stdout.splitlines()]
+
+
+def test_generate_decoding_flags():
+    """Each flag reaches the search: a prefix is forced, banned words never appear, logprobs align with the ids
+    (their values: tests/test_score_cli.py), a seed makes sampling reproducible and other seeds draw otherwise."""
+    texts = ["Monday, 30 November 2026", "Friday, 1 May 1998", "3/4/05"]
+    plain = records_of(*texts, "--return-logprobs")
+    assert all(len(r["logprobs"]) == len(r["ids"]) for r in plain)
+    assert "logprobs" not in records_of(texts[0])[0]
+    forced = records_of(*texts, "--prefix", "19")
+    assert all(r["text"].startswith("19") for r in forced) and forced[1]["text"] == plain[1]["text"]
+    assert [r["text"][:2] for r in records_of(*texts, "--prefix-file", "-", input="20\n\n07\n")] == \
+        ["20", plain[1]["text"][:2], "07"]
+    assert_user_error(run("generate", DATES, *texts, "--prefix-file", "-", input="20\n"), "has 1 lines for 3 inputs")
+    banned = records_of(*texts, "--bad-words", "11,-0")
+    assert plain[0]["text"] == "2026-11-30" and all("11" not in r["text"] and "-0" not in r["text"] for r in banned)
+    by_ids = records_of(*texts, "--bad-words-ids", "4 4;17 3")                  # "11" and "-0" as ids
+    assert [r["ids"] for r in by_ids] == [r["ids"] for r in banned]
+    sampled = [records_of(*texts, "--sample", "--seed", str(seed), "--temperature", "3") for seed in (1, 1, 2)]
+    assert sampled[0] == sampled[1] and sampled[0] != sampled[2]
+    short = records_of(texts[2], "--min-new-tokens", "12", "--max-new-tokens", "12")
+    assert len(short[0]["ids"]) == 12
 
 
 def test_generate_on_broken_model_directories(tmp_path, id_model):
@@ -184,7 +228,7 @@ def test_a_command_imports_only_its_own_module_and_help_lists_every_command():
     result = run("--help")
     listed = result.stdout.split("Commands:", 1)[1].split()
     names = ["bench", "demo", "export", "generate", "import", "init", "inspect", "loadtest", "optimize", "parity",
-             "serve", "train"]
+             "score", "serve", "train"]
     assert result.exit_code == 0 and [w for w in listed if w in names] == names
     version = run("--version")
     assert version.exit_code == 0 and ", version " in version.stdout

@@ -186,6 +186,73 @@ def test_server_answers_the_records_of_generate_json(bundle):
         assert ids[0]["input"] == [5, 6, 7, 8] and len(ids[0]["ids"]) <= 5
 
 
+@pytest.mark.parametrize("kv, scheduler", [("dynamic", "request-level"), ("static", "in-flight")])
+def test_server_decoding_controls_equal_generate(bundles, kv, scheduler):
+    """One request with several decoding controls answers what `onnxformer generate` prints for the same flags
+    (fp32 bundle): sampling with a seed, penalties, bans, a per-input prefix file and logprobs; under either
+    scheduler (in-flight: the request decodes request-level, after the plain greedy one decodes in-flight)."""
+    from fastapi.testclient import TestClient
+
+    from toolkit.apps.cli import main
+
+    bundle, texts = bundles[kv], ["abcdef", "XYZ", "hello"]
+    body = {"inputs": texts, "max_new_tokens": 8, "sample": True, "seed": 7, "temperature": 0.8, "top_k": 20,
+            "top_p": 0.95, "repetition_penalty": 1.3, "no_repeat_ngram_size": 2, "min_new_tokens": 2,
+            "bad_words": ["ab"], "bad_words_ids": [[9, 10], [11]], "prefix": ["Q", "", "hi"],
+            "return_logprobs": True}
+    with CliRunner().isolated_filesystem():
+        Path("prefixes.txt").write_text("Q\n\nhi\n")
+        flags = ["--max-new-tokens", "8", "--sample", "--seed", "7", "--temperature", "0.8", "--top-k", "20",
+                 "--top-p", "0.95", "--repetition-penalty", "1.3", "--no-repeat-ngram-size", "2", "--min-new-tokens",
+                 "2", "--bad-words", "ab", "--bad-words-ids", "9 10;11", "--prefix-file", "prefixes.txt",
+                 "--return-logprobs"]
+        cli = CliRunner().invoke(main, ["generate", str(bundle), *texts, "--json", "--provider", "cpu", *flags])
+    assert cli.exit_code == 0, cli.output
+    expected = [json.loads(line) for line in cli.stdout.splitlines() if line.startswith("{")]
+    service = Service.load(bundle, ServeSettings(provider="cpu", max_wait_ms=50))
+    assert service.scheduler.kind == scheduler
+    with TestClient(create_app(service, start_in_background=False)) as client:
+        plain = client.post("/v1/generate", json={"inputs": texts, "max_new_tokens": 8}).json()["outputs"]
+        answer = client.post("/v1/generate", json=body)
+        assert answer.status_code == 200, answer.text
+        got = answer.json()["outputs"]
+    assert [r["ids"] for r in got] == [r["ids"] for r in expected]
+    for g, e in zip(got, expected):
+        assert len(g["logprobs"]) == len(g["ids"])
+        np.testing.assert_allclose(g["logprobs"], e["logprobs"], atol=1e-4)
+    assert got[0]["text"].startswith("Q") and got[2]["text"].startswith("hi")
+    assert "logprobs" not in plain[0]
+    assert [r["ids"] for r in got] != [r["ids"] for r in plain], "the controls changed nothing: proves nothing"
+
+
+@pytest.mark.parametrize("kv", ["dynamic", "static"])
+def test_server_sampling_equals_generate(bundles, kv):
+    """Seeded sampling, one sample an input, answers what generate prints; the in-flight scheduler decodes it in
+    its running batch (its step count moves) beside a greedy request."""
+    from fastapi.testclient import TestClient
+
+    from toolkit.apps.cli import main
+
+    bundle, texts = bundles[kv], ["abcdef", "XYZ", "hello", "q"]
+    flags = ["--max-new-tokens", "10", "--sample", "--seed", "5", "--temperature", "1.5", "--top-k", "30"]
+    outputs = {}
+    for seed in ("5", "6"):
+        cli = CliRunner().invoke(main, ["generate", str(bundle), *texts, "--json", "--provider", "cpu",
+                                        *flags[:4], seed, *flags[5:]])
+        assert cli.exit_code == 0, cli.output
+        outputs[seed] = [json.loads(line) for line in cli.stdout.splitlines() if line.startswith("{")]
+    assert [r["ids"] for r in outputs["5"]] != [r["ids"] for r in outputs["6"]], "the seed changes nothing"
+    service = Service.load(bundle, ServeSettings(provider="cpu", max_wait_ms=50))
+    with TestClient(create_app(service, start_in_background=False)) as client:
+        before = getattr(service.scheduler, "steps", 0)
+        body = {"inputs": texts, "max_new_tokens": 10, "sample": True, "seed": 5, "temperature": 1.5, "top_k": 30}
+        got = client.post("/v1/generate", json=body).json()["outputs"]
+        if service.scheduler.kind == "in-flight":
+            assert service.scheduler.steps > before
+    assert [(r["ids"], r["finished"]) for r in got] == [(r["ids"], r["finished"]) for r in outputs["5"]]
+    np.testing.assert_allclose([r["score"] for r in got], [r["score"] for r in outputs["5"]], atol=1e-4)
+
+
 # --- bad requests: a 4xx with one line naming the problem ---
 
 BAD = [
@@ -195,7 +262,14 @@ BAD = [
     (b'{"inputs": ["abc"], "beam": "2"}', 422, "'beam'"),
     (b'{"inputs": ["abc"], "beam": 2.5}', 422, "'beam'"),
     (b'{"ids": [[5, "6"]]}', 422, "'ids.0.1'"),
-    (b'{"inputs": ["abc"], "temperature": 0.7}', 422, "unknown field 'temperature'"),
+    (b'{"inputs": ["abc"], "temprature": 0.7}', 422, "unknown field 'temprature'"),
+    (b'{"inputs": ["abc"], "temperature": 0.7}', 422, "temperature shapes sampling only"),
+    (b'{"inputs": ["abc"], "sample": true, "top_p": 2}', 422, "top_p must be a number in (0, 1]"),
+    (b'{"inputs": ["abc"], "repetition_penalty": 0}', 422, "repetition_penalty must be"),
+    (b'{"inputs": ["abc"], "bad_words_ids": [[999]]}', 422, "bad_words_ids[0] has token id(s) [999]"),
+    (b'{"inputs": ["abc"], "bad_words": ["a!"]}', 422, "!"),
+    (b'{"inputs": ["abc", "d"], "prefix_ids": [[5]]}', 422, "prefix_ids must give one prefix per input (2)"),
+    (b'{"inputs": ["abc"], "prefix": "x", "prefix_ids": [[5]]}', 422, "not both"),
     (b'{"inputs": []}', 422, "no inputs"),
     (b'{"inputs": [""]}', 422, "input 0 is empty"),
     (b'{"inputs": ["' + b"a" * 65 + b'"]}', 422, "more than the model's maximum source length 64"),

@@ -48,6 +48,23 @@ def test_generate_with_ray_data_equals_generate(ray_local, toy_exported, tmp_pat
     assert len({tuple(r["ids"]) for r in expected}) >= 6, "outputs do not vary: equality would prove nothing"
 
 
+def test_generate_with_ray_data_gives_each_batch_its_inputs_prefixes(ray_local, toy_exported, tmp_path):
+    bundle = toy_exported[1]
+    lines = ["abcdef", "XYZ", "hello", "q", "mnopqrs", "abc"]
+    (tmp_path / "inputs.txt").write_text("\n".join(lines) + "\n")
+    (tmp_path / "prefixes.txt").write_text("\n".join(["A", "", "he", "Zq", "m", "b"]) + "\n")
+    args = ["generate", str(bundle), "--input", str(tmp_path / "inputs.txt"), "--json", "--provider", "cpu",
+            "--max-new-tokens", "8", "--prefix-file", str(tmp_path / "prefixes.txt"), "--bad-words", "ab,c",
+            "--repetition-penalty", "1.5", "--return-logprobs"]
+    plain = CliRunner().invoke(main, args)
+    on_ray = CliRunner().invoke(main, args + ["--ray", "--replicas", "2", "--batch-size", "4"])
+    assert plain.exit_code == 0 and on_ray.exit_code == 0, on_ray.output
+    expected = [json.loads(x) for x in plain.stdout.splitlines()]
+    got = [json.loads(x) for x in on_ray.stdout.splitlines()]
+    assert [(r["ids"], r["finished"]) for r in got] == [(r["ids"], r["finished"]) for r in expected]
+    assert all(len(r["logprobs"]) == len(r["ids"]) for r in got) and got[3]["text"].startswith("Zq")
+
+
 def test_generate_ray_refuses_checkpoints(ray_local, toy_exported):
     result = CliRunner().invoke(main, ["generate", str(toy_exported[0]), "abc", "--ray"])
     assert result.exit_code == 2 and "--ray generates with bundles only" in result.stderr, result.output

@@ -119,13 +119,6 @@ def test_open_servers_listen_on_loopback_only(tmp_path):
 # --- servers ---
 
 @pytest.fixture(scope="module")
-def dates_bundle(tmp_path_factory):
-    from exporters.export import export_checkpoint
-
-    return export_checkpoint(ROOT / "examples" / "dates" / "checkpoint", tmp_path_factory.mktemp("service") / "dates")
-
-
-@pytest.fixture(scope="module")
 def reference(dates_bundle):
     """texts -> the dates model's translation of each row alone, joined as the server joins them."""
     from runtime.bundle import load_bundle

@@ -88,3 +88,12 @@ def test_an_object_missing_a_member_is_not_a_tokenizer():
     assert not isinstance(NoFiles(), Tokenizer)
     NoFiles.files = []
     assert isinstance(NoFiles(), Tokenizer)
+
+
+def test_encode_target_gives_target_ids_without_eos(sentencepiece_tokenizer):
+    tok = sentencepiece_tokenizer
+    text = "the cat sat"
+    ids = tok.encode_target(text)
+    assert ids and tok.eos_id not in ids and ids == tok.encode(text)[:-1]    # one spm and vocab for both sides here
+    assert tok.decode(ids) == tok.decode(tok.encode(text))
+    assert CharTokenizer("abc").encode_target("cab") == [5, 3, 4]

@@ -27,19 +27,20 @@ def friendly(fn):
     return wrapper
 
 
-def text_lines(input_file: str | None) -> list[str] | None:
+def text_lines(input_file: str | None, flag: str = "--input", blank_ok: bool = False) -> list[str] | None:
     """The lines of an --input file ('-': stdin), one input a line (None without one). A UTF-8 text file with at
-    least one line, none of them blank: a blank line would be an empty input (and shift every answer after it)."""
+    least one line, none of them blank: a blank line would be an empty input (and shift every answer after it);
+    `blank_ok`: blank lines are kept (--prefix-file: an input without a prefix)."""
     if input_file is None:
         return None
     try:
         with click.open_file(input_file, encoding="utf-8") as f:
             lines = f.read().splitlines()
     except (OSError, UnicodeDecodeError) as exc:
-        raise InputError(f"cannot read --input {input_file}: {exc}; pass a UTF-8 text file, one input a line") from None
+        raise InputError(f"cannot read {flag} {input_file}: {exc}; pass a UTF-8 text file, one input a line") from None
     for n, line in enumerate(lines, 1):
-        if not line.strip():
-            raise InputError(f"--input {input_file} line {n} is blank; remove blank lines (one input a line)")
+        if not line.strip() and not blank_ok:
+            raise InputError(f"{flag} {input_file} line {n} is blank; remove blank lines (one input a line)")
     if not lines:
-        raise InputError(f"--input {input_file} has no text lines; pass source texts, one a line")
+        raise InputError(f"{flag} {input_file} has no text lines; pass texts, one a line")
     return lines

@@ -8,19 +8,37 @@ from pathlib import Path
 import click
 
 from runtime.errors import InputError
+from runtime.request import target_options
 from runtime.session import PROVIDER_CHOICES
 from toolkit.apps.commands._common import friendly, text_lines
 
 
-def parse_ids(text: str) -> list[int]:
-    """'5 6 7' (spaces or commas) -> [5, 6, 7]."""
+def parse_ids(text: str, flag: str = "--ids", empty: bool = False) -> list[int]:
+    """'5 6 7' (spaces or commas) -> [5, 6, 7]; `empty`: '' is an empty list."""
     parts = text.replace(",", " ").split()
-    if not parts:
-        raise InputError("--ids got an empty list; pass token ids like --ids \"5 6 7\"")
+    if not parts and not empty:
+        raise InputError(f"{flag} got an empty list; pass token ids like {flag} \"5 6 7\"")
     try:
         return [int(p) for p in parts]
     except ValueError:
-        raise InputError(f"--ids {text!r} is not a list of integers; pass token ids like --ids \"5 6 7\"") from None
+        raise InputError(f"{flag} {text!r} is not a list of integers; pass token ids like {flag} \"5 6 7\"") from None
+
+
+def target_flags(tokenizer, inputs: int, prefix: str | None, prefix_ids: str | None, prefix_file: str | None,
+                 bad_words: str | None, bad_words_ids: str | None) -> dict:
+    """The SearchOptions fields of the target-side flags (runtime.request.target_options, as the server's):
+    --prefix-ids and --prefix one prefix for every input, --prefix-file one a line, one per input."""
+    if sum(x is not None for x in (prefix, prefix_ids, prefix_file)) > 1:
+        raise InputError("give one of --prefix, --prefix-ids and --prefix-file")
+    if prefix_file is not None:
+        prefix = text_lines(prefix_file, "--prefix-file", blank_ok=True)
+        if len(prefix) != inputs:
+            raise InputError(f"--prefix-file {prefix_file} has {len(prefix)} lines for {inputs} inputs; give one "
+                             f"prefix a line for each input")
+    ids = None if prefix_ids is None else [parse_ids(prefix_ids, "--prefix-ids", empty=True)] * inputs
+    banned = None if bad_words_ids is None else [parse_ids(s, "--bad-words-ids") for s in bad_words_ids.split(";")]
+    words = None if bad_words is None else bad_words.split(",")
+    return target_options(tokenizer, inputs, prefix=prefix, prefix_ids=ids, bad_words=words, bad_words_ids=banned)
 
 
 def read_inputs(texts: tuple[str, ...], input_file: str | None, ids: tuple[str, ...]) -> list[str | list[int]]:
@@ -42,6 +60,23 @@ def read_inputs(texts: tuple[str, ...], input_file: str | None, ids: tuple[str, 
 @click.option("--num-return", default=1, show_default=True, help="hypotheses returned per input (<= beam)")
 @click.option("--length-penalty", default=1.0, show_default=True, help="beam scores are log-prob / length ** this")
 @click.option("--max-new-tokens", type=int, help="most tokens generated per input [default: min(64, max_len)]")
+@click.option("--sample", is_flag=True, help="draw each token at random instead of taking the most likely")
+@click.option("--temperature", default=1.0, show_default=True, help="with --sample: logits / this")
+@click.option("--top-k", default=0, show_default=True, help="with --sample: only the k most likely tokens (0 = all)")
+@click.option("--top-p", default=1.0, show_default=True, help="with --sample: the most likely tokens reaching this "
+              "probability (1 = all)")
+@click.option("--seed", type=int, help="with --sample: the seed (reproducible draws) [default: fresh entropy]")
+@click.option("--repetition-penalty", default=1.0, show_default=True, help="> 1 makes repeated tokens less likely")
+@click.option("--no-repeat-ngram-size", default=0, show_default=True, help="no n-gram of this size twice (0 = off)")
+@click.option("--min-new-tokens", default=0, show_default=True, help="no end token before this many new tokens")
+@click.option("--return-logprobs", is_flag=True, help="--json records carry each id's log-probability (logprobs)")
+# the target-side flags, turned into prefix_ids and bad_words_ids by runtime.request.target_options
+@click.option("--prefix", help="target text every output starts with (forced)")
+@click.option("--prefix-ids", help='target ids every output starts with, e.g. "5 6"')
+@click.option("--prefix-file", type=click.Path(allow_dash=True),
+              help="one target prefix a line, one per input (a blank line: none)")
+@click.option("--bad-words", help='comma-separated target texts never generated, e.g. "w1,w2"')
+@click.option("--bad-words-ids", help='target id sequences never generated, ";" between them, e.g. "5 6;7"')
 @click.option("--provider", type=click.Choice(PROVIDER_CHOICES), default="auto", show_default=True)
 @click.option("--threads", type=int, help="intra-op threads (default: the library's choice)")
 @click.option("--json", "as_json", is_flag=True, help="one JSON object a line for each returned hypothesis")
@@ -51,7 +86,7 @@ def read_inputs(texts: tuple[str, ...], input_file: str | None, ids: tuple[str, 
 @click.option("--address", help="with --ray: join this Ray cluster ('auto' or HOST:6379) instead of a local one")
 @friendly
 def command(model, texts, input_file, ids, provider, threads, as_json, use_ray, replicas, batch_size, address,
-            **options):
+            prefix, prefix_ids, prefix_file, bad_words, bad_words_ids, **options):
     """Generate from MODEL (a checkpoint or a bundle) for each TEXT, --input line and --ids.
 
     Prints one line per input: the generated text (or ids, for models without a tokenizer); with
@@ -62,11 +97,14 @@ def command(model, texts, input_file, ids, provider, threads, as_json, use_ray, 
     from toolkit.apps.engines import open_model
 
     inputs = read_inputs(texts, input_file, ids)
+    targets = (prefix, prefix_ids, prefix_file, bad_words, bad_words_ids)
     if use_ray:
-        return _generate_on_ray(model, inputs, options, provider, threads, as_json, replicas, batch_size, address)
+        return _generate_on_ray(model, inputs, options, targets, provider, threads, as_json, replicas, batch_size,
+                                address)
     opened = open_model(model, provider=provider, threads=threads, one_graph_at_a_time=True)   # one generate call:
     # the encoder runs once, so its session is released before the decoder's is made (peak memory on the edge)
     engine, tokenizer = opened.engine, opened.tokenizer
+    options.update(target_flags(tokenizer, len(inputs), *targets))
     request = Request.build(engine, inputs, tokenizer, search_options(engine, **options))
     outputs = to_outputs(generate(engine, request), engine.eos_id, tokenizer)
     if provider == "auto":                                 # say what "auto" chose (stderr: stdout stays the output)
@@ -87,7 +125,8 @@ def print_records(recs: list[dict], n_inputs: int, as_json: bool) -> None:
         click.echo("\t".join(hyps))
 
 
-def _generate_on_ray(model, inputs, options, provider, threads, as_json, replicas, batch_size, address) -> None:
+def _generate_on_ray(model, inputs, options, targets, provider, threads, as_json, replicas, batch_size,
+                     address) -> None:
     from runtime.bundle import load_bundle
     from runtime.request import Request, search_options
     from toolkit.apps.extras import require
@@ -100,6 +139,7 @@ def _generate_on_ray(model, inputs, options, provider, threads, as_json, replica
     if batch_size < 1:
         raise InputError(f"--batch-size must be at least 1, got {batch_size}")
     loaded = load_bundle(model, provider=provider, threads=threads)
+    options.update(target_flags(loaded.tokenizer, len(inputs), *targets))
     request = Request.build(loaded.engine, inputs, loaded.tokenizer, search_options(loaded.engine, **options))
     from toolkit.apps.serve.ray_data import generate_on_ray                 # validated first: fail before Ray
 

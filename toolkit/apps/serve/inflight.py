@@ -4,7 +4,8 @@
     scheduler.start(); future = scheduler.submit(Job(request)); scheduler.stop()
 
 One decoding thread drives a runtime.inflight.InflightBatch of max_batch slots. Before every step it admits
-waiting greedy jobs (whose options differ from plain greedy search's only in ROW_OPTIONS, which each row keeps),
+waiting greedy jobs (whose options differ from plain greedy search's only in ROW_OPTIONS, which each row keeps, and
+in SAMPLE_OPTIONS for a job that samples one sample an input: its rows draw as runtime.search would draw them),
 oldest first, while their inputs fit in the free slots (the encoder runs for the joiners only); after the step,
 rows that finished leave at once and a job whose rows are all done gets its answer, so a short request never
 waits for a long one. Every other job (beam search, or any other option) keeps
@@ -24,11 +25,13 @@ import time
 
 from runtime.errors import NumericsError
 from runtime.inflight import InflightBatch, check_engine
+from runtime.processors import RowSampler, request_seed
 from runtime.request import differing
 from runtime.search import SearchOptions
 from toolkit.apps.serve.scheduler import Job, Scheduler, fail, warm_up_request
 
 ROW_OPTIONS = ("max_new_tokens", "ignore_eos")   # what an in-flight row keeps for itself
+SAMPLE_OPTIONS = ("sample", "temperature", "top_k", "top_p", "seed")   # ... and a sampling row (one sample an input)
 
 
 class InflightScheduler(Scheduler):
@@ -45,8 +48,9 @@ class InflightScheduler(Scheduler):
         self.steps = 0
 
     def in_flight(self, job: Job) -> bool:
-        """Whether the job's rows can decode in the in-flight batch (else: request-level, as a beam job)."""
-        return not differing(job.opts, self.plain, ROW_OPTIONS)
+        """Whether the job's rows can decode in the in-flight batch (else: request-level, as a beam job): plain
+        greedy search, or sampling one sample an input (each row draws from its own RowSampler)."""
+        return not differing(job.opts, self.plain, ROW_OPTIONS + (SAMPLE_OPTIONS if job.opts.sample else ()))
 
     def warm_up(self) -> None:
         """Request-level warm-up, then a few steps with every slot in use."""
@@ -128,7 +132,9 @@ class InflightScheduler(Scheduler):
         sequences = [seq for job in jobs for seq in job.sequences]
         limits = [n for job in jobs for n in job.request.limits]
         keys = [(job, i) for job in jobs for i in range(len(job.sequences))]
-        rows = iter(self.batch.join(sequences, limits, keys))
+        seeds = {job: request_seed(job.opts) for job in jobs if job.opts.sample}       # one seed a request
+        samplers = [RowSampler(job.opts, i, 0, seeds[job]) if job in seeds else None for job, i in keys]
+        rows = iter(self.batch.join(sequences, limits, keys, samplers))
         for job in jobs:
             job.started = now
             self._rows[job] = [next(rows) for _ in job.sequences]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
 
 from runtime.errors import OnnxformerError
@@ -55,7 +56,10 @@ class BatchGenerator:
 
         inputs = [json.loads(x) for x in batch["input"]]
         engine, tokenizer = self.bundle.engine, self.bundle.tokenizer
-        request = Request.build(engine, inputs, tokenizer, self.opts)   # this actor's part of the request
+        opts = self.opts                                                # per-input options: this batch's part
+        if opts.prefix_ids:
+            opts = replace(opts, prefix_ids=tuple(opts.prefix_ids[int(i)] for i in batch["index"]))
+        request = Request.build(engine, inputs, tokenizer, opts)        # this actor's part of the request
         outputs = to_outputs(generate(engine, request), engine.eos_id, tokenizer)
         recs = records(inputs, outputs)
         for rec in recs:

@@ -3,8 +3,9 @@
 A request body is checked in two steps: its shape and types here (pydantic, strict: no string for a number,
 no unknown field), then its values against the server's limits and the model (`Limits.request`: the same
 `runtime.request.Request.build` as `onnxformer generate`), so both say the same thing about the same mistake.
-Every field but `model`, `inputs` and `ids` is a runtime.search.SearchOptions field of the same name: a new search option
-is one field here, passed on by name.
+Every field but `model`, `inputs`, `ids` and the target-side ones (TARGET: `prefix`, `prefix_ids`, `bad_words`,
+`bad_words_ids`, turned into SearchOptions fields by runtime.request.target_options, as on the command line) is a
+runtime.search.SearchOptions field of the same name: a new search option is one field here, passed on by name.
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ from dataclasses import dataclass
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from runtime.errors import InputError
-from runtime.request import Request, search_options
+from runtime.request import Request, search_options, target_options
+
+TARGET = ("prefix", "prefix_ids", "bad_words", "bad_words_ids")   # fields given to runtime.request.target_options
 
 
 class GenerateRequest(BaseModel):
@@ -30,10 +33,25 @@ class GenerateRequest(BaseModel):
     num_return: int = Field(1, description="hypotheses returned per input (<= beam)")
     length_penalty: float = Field(1.0, description="beam scores are log-prob / length ** this")
     ignore_eos: bool = Field(False, description="never stop at EOS: generate exactly max_new_tokens (benchmarks)")
+    sample: bool = Field(False, description="draw each token at random instead of taking the most likely")
+    temperature: float = Field(1.0, description="sampling: logits / temperature")
+    top_k: int = Field(0, description="sampling: only the k most likely tokens (0 = all)")
+    top_p: float = Field(1.0, description="sampling: the most likely tokens reaching this probability (1 = all)")
+    seed: int | None = Field(None, description="sampling: the seed (reproducible draws; default fresh entropy)")
+    repetition_penalty: float = Field(1.0, description="> 1 makes tokens already generated less likely")
+    no_repeat_ngram_size: int = Field(0, description="no n-gram of this size occurs twice in an output (0 = off)")
+    min_new_tokens: int = Field(0, description="no end token before this many new tokens")
+    return_logprobs: bool = Field(False, description="each record carries `logprobs`, one per returned id")
+    prefix: str | list[str] | None = Field(None, description="target text every output starts with, or one per input")
+    prefix_ids: list[list[int]] | None = Field(None, description="target ids each output starts with, one list per "
+                                                                 "input")
+    bad_words: list[str] | None = Field(None, description="target texts never generated")
+    bad_words_ids: list[list[int]] | None = Field(None, description="target id sequences never generated")
 
     def options(self) -> dict:
-        """The search options it names (SearchOptions' fields), for runtime.request.search_options."""
-        return self.model_dump(exclude={"model", "inputs", "ids"})
+        """The search options it names (SearchOptions' fields), for runtime.request.search_options; the TARGET
+        fields go to runtime.request.target_options."""
+        return self.model_dump(exclude={"model", "inputs", "ids", *TARGET})
 
 
 class Record(BaseModel):
@@ -46,6 +64,7 @@ class Record(BaseModel):
     ids: list[int]
     score: float
     finished: bool
+    logprobs: list[float] | None = Field(None, description="with return_logprobs only: one per id")
 
 
 class GenerateResponse(BaseModel):
@@ -70,7 +89,8 @@ class Limits:
                              f"in one request; split the request")
         if not 1 <= body.beam <= self.max_beam:
             raise InputError(f"beam must be between 1 and {self.max_beam}, got {body.beam}")
-        return Request.build(model, inputs, tokenizer, search_options(model, **body.options()))
+        targets = target_options(tokenizer, len(inputs), **{name: getattr(body, name) for name in TARGET})
+        return Request.build(model, inputs, tokenizer, search_options(model, **body.options(), **targets))
 
 
 def parse_request(body: bytes) -> GenerateRequest:

@@ -1,6 +1,6 @@
-"""The translation service (toolkit/apps/serve: models, segment, translate, compat, keys): several bundles in one
-server, long texts split into sentences and pieces that fit, the LibreTranslate and DeepL APIs proven with their
-own client libraries, API keys, rates and quotas, HTTPS.
+"""The translation service (toolkit/apps/serve: models, translate, compat, keys): several bundles in one
+server, long texts split into sentences and pieces that fit (runtime.segment, also `onnxformer generate`'s), the
+LibreTranslate and DeepL APIs proven with their own client libraries, API keys, rates and quotas, HTTPS.
 
 Servers listen on 127.0.0.1 with a free port; every request is bounded in time. Reference translations come from
 runtime.generate on each sentence alone (the dates model: its outputs vary with the input).
@@ -25,7 +25,7 @@ from runtime.tokenizer import CharTokenizer  # noqa: E402
 from toolkit.apps.serve.app import ServeSettings, bind, create_app  # noqa: E402
 from toolkit.apps.serve.keys import ApiKeys, Denied, KeysError, check_access  # noqa: E402
 from toolkit.apps.serve.models import ModelError, ModelSet, manifest_languages, parse_languages, parse_specs  # noqa
-from toolkit.apps.serve.segment import plan_texts, sentences  # noqa: E402
+from runtime.segment import plan_texts, sentences  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DATES_CHARS = "0123456789 ,./-abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
@@ -54,6 +54,16 @@ def test_sentences_follow_the_language_rules_and_lose_nothing():
     parts = sentences(text, "en")
     assert "".join(parts) == text and len(parts) == 3, parts
     assert sentences("Am 3. Oktober kam er. Dann ging er.", "de") == ["Am 3. Oktober kam er. ", "Dann ging er."]
+
+
+def test_splitting_without_sentencex_names_the_fix(monkeypatch):
+    import sys
+
+    from runtime.errors import InputError
+
+    monkeypatch.setitem(sys.modules, "sentencex", None)                   # as if it were not installed
+    with pytest.raises(InputError, match="pip install sentencex .*--no-split"):
+        sentences("One. Two.", "en")
 
 
 # --- names, languages, keys ---
@@ -133,6 +143,48 @@ def reference(dates_bundle):
         return plan.join(rows)
 
     return translate
+
+
+def generate_cli(bundle, *args: str):
+    from toolkit.apps.cli import main
+
+    result = CliRunner().invoke(main, ["generate", str(bundle), "--provider", "cpu", "--max-new-tokens", "48", *args])
+    assert "Traceback" not in result.output, result.output
+    return result
+
+
+def test_generate_splits_texts_as_the_service_does(dates_bundle, reference, tmp_path):
+    """`onnxformer generate` splits TEXT arguments and --input lines like the compatible APIs: one line per input,
+    the sentences' outputs joined with its whitespace; --no-split keeps each text one row (an over-long one refused)."""
+    lines = tmp_path / "in.txt"
+    lines.write_text(f"{TEXT}\n{LONG}\n11/30/26\n")
+    result = generate_cli(dates_bundle, "Nov 3rd 1999.  ", "--input", str(lines))
+    expected = reference(["Nov 3rd 1999.  ", TEXT, LONG, "11/30/26"])
+    assert result.exit_code == 0 and result.stdout.splitlines() == expected
+    whole = generate_cli(dates_bundle, "--no-split", "--input", str(lines))        # TEXT: 49 characters, max_len 48
+    assert whole.exit_code == 2 and "input 0 has 49 tokens" in whole.stderr and "maximum source length" in whole.stderr
+
+
+def test_generate_json_records_join_the_sentences(dates_bundle):
+    """A split text's record: the sentences' records of the same call joined (text with its whitespace, ids and
+    logprobs concatenated, scores summed); token ids stay one row; a prefix forces the first sentence only."""
+    import json
+
+    parts = ["Monday, 30 November 2026.", "Nov 3rd 1999.", "1/5/2026"]
+    text = "{} {}  {}".format(*parts)
+    result = generate_cli(dates_bundle, text, *parts, "--ids", "4 16 8 16 5 3 5 9", "--json", "--return-logprobs")
+    recs = [json.loads(line) for line in result.stdout.splitlines()]
+    assert result.exit_code == 0 and [r["index"] for r in recs] == [0, 1, 2, 3, 4] and recs[0]["input"] == text
+    alone = recs[1:4]
+    assert len({r["text"] for r in alone}) == 3                           # outputs that vary with the input
+    assert recs[0]["text"] == "{} {}  {}".format(*(r["text"] for r in alone))
+    assert recs[0]["ids"] == [t for r in alone for t in r["ids"]] and recs[0]["finished"]
+    assert recs[0]["logprobs"] == [x for r in alone for x in r["logprobs"]]
+    assert recs[0]["score"] == pytest.approx(sum(r["score"] for r in alone), abs=1e-5)
+    assert recs[4]["input"] == [4, 16, 8, 16, 5, 3, 5, 9] and recs[4]["text"] == alone[2]["text"]     # "1/5/2026"
+    forced = generate_cli(dates_bundle, text, "--prefix", "19", "--max-new-tokens", "40")    # prefix + new <= 48
+    first, *rest = forced.stdout.rstrip("\n").split(" ")
+    assert forced.exit_code == 0 and first.startswith("19") and rest == recs[0]["text"].split(" ")[1:]
 
 
 @contextmanager
@@ -348,7 +400,7 @@ def test_service_modules_do_not_import_torch():
     import sys
 
     code = ("import sys; import toolkit.apps.serve.compat, toolkit.apps.serve.translate, toolkit.apps.serve.keys, "
-            "toolkit.apps.serve.segment, toolkit.apps.serve.models; "
+            "runtime.segment, toolkit.apps.serve.models; "
             "assert 'torch' not in sys.modules and 'onnx' not in sys.modules, 'torch or onnx imported'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=120)
 

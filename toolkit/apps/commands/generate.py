@@ -41,6 +41,21 @@ def target_flags(tokenizer, inputs: int, prefix: str | None, prefix_ids: str | N
     return target_options(tokenizer, inputs, prefix=prefix, prefix_ids=ids, bad_words=words, bad_words_ids=banned)
 
 
+def split_inputs(inputs: list, tokenizer, max_len: int, split: bool):
+    """The rows to decode and the runtime.segment Plan that joins their records back into one per input (None: no
+    text to split, every input is its row). A text is cut into sentences, and a sentence over max_len tokens into
+    pieces that fit, as the server's compatible APIs do; token ids stay whole."""
+    if not split or tokenizer is None or not any(isinstance(x, str) for x in inputs):
+        return inputs, None
+    from runtime.segment import plan_texts
+
+    for i, text in enumerate(inputs):
+        if isinstance(text, str) and not text.strip():
+            raise InputError(f"input {i} is empty; every input needs at least one token (a text that is not blank)")
+    plan = plan_texts(inputs, tokenizer, max_len)
+    return plan.rows, plan
+
+
 def read_inputs(texts: tuple[str, ...], input_file: str | None, ids: tuple[str, ...]) -> list[str | list[int]]:
     """Inputs in order: TEXT arguments, then the lines of --input, then each --ids."""
     inputs = [*texts, *(text_lines(input_file) or []), *(parse_ids(s) for s in ids)]
@@ -55,6 +70,9 @@ def read_inputs(texts: tuple[str, ...], input_file: str | None, ids: tuple[str, 
 @click.option("--input", "input_file", type=click.Path(allow_dash=True),
               help="file with one input a line, no blank lines ('-': stdin)")
 @click.option("--ids", multiple=True, help='token ids of one input, e.g. "5 6 7" (repeatable)')
+@click.option("--split/--no-split", default=True, show_default=True,
+              help="cut each text into sentences (and an over-long sentence into pieces), decode them in one batch and "
+                   "join the outputs with the text's whitespace; --no-split: one row per text, over max_len refused")
 # the search options: each flag named as its runtime.search.SearchOptions field, passed on by name (**options)
 @click.option("--beam", default=1, show_default=True, help="beam width (1 = greedy)")
 @click.option("--num-return", default=1, show_default=True, help="hypotheses returned per input (<= beam)")
@@ -85,31 +103,46 @@ def read_inputs(texts: tuple[str, ...], input_file: str | None, ids: tuple[str, 
 @click.option("--batch-size", default=32, show_default=True, help="with --ray: inputs per batch sent to an actor")
 @click.option("--address", help="with --ray: join this Ray cluster ('auto' or HOST:6379) instead of a local one")
 @friendly
-def command(model, texts, input_file, ids, provider, threads, as_json, use_ray, replicas, batch_size, address,
+def command(model, texts, input_file, ids, split, provider, threads, as_json, use_ray, replicas, batch_size, address,
             prefix, prefix_ids, prefix_file, bad_words, bad_words_ids, **options):
     """Generate from MODEL (a checkpoint or a bundle) for each TEXT, --input line and --ids.
 
     Prints one line per input: the generated text (or ids, for models without a tokenizer); with
-    --num-return N the N hypotheses are tab-separated, best first.
+    --num-return N the N hypotheses are tab-separated, best first. A text longer than a sentence is split into
+    sentences that decode in one batch, joined back with its whitespace (--no-split keeps it whole).
     """
     from runtime.generate import generate, records, to_outputs
-    from runtime.request import Request, search_options
     from toolkit.apps.engines import open_model
 
     inputs = read_inputs(texts, input_file, ids)
     targets = (prefix, prefix_ids, prefix_file, bad_words, bad_words_ids)
     if use_ray:
-        return _generate_on_ray(model, inputs, options, targets, provider, threads, as_json, replicas, batch_size,
-                                address)
+        return _generate_on_ray(model, inputs, split, options, targets, provider, threads, as_json, replicas,
+                                batch_size, address)
     opened = open_model(model, provider=provider, threads=threads, one_graph_at_a_time=True)   # one generate call:
     # the encoder runs once, so its session is released before the decoder's is made (peak memory on the edge)
     engine, tokenizer = opened.engine, opened.tokenizer
-    options.update(target_flags(tokenizer, len(inputs), *targets))
-    request = Request.build(engine, inputs, tokenizer, search_options(engine, **options))
+    request, plan = build_request(engine, tokenizer, inputs, split, options, targets)
     outputs = to_outputs(generate(engine, request), engine.eos_id, tokenizer)
     if provider == "auto":                                 # say what "auto" chose (stderr: stdout stays the output)
         click.echo(f"generated with {opened.describe()}", err=True)
-    print_records(records(request.inputs, outputs), len(inputs), as_json)
+    print_records(joined(records(request.inputs, outputs), plan, inputs), len(inputs), as_json)
+
+
+def build_request(engine, tokenizer, inputs: list, split: bool, options: dict, targets: tuple):
+    """The validated Request of the rows (split_inputs) with the search and target flags, and the rows' Plan."""
+    from runtime.request import Request, search_options
+
+    rows, plan = split_inputs(inputs, tokenizer, engine.max_len, split)
+    options.update(target_flags(tokenizer, len(inputs), *targets))
+    if plan is not None and "prefix_ids" in options:          # a text's prefix starts its first piece only
+        options["prefix_ids"] = tuple(plan.first_rows(list(options["prefix_ids"]), ()))
+    return Request.build(engine, rows, tokenizer, search_options(engine, **options)), plan
+
+
+def joined(recs: list[dict], plan, inputs: list) -> list[dict]:
+    """The rows' records as one per input and rank (as they are when nothing was split)."""
+    return recs if plan is None else plan.join_records(recs, inputs)
 
 
 def print_records(recs: list[dict], n_inputs: int, as_json: bool) -> None:
@@ -125,10 +158,9 @@ def print_records(recs: list[dict], n_inputs: int, as_json: bool) -> None:
         click.echo("\t".join(hyps))
 
 
-def _generate_on_ray(model, inputs, options, targets, provider, threads, as_json, replicas, batch_size,
+def _generate_on_ray(model, inputs, split, options, targets, provider, threads, as_json, replicas, batch_size,
                      address) -> None:
     from runtime.bundle import load_bundle
-    from runtime.request import Request, search_options
     from toolkit.apps.extras import require
     from toolkit.apps.engines import model_kind
 
@@ -139,11 +171,10 @@ def _generate_on_ray(model, inputs, options, targets, provider, threads, as_json
     if batch_size < 1:
         raise InputError(f"--batch-size must be at least 1, got {batch_size}")
     loaded = load_bundle(model, provider=provider, threads=threads)
-    options.update(target_flags(loaded.tokenizer, len(inputs), *targets))
-    request = Request.build(loaded.engine, inputs, loaded.tokenizer, search_options(loaded.engine, **options))
+    request, plan = build_request(loaded.engine, loaded.tokenizer, inputs, split, options, targets)
     from toolkit.apps.serve.ray_data import generate_on_ray                 # validated first: fail before Ray
 
     click.echo(f"generating {len(inputs)} inputs with Ray Data: {replicas} actor(s), batches of {batch_size}", err=True)
     recs = generate_on_ray(model, request, actors=replicas, batch_size=batch_size, provider=provider,
                            threads=threads, address=address)
-    print_records(recs, len(inputs), as_json)
+    print_records(joined(recs, plan, inputs), len(inputs), as_json)

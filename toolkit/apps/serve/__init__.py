@@ -8,7 +8,6 @@
     ray_data.py   offline generation with Ray Data (map_batches over an actor pool)
     loadtest.py   a bounded load generator for a running server (loopback only)
     models.py     several bundles in one server: names, languages, routing, merged metrics
-    segment.py    long texts: sentences (sentencex) and pieces that fit max_len, joined back with their whitespace
     translate.py  texts in, texts out on one model (the compatible APIs' core), form and JSON bodies
     compat.py     the LibreTranslate- and DeepL-compatible routes, the API-key check of every route
     keys.py       API keys, per-key request rates and monthly character quotas, who may listen where

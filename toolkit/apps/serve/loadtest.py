@@ -146,9 +146,16 @@ async def _run(spec: LoadSpec, progress=None) -> dict:
     return report(spec, model, results, wall, before, after)
 
 
+def latency_ms(seconds: list[float]) -> dict[str, float]:
+    """p50, p90, p99 and max of request latencies given in seconds, in milliseconds (zeros for none)."""
+    latencies = np.array(seconds) * 1000 if seconds else np.zeros(1)
+    return {**{q: round(float(np.percentile(latencies, int(q[1:]))), 1) for q in ("p50", "p90", "p99")},
+            "max": round(float(latencies.max()), 1)}
+
+
 def report(spec: LoadSpec, model: dict, results: list, wall: float, before, after) -> dict:
     ok = [r for r in results if r[0] == 200 and not r[3]]
-    latencies = np.array([r[1] for r in ok]) * 1000 if ok else np.zeros(1)
+    latency = latency_ms([r[1] for r in ok])
     statuses: dict[str, int] = {}
     for r in results:
         key = "lost" if r[0] is None else str(r[0])
@@ -164,8 +171,8 @@ def report(spec: LoadSpec, model: dict, results: list, wall: float, before, afte
         "wall_s": round(wall, 3),
         "throughput_rps": round(len(ok) / wall, 3),
         "tokens_per_s": round(sum(r[2] for r in ok) / wall, 1),
-        "latency_ms": {q: round(float(np.percentile(latencies, int(q[1:]))), 1) for q in ("p50", "p90", "p99")},
-        "latency_ms_max": round(float(latencies.max()), 1),
+        "latency_ms": {q: latency[q] for q in ("p50", "p90", "p99")},
+        "latency_ms_max": latency["max"],
         "server_batches": int(batches), "mean_batch_rows": round(rows / batches, 2) if batches else 0.0,
     }
 

@@ -106,7 +106,7 @@ def test_generate_on_max_new_tokens_zero_prints_empty_lines():
 @pytest.mark.parametrize("args, phrases", [
     (["generate", "nowhere", "x"], ["does not exist", "checkpoint", "bundle"]),
     (["generate", DATES, "30 Nov 2026 @"], ["outside the vocabulary", "'@'"]),
-    (["generate", DATES, "Monday, 30 November 2026" * 3], ["maximum source length 48"]),
+    (["generate", DATES, "Monday, 30 November 2026" * 3, "--no-split"], ["maximum source length 48"]),
     (["generate", DATES, ""], ["input 0 is empty"]),
     (["generate", DATES], ["no inputs given"]),
     (["generate", DATES, "--ids", "5 x 7"], ["not a list of integers"]),

@@ -1,5 +1,5 @@
 """The translation service (toolkit/apps/serve: models, translate, compat, keys): several bundles in one
-server, long texts split into sentences and pieces that fit (runtime.segment, also `onnxformer generate`'s), the
+server, long texts split into sentences and pieces that fit (toolkit.apps.segment, also `onnxformer generate`'s), the
 LibreTranslate and DeepL APIs proven with their own client libraries, API keys, rates and quotas, HTTPS.
 
 Servers listen on 127.0.0.1 with a free port; every request is bounded in time. Reference translations come from
@@ -25,7 +25,7 @@ from runtime.tokenizer import CharTokenizer  # noqa: E402
 from toolkit.apps.serve.app import ServeSettings, bind, create_app  # noqa: E402
 from toolkit.apps.serve.keys import ApiKeys, Denied, KeysError, check_access  # noqa: E402
 from toolkit.apps.serve.models import ModelError, ModelSet, manifest_languages, parse_languages, parse_specs  # noqa
-from runtime.segment import plan_texts, sentences  # noqa: E402
+from toolkit.apps.segment import plan_texts, sentences  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DATES_CHARS = "0123456789 ,./-abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
@@ -400,7 +400,7 @@ def test_service_modules_do_not_import_torch():
     import sys
 
     code = ("import sys; import toolkit.apps.serve.compat, toolkit.apps.serve.translate, toolkit.apps.serve.keys, "
-            "runtime.segment, toolkit.apps.serve.models; "
+            "toolkit.apps.segment, toolkit.apps.serve.models; "
             "assert 'torch' not in sys.modules and 'onnx' not in sys.modules, 'torch or onnx imported'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=120)
 

@@ -42,12 +42,12 @@ def target_flags(tokenizer, inputs: int, prefix: str | None, prefix_ids: str | N
 
 
 def split_inputs(inputs: list, tokenizer, max_len: int, split: bool):
-    """The rows to decode and the runtime.segment Plan that joins their records back into one per input (None: no
+    """The rows to decode and the toolkit.apps.segment Plan that joins their records back into one per input (None: no
     text to split, every input is its row). A text is cut into sentences, and a sentence over max_len tokens into
     pieces that fit, as the server's compatible APIs do; token ids stay whole."""
     if not split or tokenizer is None or not any(isinstance(x, str) for x in inputs):
         return inputs, None
-    from runtime.segment import plan_texts
+    from toolkit.apps.segment import plan_texts
 
     for i, text in enumerate(inputs):
         if isinstance(text, str) and not text.strip():

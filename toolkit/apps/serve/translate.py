@@ -2,7 +2,7 @@
 
     texts = await translate(model, ["Monday, 30 November 2026. Nov 3rd 1999."], source="en")
 
-Every text is split into sentences and pieces that fit the model (runtime.segment); all the pieces of a request go to
+Every text is split into sentences and pieces that fit the model (toolkit.apps.segment); all the pieces of a request go to
 the model's scheduler as jobs of at most --max-batch rows each, so they decode in one batch where they fit (and
 share it with other requests, like /v1/generate's inputs), and every text comes back joined with its whitespace.
 Request bodies are JSON objects or forms (application/x-www-form-urlencoded or multipart/form-data), as the
@@ -24,7 +24,7 @@ from runtime.request import Request as Generation, search_options
 from toolkit.apps.serve.app import RequestError, read_body, submit, wait_for_disconnect
 from toolkit.apps.serve.models import ServedModel
 from toolkit.apps.serve.scheduler import Job
-from runtime.segment import plan_texts
+from toolkit.apps.segment import plan_texts
 
 
 async def read_fields(request: Request, limit: int) -> dict[str, object]:

@@ -130,9 +130,10 @@ def trainable(model, name: str, seed: int) -> None:
 
 def trained_original(name: str, directory: str | Path, steps: int = 300, seed: int = 0, count: int = 2000,
                      lr: float = 3e-3, batch: int = 32):
-    """A transformers model of the family trained briefly (Adam, `steps` batches of `count` sentences) to
-    `translate` sentences of WORDS, with its tokenizer (whole words; NLLB and mBART-50 translate
-    from and into LANGS, the target the language a caller forces first); saved with save_pretrained. Seconds on one core."""
+    """(model, tokenizer): a transformers model of the family trained briefly (Adam, `steps` batches drawn from
+    `count` sentences) to `translate` sentences of WORDS, and its tokenizer (whole words; NLLB and mBART-50 translate
+    between the LANGS pair, the target being the language a caller forces first), both saved with save_pretrained
+    in `directory`. Tens of seconds on one core."""
     from toolkit.testing.tiny_marian import train_pairs
 
     source, target = LANGS.get(TRAINED_TOKENIZER[name], (None, None))
@@ -243,5 +244,5 @@ def tiny_tokenizer(name: str, words: bool = False, src_lang: str | None = None):
     raise ValueError(f"unknown tokenizer {name!r}; choose one of {', '.join(TOKENIZERS)}")
 
 
-__all__ = ["CONDITIONED", "FAMILIES", "SIZES", "ForcedFirst", "LANGS", "TOKENIZERS", "TRAINED_TOKENIZER", "family_model",
-           "held_out", "sentences", "tiny_original", "tiny_tokenizer", "trained_original", "translate"]
+__all__ = ["CONDITIONED", "FAMILIES", "SIZES", "ForcedFirst", "LANGS", "TOKENIZERS", "TRAINED_TOKENIZER",
+           "family_model", "held_out", "sentences", "tiny_original", "tiny_tokenizer", "trained_original", "translate"]

@@ -44,7 +44,7 @@ def tiny_original(name: str, directory: str | Path, seed: int = 0, matrix: float
     SIZES' (a model imported with a tokenizer needs at least its tokens)."""
     import torch
 
-    model = family_model(name, vocab_size or SIZES["vocab_size"], seed)
+    model = family_model(name, vocab_size or SIZES["vocab_size"])
     config = model.config
     gen = torch.Generator().manual_seed(seed)
     embed = EMBED / (config.d_model ** 0.5 if config.scale_embedding else 1.0)   # scaled or not: O(1) inputs
@@ -61,14 +61,12 @@ def tiny_original(name: str, directory: str | Path, seed: int = 0, matrix: float
     return model
 
 
-def family_model(name: str, vocab_size: int, seed: int = 0):
+def family_model(name: str, vocab_size: int):
     """The family's transformers model of SIZES (and `vocab_size`) with its own initialization, in eval mode;
-    forced EOS is off in its config and generation config (the runtime forces none)."""
-    import torch
+    forced EOS is off in its config and generation config (the runtime forces none). Callers set the weights."""
     import transformers
 
     config_cls, model_cls, overrides = FAMILIES[name]
-    torch.manual_seed(seed)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         config = getattr(transformers, config_cls)(**{**SIZES, "vocab_size": vocab_size}, **overrides)
@@ -140,7 +138,7 @@ def trained_original(name: str, directory: str | Path, steps: int = 300, seed: i
     tok = tiny_tokenizer(TRAINED_TOKENIZER[name], words=True, src_lang=source)
     if target is not None:
         tok.tgt_lang = target
-    model = family_model(name, len(tok), seed)
+    model = family_model(name, len(tok))
     trainable(model, name, seed)
     lines = sentences(count, seed)
     train_pairs(model, tok, lines, [translate(t) for t in lines], steps=steps, seed=seed, lr=lr, batch=batch,

@@ -7,8 +7,9 @@ importer's real code, exported and fused, it must give: teacher-forced logits wi
 rounding alone exceeds it), greedy and beam-4 ids identical to `generate` with the same settings (the target
 language forced first where the family translates into several: forced_bos_token_id), text in, text out equal
 to the transformers tokenizer + generate + decode, `onnxformer parity DIR BUNDLE` ok, and an int8 bundle that
-passes the gate on held-out texts. Training takes ~30 s a family on one core: slow tests (each family's import
-and token parity on random weights stay in the fast suite, tests/test_families.py).
+passes the gate on held-out texts. Training takes up to a minute or two a family on one (shared) core, so these
+are slow tests; each family's import and token parity on random weights stay in the fast suite
+(tests/test_families.py).
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Tiny BART, mBART, M2M100 (NLLB) and Pegasus models and tokenizers made offline, for tests.
 
-    tiny_original("m2m100", out_dir)    # a random M2M100ForConditionalGeneration saved with save_pretrained
-    tiny_tokenizer("nllb")              # transformers' NllbTokenizer over a small BPE vocabulary
-    trained_original("m2m100", out_dir) # an NLLB-style model trained for seconds, eng_Latn -> deu_Latn, + tokenizer
-    held_out(64)                        # sentences no training run saw (parity and gate inputs)
+    tiny_original("m2m100", out_dir)     # a random M2M100ForConditionalGeneration saved with save_pretrained
+    tiny_tokenizer("nllb")               # transformers' NllbTokenizer over a small BPE vocabulary
+    trained_original("m2m100", out_dir)  # NLLB-style, trained briefly (eng_Latn -> deu_Latn), + tokenizer
+    held_out(64)                         # sentences no training run saw (parity and gate inputs)
 
 Random models come from their Config classes with weights large enough that greedy outputs vary with the input
 (LayerNorm gains and biases, logits bias and learned positions included, so a swapped or dropped tensor shows).

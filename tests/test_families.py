@@ -24,7 +24,7 @@ from toolkit.reference.importers import ImportRefused  # noqa: E402
 from toolkit.reference.importers.bart import BART, convert_state, fairseq_table, load_family, model_config  # noqa: E402
 from toolkit.reference.importers.m2m100 import M2M100  # noqa: E402
 from toolkit.reference.torch_engine import TorchEngine  # noqa: E402
-from toolkit.testing.tiny_families import FAMILIES, SIZES, tiny_original  # noqa: E402
+from toolkit.testing.tiny_families import FAMILIES, SIZES, ForcedFirst, tiny_original  # noqa: E402
 
 FIRST = 3          # first ordinary id: 0..2 are specials in every family here
 FORCED = 7         # the "target language" token forced first
@@ -72,32 +72,6 @@ def test_logits_equal_the_originals_on_padded_batches(family):
         want, got = both(copy.deepcopy(original).double(), copy.deepcopy(ours).double())
         err = float((want - got).abs().max())
     assert err <= 1e-5, f"{name}: max abs logits error {err:.2e}"
-
-
-class ForcedFirst:
-    """An engine whose first step can only pick `token` (transformers' forced_bos_token_id, the same rule)."""
-
-    def __init__(self, engine, token: int):
-        self.engine, self.token = engine, token
-
-    def __getattr__(self, name):
-        return getattr(self.engine, name)
-
-    def start(self, *args, **kwargs):
-        return ForcedState(self.engine.start(*args, **kwargs), self.token)
-
-
-class ForcedState:
-    def __init__(self, state, token: int):
-        self.state, self.token, self.steps = state, token, 0
-
-    def step(self, tokens, keep):
-        logits = self.state.step(tokens, keep)
-        if self.steps == 0:
-            logits[:] = -np.inf
-            logits[:, self.token] = 0.0
-        self.steps += 1
-        return logits
 
 
 def original_greedy(original, seqs, max_new_tokens: int, forced: int | None) -> list[list[int]]:

@@ -65,6 +65,7 @@ class OriginalReport(Report):
     checks: list[OriginalCheck] = field(default_factory=list)
     reference: str = "the original"             # its family's name for it: "MarianMTModel (transformers)"
     representative: bool = True     # False: random piece ids (a text model never sees them)
+    family: str = "original"        # the registered family ("marian", "m2m100"): the original's key in mismatches
 
     @property
     def verdict(self) -> str:
@@ -76,7 +77,8 @@ class OriginalReport(Report):
         first = next((c for c in self.checks if c.verdict == "failed" and c.what not in ("tokenizer", "logits")
                       and c.first_mismatch), None)
         if first is not None:
-            line += f"; first mismatch ({first.what}): " + mismatch_window(first.first_mismatch, "onnxformer", "marian")
+            window = mismatch_window(first.first_mismatch, "onnxformer", self.family)
+            line += f"; first mismatch ({first.what}): {window}"
         return line if self.representative else f"{line}; {UNREPRESENTATIVE}"
 
     def table(self) -> str:
@@ -91,8 +93,8 @@ class OriginalReport(Report):
         return "\n".join(lines)
 
     def fields(self) -> dict:
-        return {"original": self.original, "candidate": self.candidate, "samples": self.samples,
-                "source": self.source, "representative": self.representative,
+        return {"original": self.original, "family": self.family, "candidate": self.candidate,
+                "samples": self.samples, "source": self.source, "representative": self.representative,
                 "checks": [c.to_dict() for c in self.checks]}
 
 
@@ -111,9 +113,10 @@ def load_original(path: str | Path):
     return original_of(path).load_original(Path(path))
 
 
-def marian_inputs(tok, ours, texts: list[str] | None, samples: int, seed: int = 0,
-                  max_len: int = 24) -> tuple[list[list[int]], str, OriginalCheck | None]:
-    """Source ids: texts tokenized by the original's tokenizer (checked against ours), else random piece ids."""
+def marian_inputs(tok, ours, texts: list[str] | None, samples: int, seed: int = 0, max_len: int = 24,
+                  family: str = "original") -> tuple[list[list[int]], str, OriginalCheck | None]:
+    """Source ids: texts tokenized by the original's tokenizer (checked against ours), else random piece ids;
+    a tokenizer mismatch names the original's ids by `family`."""
     if samples < 1:
         raise InputError(f"--samples must be at least 1, got {samples}")
     if texts:
@@ -127,7 +130,7 @@ def marian_inputs(tok, ours, texts: list[str] | None, samples: int, seed: int = 
             check = OriginalCheck("tokenizer", ok_or_failed(same == len(ref)),
                                   f"{same}/{len(ref)} inputs tokenized identically", same / len(ref), 1.0,
                                   first_mismatch=None if bad is None else
-                                  {"index": bad, "text": texts[bad], "marian": ref[bad], "onnxformer": got[bad]})
+                                  {"index": bad, "text": texts[bad], family: ref[bad], "onnxformer": got[bad]})
         return ref, f"{len(texts)} texts", check
     special = set(tok.all_special_ids)
     ids = [i for i in range(tok.vocab_size) if i not in special]       # the base vocabulary, added tokens aside
@@ -144,9 +147,10 @@ def hf_pad(model) -> int:
 
 
 def hf_generate(model, seqs: list[list[int]], beam: int, max_new_tokens: int, length_penalty: float = 1.0,
-                batch: int = 64) -> list[list[int]]:
+                batch: int = 64, forced_bos: int | None = None) -> list[list[int]]:
     """The original's generate: best hypothesis per input, start token dropped, cut after the first EOS; pad is
-    never generated where decoding starts from it (the reference model's suppress_pad)."""
+    never generated where decoding starts from it (the reference model's suppress_pad); forced_bos: the first
+    token (forced_bos_token_id: mBART-50's and NLLB's target language), else none is forced."""
     import torch
     from transformers import GenerationConfig
 
@@ -156,7 +160,7 @@ def hf_generate(model, seqs: list[list[int]], beam: int, max_new_tokens: int, le
                           bad_words_ids=[[c.pad_token_id]] if c.decoder_start_token_id == c.pad_token_id else None,
                           decoder_start_token_id=c.decoder_start_token_id,
                           eos_token_id=c.eos_token_id, pad_token_id=c.pad_token_id, forced_eos_token_id=None,
-                          forced_bos_token_id=None, no_repeat_ngram_size=0, repetition_penalty=1.0, min_length=0,
+                          forced_bos_token_id=forced_bos, no_repeat_ngram_size=0, repetition_penalty=1.0, min_length=0,
                           use_cache=True)
     out = []
     for start in range(0, len(seqs), batch):
@@ -210,8 +214,10 @@ def logits_check(model, reference, seqs: list[list[int]], steps: int = 8, seed: 
 
 
 def token_checks(model, engine, seqs: list[list[int]], beams=(1, 4), max_new_tokens: int = 32,
-                 length_penalty: float = 1.0, token_match: float = 1.0) -> list[OriginalCheck]:
-    """Best hypotheses of the engine vs the original's generate, per search; needs varied reference outputs."""
+                 length_penalty: float = 1.0, token_match: float = 1.0,
+                 family: str = "original") -> list[OriginalCheck]:
+    """Best hypotheses of the engine vs the original's generate, per search; needs varied reference outputs. A
+    first mismatch names the original's tokens by `family`."""
     checks = []
     for beam in beams:
         ref = hf_generate(model, seqs, beam, max_new_tokens, length_penalty)
@@ -222,7 +228,7 @@ def token_checks(model, engine, seqs: list[list[int]], beams=(1, 4), max_new_tok
         distinct = len({tuple(r) for r in ref})
         name = "greedy" if beam == 1 else f"beam {beam}"
         if first is not None:
-            first = {"index": first["index"], "position": first["position"], "marian": first["pytorch"],
+            first = {"index": first["index"], "position": first["position"], family: first["pytorch"],
                      "onnxformer": first["onnxruntime"]}
         verdict = token_verdict(tok_eq, token_match, distinct, len(seqs))
         detail = f"{seq_eq:.2%} sequences, {tok_eq:.2%} tokens identical ({distinct} distinct)"
@@ -242,9 +248,9 @@ def marian_parity(original: str | Path, engine, candidate: str = "", texts: list
     progress = progress or (lambda msg: None)
     family = original_of(original)
     model, tok = family.load_original(Path(original))
-    seqs, source, tok_check = marian_inputs(tok, tokenizer, texts, samples)
+    seqs, source, tok_check = marian_inputs(tok, tokenizer, texts, samples, family=family.name)
     report = OriginalReport(str(original), candidate, len(seqs), source, reference=family.original,
-                            representative=bool(texts))
+                            representative=bool(texts), family=family.name)
     if tok_check is not None:
         report.checks.append(tok_check)
     progress(f"logits: {family.original} vs the imported reference model")
@@ -253,5 +259,6 @@ def marian_parity(original: str | Path, engine, candidate: str = "", texts: list
     max_new_tokens = min(max_new_tokens, engine.max_len)
     progress(f"tokens: {family.original} generate vs {candidate or 'the engine'} "
              f"(beams {', '.join(map(str, beams))})")
-    report.checks += token_checks(model, engine, seqs, beams, max_new_tokens, length_penalty, token_match)
+    report.checks += token_checks(model, engine, seqs, beams, max_new_tokens, length_penalty, token_match,
+                                  family.name)
     return report

@@ -138,7 +138,8 @@ def build_tiny_marian(out_dir: str | Path, steps: int = 150, seed: int = 0, sepa
                                                   .manual_seed(seed)) * 0.1)
     _pin(model, pad, tok.pad_token_id)
     if steps:
-        _train(model, tok, lines, targets, steps=steps, seed=seed, lr=lr, batch=batch, warmup=warmup)
+        train_pairs(model, tok, lines, targets, steps=steps, seed=seed, lr=lr, batch=batch, warmup=warmup,
+                    after_step=lambda: _pin(model, pad, tok.pad_token_id))
     model.eval()
     model.generation_config = GenerationConfig(bad_words_ids=[[pad]], decoder_start_token_id=pad, eos_token_id=0,
                                                pad_token_id=pad, max_length=64, num_beams=4)
@@ -182,9 +183,10 @@ def _pin(model, pad: int, source_pad: int) -> None:
         model.get_encoder().embed_tokens.weight[source_pad] = 0.0
 
 
-def _train(model, tok, lines: list[str], targets: list[str], steps: int, seed: int, lr: float, batch: int,
-           warmup: int) -> None:
-    """Adam on random batches of `lines` -> `targets`, on one thread, <pad> pinned to zero after every step."""
+def train_pairs(model, tok, lines: list[str], targets: list[str], steps: int, seed: int, lr: float, batch: int,
+                warmup: int, after_step=None) -> None:
+    """Adam on random batches of `lines` -> `targets` (tokenized once by the transformers tokenizer `tok`, its
+    target framing included), on one thread; `after_step()` runs after every update (Marian pins <pad>)."""
     import torch
 
     pad = model.config.pad_token_id
@@ -211,7 +213,8 @@ def _train(model, tok, lines: list[str], targets: list[str], steps: int, seed: i
                 opt.zero_grad()
                 loss.backward()
                 opt.step()
-                _pin(model, pad, tok.pad_token_id)
+                if after_step is not None:
+                    after_step()
                 if sched is not None:
                     sched.step()
     finally:

@@ -269,12 +269,13 @@ def family_tokenizer(directory: Path, config: ModelConfig):
 
 
 def architectures() -> dict[str, Architecture]:
-    """model_type -> Architecture, for every family here."""
-    from toolkit.reference.importers.m2m100 import M2M100
-    from toolkit.reference.importers.mbart import MBART
-    from toolkit.reference.importers.pegasus import PEGASUS
+    """model_type -> Architecture of every registered family that converts with this module (made by `family`):
+    the registry is the one table of families, this reads it."""
+    from toolkit.reference.importers.registry import families
 
-    return {f.model_type: f for f in (BART, MBART, M2M100, PEGASUS)}
+    converts = [f.convert for f in families().values()]
+    return {c.args[0].model_type: c.args[0] for c in converts
+            if isinstance(c, partial) and c.func is convert_directory}
 
 
 def architecture_of(hf: dict, where: Path) -> Architecture:

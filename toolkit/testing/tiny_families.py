@@ -96,4 +96,18 @@ def tiny_tokenizer(name: str):
     raise ValueError(f"unknown tokenizer {name!r}; choose one of {', '.join(TOKENIZERS)}")
 
 
-__all__ = ["CONDITIONED", "FAMILIES", "SIZES", "TOKENIZERS", "tiny_original", "tiny_tokenizer"]
+MULTILINGUAL = {"nllb": "m2m100", "mbart50": "mbart"}   # tokenizer -> model family, target language forced
+
+
+def tiny_multilingual(name: str, directory: str | Path, seed: int = 3, matrix: float = MATRIX):
+    """(transformers model, tokenizer) of a tiny multilingual model (NLLB or mBART-50, MULTILINGUAL) saved together
+    in `directory`, as `onnxformer import` reads them."""
+    tokenizer = tiny_tokenizer(name)
+    model = tiny_original(MULTILINGUAL[name], directory, seed=seed, matrix=matrix,
+                          vocab_size=max(SIZES["vocab_size"], len(tokenizer)))
+    tokenizer.save_pretrained(directory)
+    return model, tokenizer
+
+
+__all__ = ["CONDITIONED", "FAMILIES", "MULTILINGUAL", "SIZES", "TOKENIZERS", "tiny_multilingual", "tiny_original",
+           "tiny_tokenizer"]

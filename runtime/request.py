@@ -160,12 +160,15 @@ class Request:
     @property
     def batch_key(self) -> tuple:
         """Requests with equal keys decode in one search: every option but those an input keeps for itself. A
-        request with per-input options (prefix_ids) or sampling (each input's generator is seeded by its index in
-        its request) decodes alone: its key is its own."""
-        if self.opts.prefix_ids or self.opts.sample:
+        request whose inputs have different prefixes (prefix_ids) or that samples (each input's generator is seeded
+        by its index in its request) decodes alone: its key is its own. Inputs that share one prefix (a target
+        language) batch with other requests' inputs of that prefix."""
+        prefixes = set(self.opts.prefix_ids)
+        if len(prefixes) > 1 or self.opts.sample:
             return ("alone", id(self))
-        own = PER_INPUT if self.opts.beam == 1 else ()
-        return tuple((f.name, getattr(self.opts, f.name)) for f in fields(self.opts) if f.name not in own)
+        own = (*PER_INPUT, "prefix_ids") if self.opts.beam == 1 else ("prefix_ids",)
+        key = tuple((f.name, getattr(self.opts, f.name)) for f in fields(self.opts) if f.name not in own)
+        return key + (("prefix", next(iter(prefixes), None)),)
 
 
 def merge(requests: Sequence[Request]) -> Request:
@@ -174,7 +177,8 @@ def merge(requests: Sequence[Request]) -> Request:
     if any(r.batch_key != first.batch_key for r in requests):
         raise ValueError("only requests with equal batch keys decode together")
     limits = [n for r in requests for n in r.limits]
-    opts = replace(first.opts, max_new_tokens=max(limits))
+    prefixes = tuple(p for r in requests for p in r.opts.prefix_ids)        # one shared prefix (batch_key)
+    opts = replace(first.opts, max_new_tokens=max(limits), prefix_ids=prefixes)
     return Request([x for r in requests for x in r.inputs], [s for r in requests for s in r.sequences], opts, limits)
 
 

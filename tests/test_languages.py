@@ -203,3 +203,22 @@ def test_inspect_lists_the_languages(nllb_bundle):
     assert listed.exit_code == 0, listed.output
     line = next(x for x in listed.output.splitlines() if x.startswith("target languages"))
     assert line.startswith("target languages (202): ace_Arab ace_Latn") and "deu_Latn" in line.split()
+
+
+def test_requests_with_one_target_language_batch_together(model):
+    """Inputs that share their forced prefix (the target language) merge into one search and get what they get
+    alone; another target language keeps its own batch."""
+    from runtime.request import merge
+
+    name, _, _, engine, tokenizer = model
+    src, (tgt, other) = PAIRS[name]
+
+    def build(texts, target):
+        framed, lead = languages(tokenizer, src, target)
+        opts = search_options(engine, max_new_tokens=MAX_NEW - 1, **target_options(framed, len(texts), lead=lead))
+        return Request.build(engine, texts, framed, opts)
+
+    a, b, c = build(TEXTS[:2], tgt), build(TEXTS[2:5], tgt), build(TEXTS[:1], other)
+    assert a.batch_key == b.batch_key != c.batch_key
+    together = generate(engine, merge([a, b]))
+    assert [h[0].tokens for h in together] == [h[0].tokens for r in (a, b) for h in generate(engine, r)]

@@ -57,7 +57,7 @@ def test_the_default_and_every_refusal_name_the_input_and_fix():
 def test_batch_keys_and_merges_carry_every_option_a_new_one_included():
     names = {f.name for f in dataclasses.fields(Extended)}
     greedy = Request.build(MODEL, [[5]], opts=Extended(max_new_tokens=4))
-    assert {name for name, _ in greedy.batch_key} == names - set(PER_INPUT)
+    assert {name for name, _ in greedy.batch_key} == (names - set(PER_INPUT) - {"prefix_ids"}) | {"prefix"}
     longer = Request.build(MODEL, [[6], [7]], opts=Extended(max_new_tokens=9))
     warmer = Request.build(MODEL, [[6]], opts=Extended(max_new_tokens=4, diversity=0.5))
     assert longer.batch_key == greedy.batch_key and warmer.batch_key != greedy.batch_key

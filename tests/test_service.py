@@ -428,6 +428,7 @@ def test_a_multilingual_bundle_serves_its_languages(nllb_url, nllb_bundle):
     assert any(entry["code"] == "fr" and "de" in entry["targets"] for entry in lt.languages(timeout=30))
     translator = deepl.Translator("any-key", server_url=nllb_url)
     assert translator.translate_text(text, source_lang="FR", target_lang="EN-US").text == want_en
+    assert translator.translate_text(text, target_lang="DE").detected_source_lang == "FR"   # imported with fra_Latn
     body = {"inputs": [text], "src_lang": "fra_Latn", "tgt_lang": "deu_Latn", "max_new_tokens": 47}
     answer = httpx.post(nllb_url + "/v1/generate", json=body, timeout=60)
     assert answer.status_code == 200 and answer.json()["outputs"][0]["text"] == want_de

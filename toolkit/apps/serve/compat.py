@@ -131,7 +131,7 @@ def _deepl(app: FastAPI, models: ModelSet, keys: ApiKeys) -> None:
             keys.find(key)                                       # a bad key is refused whatever it asks for
             model = models.route(source, target)
             out = await charged(keys, key, texts, lambda: translate(model, texts, source, request, target))
-            detected = (source or (model.source[0] if model.source else "")).upper()
+            detected = (source or model.default_source).upper()
             return {"translations": [{"detected_source_language": detected, "text": t, "billed_characters": len(s)}
                                      for s, t in zip(texts, out)]}
         return await deepl(work)

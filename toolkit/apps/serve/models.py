@@ -23,7 +23,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import Metric
 
 from runtime.errors import OnnxformerError
-from toolkit.apps.serve.languages import client_code, iso_codes
+from toolkit.apps.serve.languages import client_code, iso_codes, model_client_code
 from toolkit.apps.serve.metrics import Metrics
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -61,6 +61,13 @@ class ServedModel:
         return ((target in self.target or base in self.target or client_code(target) in self.target)
                 and (source is None or source in self.source or client_code(source) in self.source)
                 and self.service.tokenizer is not None)
+
+    @property
+    def default_source(self) -> str:
+        """The language a request without a source is read in (DeepL's detected_source_language)."""
+        if self.native:
+            return model_client_code(str(self.service.tokenizer.src_lang)) or ""
+        return self.source[0] if self.source else ""
 
     def pair(self, source: str | None, target: str) -> tuple[str | None, str | None]:
         """(src_lang, tgt_lang): a multilingual model's own codes of the client's (source None: the model's
@@ -149,7 +156,8 @@ class ModelSet:
 
     @classmethod
     def single(cls, service, name: str | None = None) -> "ModelSet":
-        return cls([ServedModel(name or Path(service.bundle.path).name, service)])
+        native = multilingual_codes(service.tokenizer)
+        return cls([ServedModel(name or Path(service.bundle.path).name, service, tuple(native), tuple(native), native)])
 
     @property
     def services(self) -> list:

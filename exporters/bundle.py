@@ -125,10 +125,24 @@ def write_manifest(bundle_dir: str | Path, manifest: dict) -> Path:
     wrote it), after checking that each file the manifest names is there with the hash it records."""
     bundle_dir = Path(bundle_dir)
     manifest["files"] = file_entries(bundle_dir)
+    languages = tokenizer_languages(bundle_dir, manifest)
+    if languages and "languages" not in manifest:
+        manifest["languages"] = languages
     validate_manifest(manifest, "the new manifest")
     path = bundle_dir / MANIFEST
     path.write_text(json.dumps(manifest, indent=2, allow_nan=True) + "\n")
     return path
+
+
+def tokenizer_languages(bundle_dir: Path, manifest: dict) -> dict | None:
+    """A multilingual bundle's manifest `languages` ({"source": codes, "target": codes}, the model's own codes): those
+    its tokenizer.json records, where the target language is chosen per request (target_start); else None."""
+    name = manifest.get("tokenizer")
+    if not name:
+        return None
+    spec = json.loads((bundle_dir / name).read_text())
+    codes = spec.get("languages") if isinstance(spec, dict) and spec.get("target_start") else None
+    return {"source": list(codes), "target": list(codes)} if codes else None
 
 
 def copy_tokenizer(tokenizer: str | Path | None, bundle_dir: Path) -> str | None:

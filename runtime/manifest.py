@@ -242,6 +242,7 @@ def inspect_report(bundle_dir: str | Path) -> dict:
         "ort_graphs": manifest.get("ort_graphs") or {}, "external_data": extra,
         "tokenizer": manifest.get("tokenizer"), "fusions": manifest.get("fusions") or {},
         "passes": manifest.get("passes") or [], "producer": manifest.get("producer") or {},
+        "languages": manifest.get("languages"),
         "parity": _parity_summary(manifest.get("parity")), "created": manifest.get("created"),
         "files": manifest["files"],
         "total_bytes": sum(p.stat().st_size for p in bundle_dir.iterdir() if p.is_file()),
@@ -300,6 +301,11 @@ def format_inspect(report: dict, max_io: int = 8) -> str:
     files = report.get("files") or {}
     lines.append(f"\nfiles ({len(files)}, sizes and sha256 verified): "
                  + ", ".join(f"{name} {_size(e['bytes'])}" for name, e in files.items()))
+    languages = report.get("languages")
+    if isinstance(languages, dict):
+        for side in ("source", "target"):
+            codes = [str(c) for c in languages.get(side) or []]
+            lines.append(f"{side} languages ({len(codes)}): " + " ".join(codes))
     fusions = report["fusions"]
     lines.append("\nfusions: " + (", ".join(f"{k} {v}" for k, v in fusions.items()) if fusions else "none"))
     if report["passes"]:

@@ -45,6 +45,7 @@ class SearchOptions:
     min_new_tokens: int = 0           # EOS is not chosen before this many tokens after the prefix
     bad_words_ids: tuple[tuple[int, ...], ...] = ()   # token sequences never generated
     prefix_ids: tuple[tuple[int, ...], ...] = ()      # per input: the target's first tokens, forced (() = none)
+    prefix_counted: int = 0           # leading prefix tokens beam lengths count (a forced target-language token)
     return_logprobs: bool = False     # give each hypothesis its tokens' log-probabilities
 
 
@@ -93,6 +94,8 @@ def check_options(opts: SearchOptions, inputs: int, vocab_size: int, max_len: in
         if list(seq) == [eos]:
             raise InputError(f"bad_words_ids[{i}] bans the end token {eos} alone, so no target could end; "
                              f"use min_new_tokens to delay it")
+    if opts.prefix_counted and not opts.prefix_ids:
+        raise InputError(f"prefix_counted ({opts.prefix_counted}) counts prefix tokens, but there is no prefix_ids")
     if opts.prefix_ids:
         if len(opts.prefix_ids) != inputs:
             raise InputError(f"prefix_ids must give one prefix per input ({inputs}), got {len(opts.prefix_ids)}; "
@@ -104,6 +107,9 @@ def check_options(opts: SearchOptions, inputs: int, vocab_size: int, max_len: in
             if eos in prefix:
                 raise InputError(f"prefix_ids[{i}] holds the end token {eos}; a prefix is the start of a target, "
                                  f"without it")
+            if not 0 <= opts.prefix_counted <= len(prefix):
+                raise InputError(f"prefix_counted must be between 0 and the length of prefix_ids[{i}] "
+                                 f"({len(prefix)}), got {opts.prefix_counted!r}")
             if len(prefix) + opts.max_new_tokens > max_len:
                 raise InputError(f"prefix_ids[{i}] has {len(prefix)} tokens: with max_new_tokens "
                                  f"{opts.max_new_tokens} the target passes the model's maximum length "

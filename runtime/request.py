@@ -49,23 +49,72 @@ def search_options(model: Model, max_new_tokens: int | None = None, **options) -
 
 
 def target_options(tokenizer, inputs: int, prefix=None, prefix_ids=None, bad_words=None,
-                   bad_words_ids=None) -> dict:
+                   bad_words_ids=None, lead: Sequence[int] = ()) -> dict:
     """The SearchOptions fields `prefix_ids` and `bad_words_ids` (tuples of id tuples) from what an edge was given:
     `prefix` a text for every input or a list of texts, one per input; `prefix_ids` id lists, one per input;
     `bad_words` texts; `bad_words_ids` id lists. Texts are encoded on the target side without EOS
-    (tokenizer.encode_target). Only the fields given are returned; the ids are checked by Request.build."""
+    (tokenizer.encode_target). `lead`: ids forced before every prefix (the target language, `languages`), counted
+    in beam lengths but never scored (prefix_counted). Only the fields given are returned; the ids are checked by
+    Request.build."""
     out = {}
     if prefix is not None and prefix_ids is not None:
         raise InputError("give a prefix as text (prefix) or as ids (prefix_ids), not both")
     if prefix is not None:
         texts = [prefix] * inputs if isinstance(prefix, str) else list(prefix)
         prefix_ids = [encode_target(tokenizer, "prefix", i, text, "prefix_ids") for i, text in enumerate(texts)]
+    if lead:
+        prefix_ids = [[*lead, *p] for p in (prefix_ids if prefix_ids is not None else [()] * inputs)]
+        out["prefix_counted"] = len(lead)
     if prefix_ids is not None:
         out["prefix_ids"] = tuple(tuple(p) for p in prefix_ids)
     if bad_words is not None or bad_words_ids is not None:
         words = [encode_target(tokenizer, "bad_words", i, w, "bad_words_ids") for i, w in enumerate(bad_words or [])]
         out["bad_words_ids"] = tuple(tuple(w) for w in [*(bad_words_ids or []), *words])
     return out
+
+
+def languages(tokenizer, src_lang: str | None = None, tgt_lang: str | None = None) -> tuple[object, list[int]]:
+    """(the tokenizer framing sources in src_lang, the ids forced first on the target for tgt_lang: `lead` of
+    target_options) for a request; a model without languages gets (tokenizer, []). A multilingual model needs
+    tgt_lang where its target language is chosen per request; src_lang defaults to the one it was imported with.
+    InputError for a missing or unknown code, or a language given to a model without languages."""
+    codes = tuple(getattr(tokenizer, "languages", ()) or ())
+    per_request = bool(codes) and tokenizer.spec.get("target_start") is not None
+    for field, code in (("src_lang", src_lang), ("tgt_lang", tgt_lang)):
+        if code is not None and not codes:
+            raise InputError(f"{field} {code!r} was given, but this model has no languages to choose (it is not "
+                             f"multilingual); drop {field} (--{field.replace('_', '-')})")
+        if code is not None and code not in codes:
+            near = _near(code, codes)
+            raise InputError(f"unknown {field} {code!r}" + (f"; did you mean {', '.join(near)}?" if near else "") +
+                             f" ({_listed(codes)})")
+    if tgt_lang is not None and not per_request:
+        raise InputError(f"tgt_lang {tgt_lang!r} was given, but this model's target language is fixed (its decoder "
+                         f"start token); drop tgt_lang (--tgt-lang)")
+    if per_request and tgt_lang is None:
+        raise InputError(f"this model is multilingual: give the target language, tgt_lang (--tgt-lang), e.g. "
+                         f"{', '.join(_examples(codes))} ({_listed(codes)})")
+    framed = tokenizer.for_source(src_lang) if src_lang is not None else tokenizer
+    return framed, (tokenizer.target_start_ids(tgt_lang) if per_request else [])
+
+
+EXAMPLES = ("deu_Latn", "eng_Latn", "fra_Latn", "de_DE", "en_XX", "fr_XX", "de", "en", "fr")   # shown first
+
+
+def _examples(codes: Sequence[str]) -> list[str]:
+    return [c for c in EXAMPLES if c in codes][:3] or list(codes[:3])
+
+
+def _near(code: str, codes: Sequence[str]) -> list[str]:
+    import difflib
+
+    low = code.lower()
+    same = [c for c in codes if c.lower().startswith(low.split("_")[0])]      # deu, de-DE -> deu_Latn, de_DE
+    return (same or difflib.get_close_matches(code, codes, n=3, cutoff=0.6))[:3]
+
+
+def _listed(codes: Sequence[str]) -> str:
+    return f"{len(codes)} codes: onnxformer inspect BUNDLE lists them"
 
 
 def encode_target(tokenizer, what: str, i: int, text: str, ids_field: str) -> list[int]:
@@ -111,12 +160,15 @@ class Request:
     @property
     def batch_key(self) -> tuple:
         """Requests with equal keys decode in one search: every option but those an input keeps for itself. A
-        request with per-input options (prefix_ids) or sampling (each input's generator is seeded by its index in
-        its request) decodes alone: its key is its own."""
-        if self.opts.prefix_ids or self.opts.sample:
+        request whose inputs have different prefixes (prefix_ids) or that samples (each input's generator is seeded
+        by its index in its request) decodes alone: its key is its own. Inputs that share one prefix (a target
+        language) batch with other requests' inputs of that prefix."""
+        prefixes = set(self.opts.prefix_ids)
+        if len(prefixes) > 1 or self.opts.sample:
             return ("alone", id(self))
-        own = PER_INPUT if self.opts.beam == 1 else ()
-        return tuple((f.name, getattr(self.opts, f.name)) for f in fields(self.opts) if f.name not in own)
+        own = (*PER_INPUT, "prefix_ids") if self.opts.beam == 1 else ("prefix_ids",)
+        key = tuple((f.name, getattr(self.opts, f.name)) for f in fields(self.opts) if f.name not in own)
+        return key + (("prefix", next(iter(prefixes), None)),)
 
 
 def merge(requests: Sequence[Request]) -> Request:
@@ -125,7 +177,8 @@ def merge(requests: Sequence[Request]) -> Request:
     if any(r.batch_key != first.batch_key for r in requests):
         raise ValueError("only requests with equal batch keys decode together")
     limits = [n for r in requests for n in r.limits]
-    opts = replace(first.opts, max_new_tokens=max(limits))
+    prefixes = tuple(p for r in requests for p in r.opts.prefix_ids)        # one shared prefix (batch_key)
+    opts = replace(first.opts, max_new_tokens=max(limits), prefix_ids=prefixes)
     return Request([x for r in requests for x in r.inputs], [s for r in requests for s in r.sequences], opts, limits)
 
 
@@ -183,5 +236,6 @@ def check_target_ids(what: str, ids: Sequence[int], model: Model) -> None:
                          f"ids; use target ids 0..{model.vocab_size - 1}")
 
 
-__all__ = ["Request", "search_options", "target_options", "encode_target", "merge", "differing", "encode_inputs",
-           "check_sources", "check_options", "check_target_ids", "DEFAULT_MAX_NEW_TOKENS", "PER_INPUT"]
+__all__ = ["Request", "search_options", "target_options", "languages", "encode_target", "merge", "differing",
+           "encode_inputs", "check_sources", "check_options", "check_target_ids", "DEFAULT_MAX_NEW_TOKENS",
+           "PER_INPUT"]

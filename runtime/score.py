@@ -8,7 +8,9 @@
 The decoder reads the start token and the target (without its last token) and its logits at each position give
 the next token's log-probability, as transformers computes a loss from `labels=`. In the dynamic layout the whole
 target goes through one decoder run (position_ids [batch, new_len]); a static cache takes one token a step.
-Targets are right-padded to the longest: the decoder's causal mask keeps padding from earlier positions.
+Targets are right-padded to the longest: the decoder's causal mask keeps padding from earlier positions. A
+multilingual model's target language (`lead`, runtime.request.languages) is fed first and not scored, as
+transformers' forced_bos_token_id forces it.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import numpy as np
 
 from runtime.errors import InputError
 from runtime.generate import Engine, pad_batch
-from runtime.request import check_sources, encode_inputs, encode_target
+from runtime.request import check_sources, encode_inputs, encode_target, languages
 from runtime.search import chosen_logprob
 
 
@@ -56,12 +58,15 @@ def target_ids(targets: Sequence[Sequence[int]], vocab_size: int, max_len: int, 
     return out
 
 
-def score_ids(engine: Engine, sources: Sequence[Sequence[int]], targets: Sequence[Sequence[int]]) -> list[Scored]:
-    """Teacher-forced log-probabilities of each (source, target) pair, in input order (see the module docstring)."""
+def score_ids(engine: Engine, sources: Sequence[Sequence[int]], targets: Sequence[Sequence[int]],
+              lead: Sequence[int] = ()) -> list[Scored]:
+    """Teacher-forced log-probabilities of each (source, target) pair, in input order (see the module docstring);
+    `lead`: ids forced before every target (its language), fed but not scored."""
     if len(sources) != len(targets):
         raise InputError(f"got {len(sources)} sources and {len(targets)} targets; give one target per source")
     check_sources(sources, engine)
-    wanted = target_ids(targets, engine.vocab_size, engine.max_len, engine.eos_id)
+    n = len(lead)
+    wanted = [[*lead, *t] for t in target_ids(targets, engine.vocab_size, engine.max_len - n, engine.eos_id)]
     width = max(len(t) for t in wanted)
     fed = np.full((len(wanted), width), engine.bos_id, dtype=np.int64)   # start token, then the target's tokens
     labels = np.full((len(wanted), width), engine.bos_id, dtype=np.int64)
@@ -71,15 +76,18 @@ def score_ids(engine: Engine, sources: Sequence[Sequence[int]], targets: Sequenc
     ids, mask = pad_batch(sources, engine.src_pad_id)
     logits = engine.start(ids, mask, 1, width).feed(fed)                  # [B, T, V]
     logp = chosen_logprob(logits.reshape(-1, logits.shape[-1]), labels.ravel()).reshape(labels.shape)
-    return [Scored([float(x) for x in logp[row, :len(t)]], float(logp[row, :len(t)].sum()), t)
+    return [Scored([float(x) for x in logp[row, n:len(t)]], float(logp[row, n:len(t)].sum()), t[n:])
             for row, t in enumerate(wanted)]
 
 
-def score_texts(engine: Engine, tokenizer, sources: Sequence[str], targets: Sequence[str]) -> list[dict]:
+def score_texts(engine: Engine, tokenizer, sources: Sequence[str], targets: Sequence[str],
+                src_lang: str | None = None, tgt_lang: str | None = None) -> list[dict]:
     """The records of `onnxformer score --json`: each (source, target) text pair's target ids (target side, EOS
-    appended), their teacher-forced log-probabilities (`token_logprobs`) and their sum (`score`)."""
-    source_ids = encode_inputs(list(sources), tokenizer)
+    appended), their teacher-forced log-probabilities (`token_logprobs`) and their sum (`score`); a multilingual
+    model's sources framed in src_lang, its targets in tgt_lang (runtime.request.languages)."""
+    framed, lead = languages(tokenizer, src_lang, tgt_lang)
+    source_ids = encode_inputs(list(sources), framed)
     target_seqs = [encode_target(tokenizer, "target", i, text, "target ids") for i, text in enumerate(targets)]
-    scored = score_ids(engine, source_ids, target_seqs)
+    scored = score_ids(engine, source_ids, target_seqs, lead)
     return [{"index": i, "source": src, "target": tgt, "ids": s.ids, "token_logprobs": s.logprobs, "score": s.score}
             for i, (src, tgt, s) in enumerate(zip(sources, targets, scored))]

@@ -191,9 +191,11 @@ def beam_search(state: DecodeState, batch: int, bos: int, eos: int, opts: Search
     (the heuristic of early_stopping=False, the live score normalized at the current length, closed too early).
     A closed input's rows leave the state: they cost no more decoder work.
 
-    A prefix (opts.prefix_ids) is forced on beam 0 first; lengths (normalization, max_new_tokens) count the tokens
-    after it, as transformers counts them after decoder_input_ids. `stop` (as in greedy): an input set there
-    leaves at the next step with what it has.
+    A prefix (opts.prefix_ids) is forced on beam 0 first, adding nothing to the score; lengths (normalization,
+    max_new_tokens) count the tokens after it, as transformers counts them after decoder_input_ids, and the first
+    opts.prefix_counted prefix tokens as well (normalization only: a forced target-language token, which
+    transformers' forced_bos_token_id counts). `stop` (as in greedy): an input set there leaves at the next step
+    with what it has.
     """
     k = opts.beam
     b = _Beams(batch, k, bos, opts, Controls.of(opts, batch, k, eos))
@@ -245,7 +247,7 @@ class _Beams:
         return float(score / (length ** self.opts.length_penalty))
 
     def hypothesis(self, tokens: list[int], score: float, inp: int, finished: bool, lps=None):
-        length = max(len(tokens) - int(self.prefix_len[inp]), 1)
+        length = max(len(tokens) - int(self.prefix_len[inp]) + self.opts.prefix_counted, 1)
         return Hypothesis(tokens, self.norm(score, length), finished, lps)
 
     def processed(self, raw: np.ndarray, step: int) -> np.ndarray:
@@ -271,7 +273,9 @@ class _Beams:
             if len(picked) < k:
                 picked.append((src, tok, score))
         self.finished[inp] = sorted(self.finished[inp], key=lambda h: -h.score)[:k]   # stable: earlier ones win ties
-        if final or _done(self.finished[inp], max((p[2] for p in picked), default=-np.inf), at + 1, self.opts):
+        counted = self.opts.prefix_counted
+        if final or _done(self.finished[inp], max((p[2] for p in picked), default=-np.inf), at + 1 + counted,
+                          self.opts):
             return None
         return picked
 
@@ -312,7 +316,8 @@ def _done(finished: list[Hypothesis], best_live: float, length: int, opts: Searc
         return True
     if len(finished) < opts.num_return:
         return False
-    return attainable(best_live, length, opts.max_new_tokens, opts.length_penalty) <= finished[opts.num_return - 1].score
+    final = opts.max_new_tokens + opts.prefix_counted
+    return attainable(best_live, length, final, opts.length_penalty) <= finished[opts.num_return - 1].score
 
 
 def search(state: DecodeState, batch: int, bos: int, eos: int, opts: SearchOptions,

@@ -4,6 +4,7 @@ bundles."""
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 import shutil
@@ -291,6 +292,12 @@ class FastTokenizer:
     text's tokens, where "{src_lang}" stands for spec["src_lang"] (NLLB: ["{src_lang}"] + tokens + ["</s>"];
     mBART-cc25: tokens + ["</s>", "{src_lang}"]; BART: ["<s>"] + tokens + ["</s>"]). decode() skips special
     tokens (the forced target-language token among them).
+
+    A multilingual model's languages are data too: spec["languages"] lists its codes (NLLB's "deu_Latn", mBART's
+    "de_DE"), each the token spec["language_token"] names ("{lang}", the default: the code is the token), and
+    spec["target_start"] the tokens forced after the decoder start token, where "{tgt_lang}" stands for the target
+    language (NLLB, mBART-50: ["{tgt_lang}"]; absent where the target language is not chosen per request).
+    for_source(code) is this tokenizer framing sources in another language; target_start_ids(code) the forced ids.
     """
 
     TYPE = "hf-tokenizers"
@@ -309,16 +316,44 @@ class FastTokenizer:
             first = str(exc).splitlines()[0][:120] if str(exc) else type(exc).__name__
             raise TokenizerError(f"{self.source} is not a Hugging Face tokenizer.json ({first}); copy the model's "
                                  f"tokenizer.json again") from None
-        self.prefix, self.suffix = (self._ids(spec.get(k, []), k) for k in ("source_prefix", "source_suffix"))
+        self.languages = tuple(spec.get("languages") or ())
+        if not all(isinstance(c, str) for c in self.languages) or not isinstance(spec.get("target_start", []), list):
+            raise TokenizerError(f"tokenizer languages must be a list of codes and target_start a list of tokens, got "
+                                 f"{spec.get('languages')!r} and {spec.get('target_start')!r}; re-import the model")
+        self._frame(spec.get("src_lang"))
         self.eos_id, self.pad_id = (self._ids([spec[k]], k)[0] for k in ("eos", "pad"))
         self.clean_up = bool(spec.get("clean_up_tokenization_spaces", False))
 
-    def _ids(self, tokens, key: str) -> list[int]:
+    def _frame(self, src_lang) -> None:
+        self.src_lang = src_lang
+        names = {"{src_lang}": self.language_token(src_lang)}
+        self.prefix, self.suffix = (self._ids(self.spec.get(k, []), k, names) for k in ("source_prefix",
+                                                                                     "source_suffix"))
+
+    def language_token(self, code) -> str:
+        """The token of a language code (spec["language_token"], "{lang}" by default: the code itself)."""
+        return str(self.spec.get("language_token", "{lang}")).replace("{lang}", str(code))
+
+    def for_source(self, src_lang: str) -> "FastTokenizer":
+        """This tokenizer framing sources in language `src_lang` (one of self.languages; runtime.request checks)."""
+        other = copy.copy(self)
+        other._frame(src_lang)
+        return other
+
+    def target_start_ids(self, tgt_lang: str | None) -> list[int] | None:
+        """The ids forced after the decoder start for target language tgt_lang (spec["target_start"]); None when
+        the target language is not chosen per request."""
+        if "target_start" not in self.spec:
+            return None
+        return self._ids(self.spec["target_start"], "target_start", {"{tgt_lang}": self.language_token(tgt_lang)})
+
+    def _ids(self, tokens, key: str, names: dict | None = None) -> list[int]:
         if not isinstance(tokens, list) or not all(isinstance(t, str) for t in tokens):
             raise TokenizerError(f"tokenizer {key} must be a list of tokens, got {tokens!r}; re-import the model")
         ids = []
         for token in tokens:
-            token = token.replace("{src_lang}", str(self.spec.get("src_lang")))
+            for name, value in (names or {}).items():
+                token = token.replace(name, value)
             i = self._tok.token_to_id(token)
             if i is None:
                 raise TokenizerError(f"{self.source} has no token {token!r} (tokenizer "
@@ -342,6 +377,14 @@ class FastTokenizer:
     def encode(self, text: str) -> list[int]:
         """Source ids of a text: the framing's prefix, the text's tokens, the framing's suffix."""
         return self.prefix + self._tok.encode(text, add_special_tokens=False).ids + self.suffix
+
+    def special_tokens(self) -> list[str]:
+        """The original's special added tokens, in id order (an importer finds language codes among them)."""
+        return [t.content for _, t in sorted(self._tok.get_added_tokens_decoder().items()) if t.special]
+
+    def encode_target(self, text: str) -> list[int]:
+        """Target ids of a text (a prefix, a banned word): its tokens, no framing (one vocabulary for both sides)."""
+        return self._tok.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids) -> str:
         """Text of target ids, special tokens skipped."""

@@ -128,3 +128,31 @@ def toy_exported(toy_model_factory, tmp_path_factory):
     checkpoint = save_checkpoint(root / "checkpoint", model, tokenizer)
     bundle = export_checkpoint(checkpoint, root / "bundle")
     return checkpoint, bundle
+
+
+@pytest.fixture(scope="session")
+def multilingual(tmp_path_factory):
+    """A function name -> (original directory, transformers model, its tokenizer, imported checkpoint) of the tiny
+    NLLB ("nllb") and mBART-50 ("mbart50") models, each built and imported once per session; read-only. Their
+    weights (matrix scale 0.6) give outputs that vary with the input and the target language, and float32 logits
+    close enough to pass export's parity gate."""
+    from toolkit.reference.importers import import_model
+    from toolkit.testing.tiny_families import tiny_multilingual
+
+    made = {}
+
+    def make(name: str):
+        if name not in made:
+            root = tmp_path_factory.mktemp(f"multilingual_{name}")
+            model, tokenizer = tiny_multilingual(name, root / name, seed=4, matrix=0.6)
+            made[name] = (root / name, model, tokenizer, import_model(root / name, root / "checkpoint"))
+        return made[name]
+    return make
+
+
+@pytest.fixture(scope="session")
+def nllb_bundle(multilingual, tmp_path_factory):
+    """The tiny NLLB checkpoint of `multilingual` exported once (fp32 bundle); read-only."""
+    from exporters.export import export_checkpoint
+
+    return export_checkpoint(multilingual("nllb")[3], tmp_path_factory.mktemp("nllb_bundle") / "nllb")

@@ -57,7 +57,7 @@ def test_the_default_and_every_refusal_name_the_input_and_fix():
 def test_batch_keys_and_merges_carry_every_option_a_new_one_included():
     names = {f.name for f in dataclasses.fields(Extended)}
     greedy = Request.build(MODEL, [[5]], opts=Extended(max_new_tokens=4))
-    assert {name for name, _ in greedy.batch_key} == names - set(PER_INPUT)
+    assert {name for name, _ in greedy.batch_key} == (names - set(PER_INPUT) - {"prefix_ids"}) | {"prefix"}
     longer = Request.build(MODEL, [[6], [7]], opts=Extended(max_new_tokens=9))
     warmer = Request.build(MODEL, [[6]], opts=Extended(max_new_tokens=4, diversity=0.5))
     assert longer.batch_key == greedy.batch_key and warmer.batch_key != greedy.batch_key
@@ -135,10 +135,17 @@ def test_generate_on_separate_vocabularies(tmp_path, toy_model_factory):
 
 
 def test_requests_with_prefixes_or_sampling_decode_alone():
-    """A prefix is per input and a sample's generator is seeded by the input's index in its request: merging such a
-    request with another would change its output, so its batch key is its own."""
+    """A sample's generator is seeded by the input's index in its request, and inputs with different prefixes need
+    their own: merging such a request with another would change its output, so its batch key is its own. Inputs
+    that share one prefix (a target language) batch with other requests of that prefix only."""
     plain = [Request.build(MODEL, [[5]], opts=SearchOptions(max_new_tokens=4)) for _ in range(2)]
     assert plain[0].batch_key == plain[1].batch_key
-    for opts in (SearchOptions(max_new_tokens=4, sample=True, seed=3), SearchOptions(max_new_tokens=4, prefix_ids=((7,),))):
-        a, b = (Request.build(MODEL, [[5]], opts=opts) for _ in range(2))
+    for opts in (SearchOptions(max_new_tokens=4, sample=True, seed=3),
+                 SearchOptions(max_new_tokens=4, prefix_ids=((7,), (8,)))):
+        a, b = (Request.build(MODEL, [[5], [6]], opts=opts) for _ in range(2))
         assert a.batch_key != b.batch_key and a.batch_key != plain[0].batch_key
+    shared = [Request.build(MODEL, [[5]] * n, opts=SearchOptions(max_new_tokens=4, prefix_ids=((7,),) * n))
+              for n in (1, 2)]
+    other = Request.build(MODEL, [[5]], opts=SearchOptions(max_new_tokens=4, prefix_ids=((8,),)))
+    assert shared[0].batch_key == shared[1].batch_key not in (other.batch_key, plain[0].batch_key)
+    assert merge(shared).opts.prefix_ids == ((7,),) * 3

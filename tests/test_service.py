@@ -440,3 +440,62 @@ def test_translation_client_that_leaves_frees_its_rows(dates_bundle):
         gated.gate.set()
         holder.join(30)
         assert gated.started_rows == [1]                                # its sentences never decoded
+
+
+@pytest.fixture(scope="module")
+def nllb_url(nllb_bundle):
+    models = ModelSet.load({"nllb": nllb_bundle}, SETTINGS)
+    with serving(create_app(models)) as url:
+        yield url
+
+
+def nllb_reference(bundle_dir, text: str, src: str, tgt: str) -> str:
+    """The tiny NLLB bundle's greedy translation of one sentence, as the compatible APIs decode it."""
+    from runtime.bundle import load_bundle
+    from runtime.generate import generate
+    from runtime.request import Request, languages, search_options, target_options
+
+    bundle = load_bundle(bundle_dir, provider="cpu")
+    engine = bundle.engine
+    framed, lead = languages(bundle.tokenizer, src, tgt)
+    opts = search_options(engine, engine.max_len - len(lead), **target_options(framed, 1, lead=lead))
+    hyps = generate(engine, Request.build(engine, [text], framed, opts))
+    return to_outputs(hyps, engine.eos_id, bundle.tokenizer)[0].text
+
+
+def test_a_multilingual_bundle_serves_its_languages(nllb_url, nllb_bundle):
+    """NLLB's codes come from its manifest; LibreTranslate's and DeepL's ISO codes map onto them (de -> deu_Latn,
+    EN-US -> eng_Latn), and /v1/generate takes them as src_lang and tgt_lang (422 without a target language)."""
+    import deepl
+    from libretranslatepy import LibreTranslateAPI
+
+    text = "the quick fox jumps"
+    (model,) = httpx.get(nllb_url + "/v1/models", timeout=30).json()["models"]
+    languages = model["languages"]
+    assert len(languages["codes"]) == 202 and {"de", "en", "zh", "zh-hant"} <= set(languages["target"])
+    want_de, want_en = (nllb_reference(nllb_bundle, text, "fra_Latn", t) for t in ("deu_Latn", "eng_Latn"))
+    assert want_de != want_en
+    lt = LibreTranslateAPI(nllb_url)
+    assert lt.translate(text, "fr", "de", timeout=60) == want_de
+    assert any(entry["code"] == "fr" and "de" in entry["targets"] for entry in lt.languages(timeout=30))
+    translator = deepl.Translator("any-key", server_url=nllb_url)
+    assert translator.translate_text(text, source_lang="FR", target_lang="EN-US").text == want_en
+    assert translator.translate_text(text, target_lang="DE").detected_source_lang == "FR"   # imported with fra_Latn
+    body = {"inputs": [text], "src_lang": "fra_Latn", "tgt_lang": "deu_Latn", "max_new_tokens": 47}
+    answer = httpx.post(nllb_url + "/v1/generate", json=body, timeout=60)
+    assert answer.status_code == 200 and answer.json()["outputs"][0]["text"] == want_de
+    for change, message in (({"tgt_lang": None}, "this model is multilingual: give the target language"),
+                            ({"tgt_lang": "german"}, "unknown tgt_lang 'german'")):
+        refused = httpx.post(nllb_url + "/v1/generate", json={**body, **change}, timeout=30)
+        assert refused.status_code == 422 and message in refused.json()["error"], refused.text
+
+
+def test_client_codes_map_to_each_familys_codes():
+    from toolkit.apps.serve.languages import client_code, iso_codes
+
+    assert [client_code(c) for c in ("EN-US", "pt-BR", "ZH-HANT", "zt", "zh-Hans", "de")] == \
+        ["en", "pt", "zh-hant", "zh-hant", "zh", "de"]
+    assert iso_codes(["eng_Latn", "zho_Hans", "zho_Hant", "ace_Arab", "arb_Arab", "ary_Arab"]) == \
+        {"en": "eng_Latn", "zh": "zho_Hans", "zh-hant": "zho_Hant", "ar": "arb_Arab"}
+    assert iso_codes(["en_XX", "pt_XX", "zh_CN"]) == {"en": "en_XX", "pt": "pt_XX", "zh": "zh_CN"}
+    assert iso_codes(["en", "de"]) == {"en": "en", "de": "de"}                  # M2M100

@@ -242,5 +242,19 @@ def tiny_tokenizer(name: str, words: bool = False, src_lang: str | None = None):
     raise ValueError(f"unknown tokenizer {name!r}; choose one of {', '.join(TOKENIZERS)}")
 
 
-__all__ = ["CONDITIONED", "FAMILIES", "SIZES", "ForcedFirst", "LANGS", "TOKENIZERS", "TRAINED_TOKENIZER",
-           "family_model", "held_out", "sentences", "tiny_original", "tiny_tokenizer", "trained_original", "translate"]
+MULTILINGUAL = {"nllb": "m2m100", "mbart50": "mbart"}   # tokenizer -> model family, target language forced
+
+
+def tiny_multilingual(name: str, directory: str | Path, seed: int = 3, matrix: float = MATRIX):
+    """(transformers model, tokenizer) of a tiny multilingual model (NLLB or mBART-50, MULTILINGUAL) saved together
+    in `directory`, as `onnxformer import` reads them."""
+    tokenizer = tiny_tokenizer(name)
+    model = tiny_original(MULTILINGUAL[name], directory, seed=seed, matrix=matrix,
+                          vocab_size=max(SIZES["vocab_size"], len(tokenizer)))
+    tokenizer.save_pretrained(directory)
+    return model, tokenizer
+
+
+__all__ = ["CONDITIONED", "FAMILIES", "SIZES", "ForcedFirst", "LANGS", "MULTILINGUAL", "TOKENIZERS", "TRAINED_TOKENIZER",
+           "family_model", "held_out", "sentences", "tiny_multilingual", "tiny_original", "tiny_tokenizer",
+           "trained_original", "translate"]

@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from runtime.errors import InputError
-from runtime.request import target_options
+from runtime.request import languages, target_options
 from runtime.session import PROVIDER_CHOICES
 from toolkit.apps.commands._common import friendly, text_lines
 
@@ -25,9 +25,10 @@ def parse_ids(text: str, flag: str = "--ids", empty: bool = False) -> list[int]:
 
 
 def target_flags(tokenizer, inputs: int, prefix: str | None, prefix_ids: str | None, prefix_file: str | None,
-                 bad_words: str | None, bad_words_ids: str | None) -> dict:
+                 bad_words: str | None, bad_words_ids: str | None, lead=()) -> dict:
     """The SearchOptions fields of the target-side flags (runtime.request.target_options, as the server's):
-    --prefix-ids and --prefix one prefix for every input, --prefix-file one a line, one per input."""
+    --prefix-ids and --prefix one prefix for every input, --prefix-file one a line, one per input; `lead` the
+    target language's forced ids (runtime.request.languages), before every prefix."""
     if sum(x is not None for x in (prefix, prefix_ids, prefix_file)) > 1:
         raise InputError("give one of --prefix, --prefix-ids and --prefix-file")
     if prefix_file is not None:
@@ -38,7 +39,8 @@ def target_flags(tokenizer, inputs: int, prefix: str | None, prefix_ids: str | N
     ids = None if prefix_ids is None else [parse_ids(prefix_ids, "--prefix-ids", empty=True)] * inputs
     banned = None if bad_words_ids is None else [parse_ids(s, "--bad-words-ids") for s in bad_words_ids.split(";")]
     words = None if bad_words is None else bad_words.split(",")
-    return target_options(tokenizer, inputs, prefix=prefix, prefix_ids=ids, bad_words=words, bad_words_ids=banned)
+    return target_options(tokenizer, inputs, prefix=prefix, prefix_ids=ids, bad_words=words, bad_words_ids=banned,
+                          lead=lead)
 
 
 def split_inputs(inputs: list, tokenizer, max_len: int, split: bool):
@@ -95,6 +97,10 @@ def read_inputs(texts: tuple[str, ...], input_file: str | None, ids: tuple[str, 
               help="one target prefix a line, one per input (a blank line: none)")
 @click.option("--bad-words", help='comma-separated target texts never generated, e.g. "w1,w2"')
 @click.option("--bad-words-ids", help='target id sequences never generated, ";" between them, e.g. "5 6;7"')
+@click.option("--src-lang", help="multilingual models: the source language code, e.g. fra_Latn [default: the "
+              "one it was imported with]")
+@click.option("--tgt-lang", help="multilingual models: the target language code, e.g. deu_Latn (forced first, "
+              "not scored; required by NLLB and mBART-50)")
 @click.option("--provider", type=click.Choice(PROVIDER_CHOICES), default="auto", show_default=True)
 @click.option("--threads", type=int, help="intra-op threads (default: the library's choice)")
 @click.option("--json", "as_json", is_flag=True, help="one JSON object a line for each returned hypothesis")
@@ -104,7 +110,7 @@ def read_inputs(texts: tuple[str, ...], input_file: str | None, ids: tuple[str, 
 @click.option("--address", help="with --ray: join this Ray cluster ('auto' or HOST:6379) instead of a local one")
 @friendly
 def command(model, texts, input_file, ids, split, provider, threads, as_json, use_ray, replicas, batch_size, address,
-            prefix, prefix_ids, prefix_file, bad_words, bad_words_ids, **options):
+            prefix, prefix_ids, prefix_file, bad_words, bad_words_ids, src_lang, tgt_lang, **options):
     """Generate from MODEL (a checkpoint or a bundle) for each TEXT, --input line and --ids.
 
     Prints one line per input: the generated text (or ids, for models without a tokenizer); with
@@ -116,28 +122,31 @@ def command(model, texts, input_file, ids, split, provider, threads, as_json, us
 
     inputs = read_inputs(texts, input_file, ids)
     targets = (prefix, prefix_ids, prefix_file, bad_words, bad_words_ids)
+    langs = (src_lang, tgt_lang)
     if use_ray:
-        return _generate_on_ray(model, inputs, split, options, targets, provider, threads, as_json, replicas,
+        return _generate_on_ray(model, inputs, split, options, targets, langs, provider, threads, as_json, replicas,
                                 batch_size, address)
     opened = open_model(model, provider=provider, threads=threads, one_graph_at_a_time=True)   # one generate call:
     # the encoder runs once, so its session is released before the decoder's is made (peak memory on the edge)
     engine, tokenizer = opened.engine, opened.tokenizer
-    request, plan = build_request(engine, tokenizer, inputs, split, options, targets)
+    request, plan = build_request(engine, tokenizer, inputs, split, options, targets, langs)
     outputs = to_outputs(generate(engine, request), engine.eos_id, tokenizer)
     if provider == "auto":                                 # say what "auto" chose (stderr: stdout stays the output)
         click.echo(f"generated with {opened.describe()}", err=True)
     print_records(joined(records(request.inputs, outputs), plan, inputs), len(inputs), as_json)
 
 
-def build_request(engine, tokenizer, inputs: list, split: bool, options: dict, targets: tuple):
-    """The validated Request of the rows (split_inputs) with the search and target flags, and the rows' Plan."""
+def build_request(engine, tokenizer, inputs: list, split: bool, options: dict, targets: tuple, langs: tuple):
+    """The validated Request of the rows (split_inputs) with the search, target and language flags, and the rows'
+    Plan."""
     from runtime.request import Request, search_options
 
-    rows, plan = split_inputs(inputs, tokenizer, engine.max_len, split)
-    options.update(target_flags(tokenizer, len(inputs), *targets))
-    if plan is not None and "prefix_ids" in options:          # a text's prefix starts its first piece only
-        options["prefix_ids"] = tuple(plan.first_rows(list(options["prefix_ids"]), ()))
-    return Request.build(engine, rows, tokenizer, search_options(engine, **options)), plan
+    framed, lead = languages(tokenizer, *langs)
+    rows, plan = split_inputs(inputs, framed, engine.max_len, split)
+    options.update(target_flags(framed, len(inputs), *targets, lead=lead))
+    if plan is not None and "prefix_ids" in options:   # a text's prefix starts its first piece only; every piece
+        options["prefix_ids"] = tuple(plan.first_rows(list(options["prefix_ids"]), tuple(lead)))   # gets the language
+    return Request.build(engine, rows, framed, search_options(engine, **options)), plan
 
 
 def joined(recs: list[dict], plan, inputs: list) -> list[dict]:
@@ -158,7 +167,7 @@ def print_records(recs: list[dict], n_inputs: int, as_json: bool) -> None:
         click.echo("\t".join(hyps))
 
 
-def _generate_on_ray(model, inputs, split, options, targets, provider, threads, as_json, replicas, batch_size,
+def _generate_on_ray(model, inputs, split, options, targets, langs, provider, threads, as_json, replicas, batch_size,
                      address) -> None:
     from runtime.bundle import load_bundle
     from toolkit.apps.extras import require
@@ -171,7 +180,7 @@ def _generate_on_ray(model, inputs, split, options, targets, provider, threads, 
     if batch_size < 1:
         raise InputError(f"--batch-size must be at least 1, got {batch_size}")
     loaded = load_bundle(model, provider=provider, threads=threads)
-    request, plan = build_request(loaded.engine, loaded.tokenizer, inputs, split, options, targets)
+    request, plan = build_request(loaded.engine, loaded.tokenizer, inputs, split, options, targets, langs)
     from toolkit.apps.serve.ray_data import generate_on_ray                 # validated first: fail before Ray
 
     click.echo(f"generating {len(inputs)} inputs with Ray Data: {replicas} actor(s), batches of {batch_size}", err=True)

@@ -18,12 +18,15 @@ from toolkit.apps.commands._common import friendly, text_lines
               help="file with one source text a line")
 @click.option("--target", "target_file", required=True, type=click.Path(allow_dash=True),
               help="file with one target text a line, line n the target of source line n")
+@click.option("--src-lang", help="multilingual models: the sources' language code, e.g. fra_Latn")
+@click.option("--tgt-lang", help="multilingual models: the targets' language code, e.g. deu_Latn (fed first, not "
+              "scored)")
 @click.option("--provider", type=click.Choice(PROVIDER_CHOICES), default="auto", show_default=True)
 @click.option("--threads", type=int, help="intra-op threads (default: the library's choice)")
 @click.option("--json", "as_json", is_flag=True,
               help="one JSON object a line: index, source, target, ids, token_logprobs, score")
 @friendly
-def command(model, source_file, target_file, provider, threads, as_json):
+def command(model, source_file, target_file, src_lang, tgt_lang, provider, threads, as_json):
     """Score each --target line given its --source line with MODEL (a checkpoint or a bundle), teacher-forced.
 
     Prints one score a line: log p(target | source), the sum of the target tokens' log-probabilities, the end
@@ -38,5 +41,5 @@ def command(model, source_file, target_file, provider, threads, as_json):
         raise InputError(f"--source has {len(sources)} lines and --target {len(targets)}; give one target line "
                          f"per source line")
     opened = open_model(model, provider=provider, threads=threads)
-    for record in score_texts(opened.engine, opened.tokenizer, sources, targets):
+    for record in score_texts(opened.engine, opened.tokenizer, sources, targets, src_lang, tgt_lang):
         click.echo(json.dumps(record, ensure_ascii=False) if as_json else f"{record['score']:.6f}")

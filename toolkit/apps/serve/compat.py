@@ -101,7 +101,7 @@ def _libretranslate(app: FastAPI, models: ModelSet, keys: ApiKeys) -> None:
             key = _text(fields.get("api_key"))
             keys.find(key)                                       # a bad key is refused whatever it asks for
             model = models.route(source, target)
-            out = await charged(keys, key, texts, lambda: translate(model, texts, source, request))
+            out = await charged(keys, key, texts, lambda: translate(model, texts, source, request, target))
             return {"translatedText": out if isinstance(fields["q"], list) else out[0]}
         return await answer(models, work, lambda message: {"error": message}, KEY_STATUS)
 
@@ -130,8 +130,8 @@ def _deepl(app: FastAPI, models: ModelSet, keys: ApiKeys) -> None:
             key = bearer(request.headers.get("authorization"), "DeepL-Auth-Key")
             keys.find(key)                                       # a bad key is refused whatever it asks for
             model = models.route(source, target)
-            out = await charged(keys, key, texts, lambda: translate(model, texts, source, request))
-            detected = (source or (model.source[0] if model.source else "")).upper()
+            out = await charged(keys, key, texts, lambda: translate(model, texts, source, request, target))
+            detected = (source or model.default_source).upper()
             return {"translations": [{"detected_source_language": detected, "text": t, "billed_characters": len(s)}
                                      for s, t in zip(texts, out)]}
         return await deepl(work)

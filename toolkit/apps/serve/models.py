@@ -6,21 +6,24 @@
     models.route("de", "en")       # the ServedModel that translates de -> en (LibreTranslate, DeepL endpoints)
 
 A bundle's languages come from `--languages NAME=SRC:TGT` or else from its manifest's optional `languages` field,
-{"source": ["de", "fr"], "target": ["en"]} (a multilingual bundle lists all its codes). Codes compare without
-case; a target with a region (DeepL's "EN-US") also matches a bundle that declares the bare language ("en").
-A bundle with neither serves /v1/generate only.
+{"source": ["de", "fr"], "target": ["en"]}. A multilingual bundle (its tokenizer lists its codes, NLLB's eng_Latn,
+mBART's en_XX) translates between all of them: the compatible APIs name them by ISO 639-1 code (languages.py maps
+"de" to deu_Latn or de_DE) and its requests decode with that src_lang and tgt_lang. Codes compare without case; a
+target with a region (DeepL's "EN-US") also matches a bundle that declares the bare language ("en").
+A bundle with none of these serves /v1/generate only.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import Metric
 
 from runtime.errors import OnnxformerError
+from toolkit.apps.serve.languages import client_code, iso_codes, model_client_code
 from toolkit.apps.serve.metrics import Metrics
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -39,12 +42,14 @@ class ServedModel:
     service: object                 # toolkit.apps.serve.app.Service
     source: tuple[str, ...] = ()
     target: tuple[str, ...] = ()
+    native: dict[str, str] = field(default_factory=dict)   # multilingual: client code -> the model's own code
 
     def info(self) -> dict:
         """The /v1/models entry: name, languages, precision, memory (bundle bytes), provider, batching."""
         manifest = self.service.bundle.manifest
         return {"name": self.name, "bundle": str(self.service.bundle.path),
-                "languages": {"source": list(self.source), "target": list(self.target)},
+                "languages": {"source": list(self.source), "target": list(self.target),
+                              **({"codes": list(self.service.tokenizer.languages)} if self.native else {})},
                 "precision": manifest.get("precision"), "provider": self.service.bundle.provider,
                 "bytes": sum(f["bytes"] for f in manifest["files"].values()),
                 "tokenizer": self.service.tokenizer is not None, "max_len": self.service.engine.max_len,
@@ -53,8 +58,23 @@ class ServedModel:
     def translates(self, source: str | None, target: str) -> bool:
         """Whether this model serves source -> target (source None: any source)."""
         base = target.split("-")[0]
-        return ((target in self.target or base in self.target)
-                and (source is None or source in self.source) and self.service.tokenizer is not None)
+        return ((target in self.target or base in self.target or client_code(target) in self.target)
+                and (source is None or source in self.source or client_code(source) in self.source)
+                and self.service.tokenizer is not None)
+
+    @property
+    def default_source(self) -> str:
+        """The language a request without a source is read in (DeepL's detected_source_language)."""
+        if self.native:
+            return model_client_code(str(self.service.tokenizer.src_lang)) or ""
+        return self.source[0] if self.source else ""
+
+    def pair(self, source: str | None, target: str) -> tuple[str | None, str | None]:
+        """(src_lang, tgt_lang): a multilingual model's own codes of the client's (source None: the model's
+        default); (None, None) for a model without languages."""
+        if not self.native:
+            return None, None
+        return (self.native.get(client_code(source)) if source else None), self.native.get(client_code(target))
 
 
 def parse_specs(specs: list[str]) -> dict[str, Path]:
@@ -107,6 +127,12 @@ def manifest_languages(manifest: dict, where: str) -> tuple[tuple[str, ...], tup
     return _codes(",".join(map(str, field["source"])), spec), _codes(",".join(map(str, field["target"])), spec)
 
 
+def multilingual_codes(tokenizer) -> dict[str, str]:
+    """{ISO 639-1 code: model code} of a tokenizer whose target language is chosen per request; {} otherwise."""
+    spec = getattr(tokenizer, "spec", None) or {}
+    return iso_codes(tokenizer.languages) if spec.get("languages") and spec.get("target_start") else {}
+
+
 class ModelSet:
     """The served models, by name; starts, stops and reports on all of them together."""
 
@@ -122,13 +148,16 @@ class ModelSet:
         models = []
         for name, path in bundles.items():
             service = Service.load(path, settings)
-            source, target = (languages or {}).get(name) or manifest_languages(service.bundle.manifest, str(path))
-            models.append(ServedModel(name, service, source, target))
+            native = multilingual_codes(service.tokenizer)
+            source, target = ((languages or {}).get(name) or ((tuple(native),) * 2 if native else None)
+                              or manifest_languages(service.bundle.manifest, str(path)))
+            models.append(ServedModel(name, service, source, target, native))
         return cls(models)
 
     @classmethod
     def single(cls, service, name: str | None = None) -> "ModelSet":
-        return cls([ServedModel(name or Path(service.bundle.path).name, service)])
+        native = multilingual_codes(service.tokenizer)
+        return cls([ServedModel(name or Path(service.bundle.path).name, service, tuple(native), tuple(native), native)])
 
     @property
     def services(self) -> list:

@@ -55,11 +55,12 @@ class BatchGenerator:
         from runtime.request import Request
 
         inputs = [json.loads(x) for x in batch["input"]]
+        sources = [json.loads(x) for x in batch["ids"]]                # encoded on the driver (its src_lang framing)
         engine, tokenizer = self.bundle.engine, self.bundle.tokenizer
         opts = self.opts                                                # per-input options: this batch's part
         if opts.prefix_ids:
             opts = replace(opts, prefix_ids=tuple(opts.prefix_ids[int(i)] for i in batch["index"]))
-        request = Request.build(engine, inputs, tokenizer, opts)        # this actor's part of the request
+        request = Request.build(engine, sources, None, opts)            # this actor's part of the request
         outputs = to_outputs(generate(engine, request), engine.eos_id, tokenizer)
         recs = records(inputs, outputs)
         for rec in recs:
@@ -82,7 +83,8 @@ def generate_on_ray(bundle: str | Path, request, actors: int = 1, batch_size: in
     ctx = ray.data.DataContext.get_current()
     ctx.execution_options.preserve_order = True
     ctx.enable_progress_bars = False
-    items = [{"index": i, "input": json.dumps(x)} for i, x in enumerate(request.inputs)]
+    items = [{"index": i, "input": json.dumps(x), "ids": json.dumps(ids)}
+             for i, (x, ids) in enumerate(zip(request.inputs, request.sequences))]
     ds = ray.data.from_items(items).map_batches(
         BatchGenerator, batch_size=batch_size, concurrency=actors, num_cpus=float(threads or 1),
         fn_constructor_kwargs={"bundle": str(Path(bundle).resolve()), "provider": provider, "threads": threads,

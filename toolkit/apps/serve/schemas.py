@@ -6,6 +6,7 @@ no unknown field), then its values against the server's limits and the model (`L
 Every field but `model`, `inputs`, `ids` and the target-side ones (TARGET: `prefix`, `prefix_ids`, `bad_words`,
 `bad_words_ids`, turned into SearchOptions fields by runtime.request.target_options, as on the command line) is a
 runtime.search.SearchOptions field of the same name: a new search option is one field here, passed on by name.
+`src_lang` and `tgt_lang` (a multilingual model's codes) go to runtime.request.languages, as --src-lang/--tgt-lang.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from runtime.errors import InputError
-from runtime.request import Request, search_options, target_options
+from runtime.request import Request, languages, search_options, target_options
 
 TARGET = ("prefix", "prefix_ids", "bad_words", "bad_words_ids")   # fields given to runtime.request.target_options
 
@@ -47,11 +48,15 @@ class GenerateRequest(BaseModel):
                                                                  "input")
     bad_words: list[str] | None = Field(None, description="target texts never generated")
     bad_words_ids: list[list[int]] | None = Field(None, description="target id sequences never generated")
+    src_lang: str | None = Field(None, description="a multilingual model's source language code, e.g. fra_Latn "
+                                                   "[default: the one it was imported with]")
+    tgt_lang: str | None = Field(None, description="a multilingual model's target language code, e.g. deu_Latn "
+                                                   "(required by NLLB and mBART-50 bundles)")
 
     def options(self) -> dict:
         """The search options it names (SearchOptions' fields), for runtime.request.search_options; the TARGET
         fields go to runtime.request.target_options."""
-        return self.model_dump(exclude={"model", "inputs", "ids", *TARGET})
+        return self.model_dump(exclude={"model", "inputs", "ids", "src_lang", "tgt_lang", *TARGET})
 
 
 class Record(BaseModel):
@@ -89,7 +94,8 @@ class Limits:
                              f"in one request; split the request")
         if not 1 <= body.beam <= self.max_beam:
             raise InputError(f"beam must be between 1 and {self.max_beam}, got {body.beam}")
-        targets = target_options(tokenizer, len(inputs), **{name: getattr(body, name) for name in TARGET})
+        tokenizer, lead = languages(tokenizer, body.src_lang, body.tgt_lang)
+        targets = target_options(tokenizer, len(inputs), lead=lead, **{name: getattr(body, name) for name in TARGET})
         return Request.build(model, inputs, tokenizer, search_options(model, **body.options(), **targets))
 
 

@@ -20,7 +20,7 @@ from starlette.formparsers import FormParser, MultiPartParser
 
 from runtime.errors import OnnxformerError
 from runtime.generate import to_outputs
-from runtime.request import Request as Generation, search_options
+from runtime.request import Request as Generation, languages, search_options, target_options
 from toolkit.apps.serve.app import RequestError, read_body, submit, wait_for_disconnect
 from toolkit.apps.serve.models import ServedModel
 from toolkit.apps.serve.scheduler import Job
@@ -77,22 +77,25 @@ def text_list(value, field: str) -> list[str]:
     return texts
 
 
-async def translate(model: ServedModel, texts: list[str], source: str | None, request: Request) -> list[str]:
-    """The translations of `texts` by `model` (source: the language whose sentence rules split them); a client that
-    leaves (`request` disconnects) frees its rows: RequestError 499."""
+async def translate(model: ServedModel, texts: list[str], source: str | None, request: Request,
+                    target: str | None = None) -> list[str]:
+    """The translations of `texts` by `model` (source: the language whose sentence rules split them; a multilingual
+    model decodes from source into target, its own codes of these client codes); a client that leaves (`request`
+    disconnects) frees its rows: RequestError 499."""
     service, arrived = model.service, time.monotonic()
     if not service.ready:
         raise RequestError(503, "not_ready", f"the server is {service.state}; retry shortly", retry_after=1)
-    lang = source or (model.source[0] if model.source else None)
+    lang = source or (model.source[0] if model.source and not model.native else None)
     try:
-        plan = plan_texts(texts, service.tokenizer, service.engine.max_len, lang)
+        tokenizer, lead = languages(service.tokenizer, *model.pair(source, target or ""))
+        plan = plan_texts(texts, tokenizer, service.engine.max_len, lang)
     except OnnxformerError as exc:
         raise RequestError(400, "validation", str(exc)) from None
     step, settings = service.settings.max_batch, service.settings
     if len(plan.rows) > step * settings.max_queue:
         raise RequestError(413, "too_large", f"the texts split into {len(plan.rows)} sentences, more than this "
                                              f"server takes in one request ({step * settings.max_queue}); send fewer")
-    hyps = await _decode(service, plan.rows, arrived, request)
+    hyps = await _decode(service, plan.rows, arrived, request, lead)
     outputs = to_outputs(hyps, service.engine.eos_id, service.tokenizer)
     metrics = service.metrics
     metrics.requests.labels("ok").inc()
@@ -101,12 +104,16 @@ async def translate(model: ServedModel, texts: list[str], source: str | None, re
     return plan.join([o.text for o in outputs])
 
 
-async def _decode(service, rows: list[list[int]], arrived: float, request: Request) -> list:
-    """Greedy hypotheses of `rows`, queued as jobs of at most --max-batch rows; all cancelled if the client leaves."""
+async def _decode(service, rows: list[list[int]], arrived: float, request: Request, lead: list[int]) -> list:
+    """Greedy hypotheses of `rows` (each target starting with `lead`, its forced language), queued as jobs of at
+    most --max-batch rows; all cancelled if the client leaves."""
     engine, step = service.engine, service.settings.max_batch
-    opts = search_options(engine, max_new_tokens=engine.max_len)
+
+    def part(rows: list[list[int]]) -> Generation:
+        targets = target_options(None, len(rows), lead=lead)
+        return Generation.build(engine, rows, None, search_options(engine, engine.max_len - len(lead), **targets))
     try:                                                     # validated whole before any part is queued
-        parts = [Generation.build(engine, rows[i:i + step], None, opts) for i in range(0, len(rows), step)]
+        parts = [part(rows[i:i + step]) for i in range(0, len(rows), step)]
     except OnnxformerError as exc:
         raise RequestError(400, "validation", str(exc)) from None
     jobs: list[Job] = []

@@ -23,7 +23,9 @@ Each model_type is one family of the importer registry (this module and mbart.py
 convert_directory is its convert (both of the above), load_original loads the transformers original for parity.
 
 How each tokenizer frames a source is data (FRAMINGS): "{bos}" and "{eos}" are resolved here from
-tokenizer_config.json, "{src_lang}" is kept for the runtime tokenizer, which puts spec["src_lang"] there.
+tokenizer_config.json, "{src_lang}" is kept for the runtime tokenizer, which puts spec["src_lang"] there. A
+multilingual tokenizer's codes (LANGUAGES: its special tokens shaped like the family's codes) and the tokens forced
+after the decoder start ("{tgt_lang}": the target language, chosen per request) are recorded in its spec as well.
 """
 
 from __future__ import annotations
@@ -232,6 +234,11 @@ FRAMINGS = {   # tokenizer_config.json's tokenizer_class (without "Fast") -> (so
     "MBartTokenizer": ([], ["{eos}", "{src_lang}"], "en_XX"),             # mbart-large-cc25
     "MBart50Tokenizer": (["{src_lang}"], ["{eos}"], "en_XX"),
 }
+LANGUAGES = {  # tokenizer class -> (what its language codes look like, the tokens forced after the decoder start)
+    "NllbTokenizer": (r"[a-z]{3}_[A-Z][a-z]{3}", ["{tgt_lang}"]),           # eng_Latn; forced_bos_token_id
+    "MBart50Tokenizer": (r"[a-z]{2}_[A-Z]{2}", ["{tgt_lang}"]),             # en_XX; forced_bos_token_id
+    "MBartTokenizer": (r"[a-z]{2}_[A-Z]{2}", None),   # cc25: its decoder start is the target language, fixed
+}
 TOKENIZER_OF = {"bart": "BartTokenizer", "mbart": "MBartTokenizer", "pegasus": "PegasusTokenizer",
                 "m2m_100": "NllbTokenizer"}       # when tokenizer_config.json names no tokenizer_class
 
@@ -260,12 +267,23 @@ def family_tokenizer(directory: Path, config: ModelConfig):
             "clean_up_tokenization_spaces": bool(tc.get("clean_up_tokenization_spaces", False))}
     try:                                                  # saved beside our tokenizer.json as spec["file"]
         tok = FastTokenizer(directory, spec, source=directory / "tokenizer.json")
+        if cls in LANGUAGES:
+            tok = FastTokenizer(directory, {**spec, **language_spec(tok, *LANGUAGES[cls])}, tok.source)
     except TokenizerError as exc:
         raise ImportRefused(f"{directory}: {exc}") from None
     if (tok.eos_id, tok.pad_id) != (config.eos_id, config.pad_id):
         raise ImportRefused(f"{directory}: the tokenizer's eos and pad ids ({tok.eos_id}, {tok.pad_id}) differ from "
                             f"config.json's ({config.eos_id}, {config.pad_id})")
     return tok
+
+
+def language_spec(tok, pattern: str, target_start: list[str] | None) -> dict:
+    """The tokenizer spec's languages: the special tokens shaped like the family's codes (in id order) and, where
+    the target language is chosen per request, the tokens forced after the decoder start."""
+    import re
+
+    codes = [t for t in tok.special_tokens() if re.fullmatch(pattern, t)]
+    return {"languages": codes, **({"target_start": target_start} if target_start and codes else {})}
 
 
 def architectures() -> dict[str, Architecture]:
@@ -312,5 +330,6 @@ def family(arch: Architecture, name: str, source: str) -> Family:
 
 FAMILY = register_family(family(BART, "bart", "a BART save_pretrained directory or hub name"))
 
-__all__ = ["BART", "FAMILY", "FRAMINGS", "Architecture", "architectures", "convert_directory", "convert_state",
-           "fairseq_table", "family", "family_tokenizer", "load_family", "load_original", "model_config"]
+__all__ = ["BART", "FAMILY", "FRAMINGS", "LANGUAGES", "Architecture", "architectures", "convert_directory",
+           "convert_state", "fairseq_table", "family", "family_tokenizer", "language_spec", "load_family",
+           "load_original", "model_config"]

@@ -27,6 +27,7 @@ from runtime.search import SearchOptions
 
 DEFAULT_MAX_NEW_TOKENS = 64          # most new tokens when a request names none (capped at the model's max_len)
 PER_INPUT = ("max_new_tokens",)      # greedy options each input of a merged batch keeps for itself (`limits`)
+PER_INPUT_OPTIONS = ("prefix_ids",)  # SearchOptions fields that give one value per input (cut by `split`)
 
 
 class Model(Protocol):
@@ -129,6 +130,22 @@ def merge(requests: Sequence[Request]) -> Request:
     return Request([x for r in requests for x in r.inputs], [s for r in requests for s in r.sequences], opts, limits)
 
 
+def split(request: Request, size: int) -> list[Request]:
+    """A validated request cut into requests of at most `size` inputs, in order (the inverse of `merge`): each
+    keeps its inputs' limits and their share of the options given one per input (PER_INPUT_OPTIONS). Sampling
+    seeds each input's draws by its position in its own request, so sampled draws depend on `size`."""
+    if size < 1:
+        raise InputError(f"batch size must be at least 1, got {size}")
+    parts = []
+    for start in range(0, len(request.sequences), size):
+        end = start + size
+        own = {name: getattr(request.opts, name)[start:end] for name in PER_INPUT_OPTIONS
+               if getattr(request.opts, name)}
+        parts.append(Request(request.inputs[start:end], request.sequences[start:end], replace(request.opts, **own),
+                             request.limits[start:end]))
+    return parts
+
+
 def differing(opts: SearchOptions, base: SearchOptions, own: Sequence[str] = ()) -> list[str]:
     """The options of `opts` that differ from `base`, other than `own` ones (what a batch row keeps for itself)."""
     return [f.name for f in fields(opts) if f.name not in own and getattr(opts, f.name) != getattr(base, f.name)]
@@ -183,5 +200,6 @@ def check_target_ids(what: str, ids: Sequence[int], model: Model) -> None:
                          f"ids; use target ids 0..{model.vocab_size - 1}")
 
 
-__all__ = ["Request", "search_options", "target_options", "encode_target", "merge", "differing", "encode_inputs",
-           "check_sources", "check_options", "check_target_ids", "DEFAULT_MAX_NEW_TOKENS", "PER_INPUT"]
+__all__ = ["Request", "search_options", "target_options", "encode_target", "merge", "split", "differing",
+           "encode_inputs", "check_sources", "check_options", "check_target_ids", "DEFAULT_MAX_NEW_TOKENS",
+           "PER_INPUT", "PER_INPUT_OPTIONS"]

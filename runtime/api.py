@@ -42,9 +42,9 @@ TARGET_OPTIONS = tuple(name for name in inspect.signature(target_options).parame
 
 
 class Options(TypedDict, total=False):
-    """The options of `generate` and `stream`, typed for checkers and editors: every field of SearchOptions and
-    every parameter of runtime.request.target_options (tests/test_api.py checks it). The README's table gives the
-    defaults and ranges; what is not given keeps SearchOptions' default."""
+    """The options of `generate` and `stream`, typed for checkers and editors: fields of SearchOptions and
+    parameters of runtime.request.target_options (any other of theirs is accepted too, untyped). The README's
+    table gives the defaults and ranges; what is not given keeps SearchOptions' default."""
 
     max_new_tokens: int | None      # None: min(64, max_len), less the longest prefix
     beam: int

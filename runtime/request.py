@@ -19,6 +19,7 @@ What is checked, once:
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
+from numbers import Integral
 from typing import Protocol, Sequence
 
 from runtime.errors import InputError
@@ -156,7 +157,7 @@ def encode_inputs(inputs: list, tokenizer) -> list[list[int]]:
     seqs = []
     for i, item in enumerate(inputs):
         if not isinstance(item, str):
-            seqs.append(list(item))
+            seqs.append(token_ids("input", i, item))
         elif not item.strip():
             raise InputError(f"input {i} is empty; every input needs at least one token (a text that is not blank)")
         elif tokenizer is None:
@@ -165,6 +166,16 @@ def encode_inputs(inputs: list, tokenizer) -> list[list[int]]:
         else:
             seqs.append(tokenizer.encode(item))
     return seqs
+
+
+def token_ids(what: str, i: int, item) -> list[int]:
+    """The i-th `what` (input, target) given as token ids, as a list; InputError when it is not a list of integers
+    (a Python caller's mistake: the command line and the server give nothing else)."""
+    ids = list(item) if hasattr(item, "__iter__") and not isinstance(item, (str, bytes)) else None
+    if ids is None or any(isinstance(t, bool) or not isinstance(t, Integral) for t in ids):
+        raise InputError(f"{what} {i} is neither a text nor a list of token ids (integers): {item!r:.80}; pass "
+                         f"texts or id lists")
+    return ids
 
 
 def check_sources(sequences: Sequence[Sequence[int]], model: Model) -> None:
@@ -201,5 +212,5 @@ def check_target_ids(what: str, ids: Sequence[int], model: Model) -> None:
 
 
 __all__ = ["Request", "search_options", "target_options", "encode_target", "merge", "split", "differing",
-           "encode_inputs", "check_sources", "check_options", "check_target_ids", "DEFAULT_MAX_NEW_TOKENS",
-           "PER_INPUT", "PER_INPUT_OPTIONS"]
+           "encode_inputs", "token_ids", "check_sources", "check_options", "check_target_ids",
+           "DEFAULT_MAX_NEW_TOKENS", "PER_INPUT", "PER_INPUT_OPTIONS"]

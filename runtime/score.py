@@ -20,7 +20,7 @@ import numpy as np
 
 from runtime.errors import InputError
 from runtime.generate import Engine, pad_batch
-from runtime.request import check_sources, encode_inputs, encode_target
+from runtime.request import check_sources, encode_inputs, encode_target, token_ids
 from runtime.search import chosen_logprob
 
 
@@ -80,8 +80,8 @@ def score_texts(engine: Engine, tokenizer, sources: Sequence, targets: Sequence)
     appended), their teacher-forced log-probabilities (`token_logprobs`) and their sum (`score`). Sources and
     targets are texts, or token id lists (a record's `source` and `target` are then those lists)."""
     source_ids = encode_inputs(list(sources), tokenizer)
-    target_seqs = [list(t) if not isinstance(t, str) else encode_target(tokenizer, "target", i, t, "target ids")
-                   for i, t in enumerate(targets)]
+    target_seqs = [token_ids("target", i, t) if not isinstance(t, str) else
+                   encode_target(tokenizer, "target", i, t, "target ids") for i, t in enumerate(targets)]
     scored = score_ids(engine, source_ids, target_seqs)
     return [{"index": i, "source": src, "target": tgt, "ids": s.ids, "token_logprobs": s.logprobs, "score": s.score}
             for i, (src, tgt, s) in enumerate(zip(sources, targets, scored))]

@@ -143,6 +143,11 @@ def test_input_errors(translator, toy_exported):
         translator.generate(TEXTS, beem=4)
     with pytest.raises(InputError, match="wrap one text in a list"):
         translator.generate("hello")
+    for junk in (["hello", None], [[5, 6.5]], [["hello"]]):
+        with pytest.raises(InputError, match=r"input \d is neither a text nor a list of token ids \(integers\)"):
+            translator.generate(junk)
+    with pytest.raises(InputError, match="target 1 is neither a text nor a list of token ids"):
+        translator.score(["hello", "Ab3"], ["olleh", [5, "6"]])
     with pytest.raises(InputError, match="beam search .* knows its best hypothesis only at the end"):
         translator.stream("hello", beam=2)
     with pytest.raises(BundleError, match="is a checkpoint, not a bundle"):

@@ -19,6 +19,7 @@ What is checked, once:
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
+from numbers import Integral
 from typing import Protocol, Sequence
 
 from runtime.errors import InputError
@@ -27,6 +28,7 @@ from runtime.search import SearchOptions
 
 DEFAULT_MAX_NEW_TOKENS = 64          # most new tokens when a request names none (capped at the model's max_len)
 PER_INPUT = ("max_new_tokens",)      # greedy options each input of a merged batch keeps for itself (`limits`)
+PER_INPUT_OPTIONS = ("prefix_ids",)  # SearchOptions fields that give one value per input (cut by `split`)
 
 
 class Model(Protocol):
@@ -182,6 +184,22 @@ def merge(requests: Sequence[Request]) -> Request:
     return Request([x for r in requests for x in r.inputs], [s for r in requests for s in r.sequences], opts, limits)
 
 
+def split(request: Request, size: int) -> list[Request]:
+    """A validated request cut into requests of at most `size` inputs, in order (the inverse of `merge`): each
+    keeps its inputs' limits and their share of the options given one per input (PER_INPUT_OPTIONS). Sampling
+    seeds each input's draws by its position in its own request, so sampled draws depend on `size`."""
+    if size < 1:
+        raise InputError(f"batch size must be at least 1, got {size}")
+    parts = []
+    for start in range(0, len(request.sequences), size):
+        end = start + size
+        own = {name: getattr(request.opts, name)[start:end] for name in PER_INPUT_OPTIONS
+               if getattr(request.opts, name)}
+        parts.append(Request(request.inputs[start:end], request.sequences[start:end], replace(request.opts, **own),
+                             request.limits[start:end]))
+    return parts
+
+
 def differing(opts: SearchOptions, base: SearchOptions, own: Sequence[str] = ()) -> list[str]:
     """The options of `opts` that differ from `base`, other than `own` ones (what a batch row keeps for itself)."""
     return [f.name for f in fields(opts) if f.name not in own and getattr(opts, f.name) != getattr(base, f.name)]
@@ -192,7 +210,7 @@ def encode_inputs(inputs: list, tokenizer) -> list[list[int]]:
     seqs = []
     for i, item in enumerate(inputs):
         if not isinstance(item, str):
-            seqs.append(list(item))
+            seqs.append(token_ids("input", i, item))
         elif not item.strip():
             raise InputError(f"input {i} is empty; every input needs at least one token (a text that is not blank)")
         elif tokenizer is None:
@@ -201,6 +219,16 @@ def encode_inputs(inputs: list, tokenizer) -> list[list[int]]:
         else:
             seqs.append(tokenizer.encode(item))
     return seqs
+
+
+def token_ids(what: str, i: int, item) -> list[int]:
+    """The i-th `what` (input, target) given as token ids, as a list; InputError when it is not a list of integers
+    (a Python caller's mistake: the command line and the server give nothing else)."""
+    ids = list(item) if hasattr(item, "__iter__") and not isinstance(item, (str, bytes)) else None
+    if ids is None or any(isinstance(t, bool) or not isinstance(t, Integral) for t in ids):
+        raise InputError(f"{what} {i} is neither a text nor a list of token ids (integers): {item!r:.80}; pass "
+                         f"texts or id lists")
+    return ids
 
 
 def check_sources(sequences: Sequence[Sequence[int]], model: Model) -> None:
@@ -236,6 +264,6 @@ def check_target_ids(what: str, ids: Sequence[int], model: Model) -> None:
                          f"ids; use target ids 0..{model.vocab_size - 1}")
 
 
-__all__ = ["Request", "search_options", "target_options", "languages", "encode_target", "merge", "differing",
-           "encode_inputs", "check_sources", "check_options", "check_target_ids", "DEFAULT_MAX_NEW_TOKENS",
-           "PER_INPUT"]
+__all__ = ["Request", "search_options", "target_options", "languages", "encode_target", "merge", "split",
+           "differing", "encode_inputs", "token_ids", "check_sources", "check_options", "check_target_ids",
+           "DEFAULT_MAX_NEW_TOKENS", "PER_INPUT", "PER_INPUT_OPTIONS"]

@@ -22,7 +22,7 @@ import numpy as np
 
 from runtime.errors import InputError
 from runtime.generate import Engine, pad_batch
-from runtime.request import check_sources, encode_inputs, encode_target, languages
+from runtime.request import check_sources, encode_inputs, encode_target, languages, token_ids
 from runtime.search import chosen_logprob
 
 
@@ -80,14 +80,16 @@ def score_ids(engine: Engine, sources: Sequence[Sequence[int]], targets: Sequenc
             for row, t in enumerate(wanted)]
 
 
-def score_texts(engine: Engine, tokenizer, sources: Sequence[str], targets: Sequence[str],
+def score_texts(engine: Engine, tokenizer, sources: Sequence, targets: Sequence,
                 src_lang: str | None = None, tgt_lang: str | None = None) -> list[dict]:
-    """The records of `onnxformer score --json`: each (source, target) text pair's target ids (target side, EOS
-    appended), their teacher-forced log-probabilities (`token_logprobs`) and their sum (`score`); a multilingual
+    """The records of `onnxformer score --json`: each (source, target) pair's target ids (target side, EOS
+    appended), their teacher-forced log-probabilities (`token_logprobs`) and their sum (`score`). Sources and
+    targets are texts, or token id lists (a record's `source` and `target` are then those lists); a multilingual
     model's sources framed in src_lang, its targets in tgt_lang (runtime.request.languages)."""
     framed, lead = languages(tokenizer, src_lang, tgt_lang)
     source_ids = encode_inputs(list(sources), framed)
-    target_seqs = [encode_target(tokenizer, "target", i, text, "target ids") for i, text in enumerate(targets)]
+    target_seqs = [token_ids("target", i, t) if not isinstance(t, str) else
+                   encode_target(tokenizer, "target", i, t, "target ids") for i, t in enumerate(targets)]
     scored = score_ids(engine, source_ids, target_seqs, lead)
     return [{"index": i, "source": src, "target": tgt, "ids": s.ids, "token_logprobs": s.logprobs, "score": s.score}
             for i, (src, tgt, s) in enumerate(zip(sources, targets, scored))]

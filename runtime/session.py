@@ -83,6 +83,14 @@ def installed_onnxruntime() -> str:
     return f"onnxruntime {ort.__version__}"
 
 
+def check_provider(provider: str, threads: int | None = None) -> None:
+    """Refuse a provider name that is not one of PROVIDER_CHOICES, or fewer than one thread, before any loading."""
+    if provider not in PROVIDER_CHOICES:
+        raise ProviderError(f"unknown provider {provider!r}; choose one of: {', '.join(PROVIDER_CHOICES)}")
+    if threads is not None and threads < 1:
+        raise ProviderError(f"threads must be at least 1, got {threads}")
+
+
 def choose_provider(name: str = "auto") -> str:
     """'auto' -> 'cuda' when this onnxruntime offers CUDAExecutionProvider, else 'cpu'; 'cuda' fails clearly."""
     available = ort.get_available_providers()

@@ -222,3 +222,21 @@ def test_requests_with_one_target_language_batch_together(model):
     assert a.batch_key == b.batch_key != c.batch_key
     together = generate(engine, merge([a, b]))
     assert [h[0].tokens for h in together] == [h[0].tokens for r in (a, b) for h in generate(engine, r)]
+
+
+def test_the_python_api_takes_the_languages(nllb_bundle, multilingual):
+    from runtime import Translator
+
+    _, original, theirs, _ = multilingual("nllb")
+    translator = Translator(nllb_bundle, provider="cpu")
+    for beam in (1, 4):
+        _, _, want = theirs_generate(original, theirs, TEXTS, "fra_Latn", "deu_Latn", beam)
+        got = translator.generate(TEXTS, src_lang="fra_Latn", tgt_lang="deu_Latn", beam=beam, max_new_tokens=MAX_NEW - 1)
+        assert [r.text for r in got] == want
+    pieces = translator.stream(TEXTS[0], src_lang="fra_Latn", tgt_lang="deu_Latn", max_new_tokens=MAX_NEW - 1)
+    _, _, want = theirs_generate(original, theirs, TEXTS[:1], "fra_Latn", "deu_Latn", 1)
+    assert "".join(pieces) == want[0]
+    with pytest.raises(InputError, match="this model is multilingual: give the target language"):
+        translator.generate(TEXTS[:1])
+    with pytest.raises(InputError, match="unknown option 'prefix_counted'"):
+        translator.generate(TEXTS[:1], tgt_lang="deu_Latn", prefix_counted=1)

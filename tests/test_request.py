@@ -14,7 +14,7 @@ from click.testing import CliRunner
 
 from runtime.errors import InputError, NumericsError
 from runtime.generate import generate, generate_ids
-from runtime.request import PER_INPUT, Request, differing, merge, search_options
+from runtime.request import PER_INPUT, Request, differing, merge, search_options, split
 from runtime.search import SearchOptions
 
 MODEL = SimpleNamespace(vocab_size=64, src_vocab_size=40, suppress_ids=(0,), eos_id=2, max_len=20)
@@ -69,6 +69,20 @@ def test_batch_keys_and_merges_carry_every_option_a_new_one_included():
     beam = Request.build(MODEL, [[5]], opts=Extended(max_new_tokens=4, beam=2))
     assert ("max_new_tokens", 4) in beam.batch_key                # beam inputs share one length
     assert differing(warmer.opts, greedy.opts, ("max_new_tokens",)) == ["diversity"]
+
+
+def test_split_cuts_inputs_limits_and_per_input_options_and_keeps_the_rest():
+    request = Request.build(MODEL, [[5], [6, 7], [8], [9]], opts=Extended(max_new_tokens=6, diversity=0.5,
+                                                                      prefix_ids=((3,), (), (4, 4), (5,))),
+                            limits=[6, 2, 6, 3])
+    parts = split(request, 3)
+    assert [p.sequences for p in parts] == [[[5], [6, 7], [8]], [[9]]] and [p.limits for p in parts] == [[6, 2, 6], [3]]
+    assert [p.opts.prefix_ids for p in parts] == [((3,), (), (4, 4)), ((5,),)]
+    assert all(type(p.opts) is Extended and p.opts.diversity == 0.5 and p.opts.suppress == (0,) for p in parts)
+    again = merge(split(Request.build(MODEL, [[5], [6], [7]], opts=Extended(max_new_tokens=4)), 2))
+    assert again.sequences == [[5], [6], [7]] and again.limits == [4, 4, 4]
+    with pytest.raises(InputError, match="batch size must be at least 1, got 0"):
+        split(request, 0)
 
 
 class Poisoned:

@@ -120,3 +120,15 @@ def test_generate_cli_bad_input_exits_2_without_torch(toy_exported, tmp_path):
     proc, report = run_blocked([str(ONNXFORMER), "generate", str(toy_exported[1]), "--ids", "5 99"], tmp_path)
     assert proc.returncode == 2 and report["loaded"] == []
     assert proc.stderr.count("\n") == 1 and "outside the source vocabulary" in proc.stderr
+
+
+def test_python_api_example_without_torch(toy_exported, tmp_path):
+    """The Python API (runtime.Translator), as examples/python/translate_file.py uses it, runs without torch."""
+    (tmp_path / "in.txt").write_text("hello\nAb3\n")
+    example = ROOT / "examples" / "python" / "translate_file.py"
+    proc, report = run_blocked([sys.executable, str(example), str(toy_exported[1]), str(tmp_path / "in.txt"),
+                                "--provider", "cpu"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert report == {"attempts": [], "loaded": []}
+    lines = proc.stdout.splitlines()
+    assert len(lines) == 6 and lines[0] == "hello" and lines[3] == "Ab3" and lines[1].startswith("  1. ")

@@ -9,8 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from runtime.errors import ProviderError
-from runtime.session import PROVIDER_CHOICES
+from runtime.session import check_provider
 from toolkit.reference.errors import CheckpointError
 from toolkit.apps.extras import require
 
@@ -54,10 +53,7 @@ def open_model(path: str | Path, provider: str = "auto", threads: int | None = N
                use_cache: bool = True, one_graph_at_a_time: bool = False) -> OpenModel:
     """Load a checkpoint (PyTorch engine) or a bundle (ONNX Runtime engine) from a directory; one_graph_at_a_time:
     see runtime.bundle.load_bundle (bundles on the CPU, one-shot use)."""
-    if provider not in PROVIDER_CHOICES:
-        raise ProviderError(f"unknown provider {provider!r}; choose one of: {', '.join(PROVIDER_CHOICES)}")
-    if threads is not None and threads < 1:
-        raise ProviderError(f"threads must be at least 1, got {threads}")
+    check_provider(provider, threads)
     path = Path(path)
     if model_kind(path) == "bundle":
         from runtime.bundle import load_bundle
@@ -69,17 +65,7 @@ def open_model(path: str | Path, provider: str = "auto", threads: int | None = N
 
 def _open_checkpoint(path: Path, provider: str, threads: int | None, use_cache: bool) -> OpenModel:
     require("torch")
-    import torch
+    from toolkit.reference.api import checkpoint_engine
 
-    from toolkit.reference.checkpoint import load_checkpoint
-    from toolkit.reference.torch_engine import TorchEngine
-
-    if provider == "cuda" and not torch.cuda.is_available():
-        raise ProviderError("provider 'cuda' was asked for but this PyTorch has no CUDA device; "
-                            "use --provider cpu (or auto)")
-    device = "cuda" if provider in ("auto", "cuda") and torch.cuda.is_available() else "cpu"
-    if threads is not None:
-        torch.set_num_threads(threads)
-    ckpt = load_checkpoint(path)
-    engine = TorchEngine(ckpt.model, use_cache=use_cache, device=device)
-    return OpenModel(engine, ckpt.tokenizer, "checkpoint", path, device, "" if use_cache else "no KV cache")
+    engine, tokenizer = checkpoint_engine(path, provider, threads, use_cache)
+    return OpenModel(engine, tokenizer, "checkpoint", path, engine.device, "" if use_cache else "no KV cache")

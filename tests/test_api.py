@@ -15,7 +15,7 @@ import pytest
 from click.testing import CliRunner
 
 from runtime import Result, ScoreRecord, Translator
-from runtime.api import Options, TARGET_OPTIONS
+from runtime.api import LANGUAGE_OPTIONS, TARGET_OPTIONS, Options
 from runtime.errors import BundleError, InputError, TokenizerError
 from runtime.search import SearchOptions
 from toolkit.apps.cli import main
@@ -155,9 +155,10 @@ def test_input_errors(translator, toy_exported):
 
 
 def test_options_name_only_accepted_options():
-    """Options (the type of **options) names SearchOptions' fields and target_options' parameters, nothing else; an
-    option added there is accepted at once (passed on by name) and typed once it is added to Options."""
-    accepted = {f for f in SearchOptions.__dataclass_fields__} | set(TARGET_OPTIONS)
+    """Options (the type of **options) names SearchOptions' fields, target_options' parameters and the languages,
+    nothing else; an option added there is accepted at once (passed on by name) and typed once it is added to
+    Options."""
+    accepted = {f for f in SearchOptions.__dataclass_fields__} | set(TARGET_OPTIONS) | set(LANGUAGE_OPTIONS)
     assert set(Options.__annotations__) <= accepted
     typed = set(Options.__annotations__)
     assert {"beam", "num_return", "sample", "seed", "prefix", "bad_words_ids", "return_logprobs"} <= typed

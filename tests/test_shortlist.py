@@ -150,3 +150,24 @@ def test_the_map_keeps_the_most_frequent_pairs_beyond_the_always_set():
     assert m.of([5]).tolist() == [0, 1, 2, 6, 7]
     vocab, allowed = m.select(np.array([[3, 5, 0], [4, 0, 0]]), np.array([[1, 1, 0], [1, 0, 0]]), [(), (8,)])
     assert vocab.tolist() == [0, 1, 2, 6, 7, 8] and allowed.tolist() == [[1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1]]
+
+
+def test_in_flight_rows_on_the_shortlist_get_their_unbatched_outputs(shortlisted, toy_model_factory):
+    from runtime.inflight import InflightBatch
+    from test_inflight import assert_alone, drive
+    from toolkit.testing.toy import toy_inputs
+
+    engine = load_bundle(shortlisted["static"], provider="cpu").engine
+    seqs = toy_inputs(toy_model_factory().config, 16, min_len=1, max_len=12, seed=5)
+    limits = np.random.default_rng(3).integers(1, 16, size=len(seqs))
+    got = drive(InflightBatch(engine, slots=4), seqs, limits, per_join=2)
+    assert_alone(engine, seqs, limits, got)                            # tokens equal, scores within rounding
+    assert len({tuple(h.tokens) for h in got.values()}) > 8
+    batch, mixed = InflightBatch(engine, slots=4), {}                 # one row without the shortlist among them
+    for row in batch.join(seqs[:3], [12] * 3, shortlist=[True, False, True]):
+        mixed[row.key] = row
+    while batch.live:
+        batch.step()
+    for i, on in enumerate([True, False, True]):
+        want = generate_ids(engine, [seqs[i]], SearchOptions(max_new_tokens=12, shortlist=on))[0][0]
+        assert mixed[i].tokens == want.tokens and abs(mixed[i].score - want.score) <= 1e-4

@@ -2,11 +2,13 @@
 
     write_shortlist_decoder(bundle / "decoder.onnx", tmp / "decoder.shortlist.onnx", bundle)
 
-The output projection of the decoder (its last MatMul, and the logits bias where the model has one)
+The output projection of the decoder (its last MatMul, then elementwise Mul/Add by constants: the logits bias, an
+int8 bundle's column scales)
 
     hidden [B,T,D] --> MatMul(., W [D,V]) --> (+ bias [V]) --> logits [B,T,V]
 
-becomes, with one more graph input `vocab_ids` int64 [V'] (runtime/spec.py's shortlist_decoder_spec):
+becomes, with one more graph input `vocab_ids` int64 [V'] (runtime/spec.py's shortlist_decoder_spec) and each
+constant of one value per vocabulary id gathered for vocab_ids (fp32):
 
     table [V,D] --> Gather(., vocab_ids) --> [V',D] -----------------------+
     hidden [B,T,D] --> Reshape [B*T,D] --> Concat(a zero row) [B*T+1,D] --> Gemm(transB) --> Slice [B*T,V']
@@ -16,6 +18,9 @@ becomes, with one more graph input `vocab_ids` int64 [V'] (runtime/spec.py's sho
 columns would touch a cache line per value). A tied model's embedding table is that transpose already and is
 reused by name (no copy); otherwise W^T is stored in the new graph. Every other tensor stays where it was
 (external data in weights.data keeps its references), so the file adds only the new nodes and, untied, W^T.
+
+int8 (DynamicQuantizeMatMul by W [D,V] int8): Transpose(Gather(W^T, vocab_ids)) [D,V'] is its weight, its scale
+and zero point gathered where they are per column; integer sums need no padding.
 
 The zero row: ONNX Runtime multiplies a single row by a non-constant matrix with another kernel than two or more
 rows, whose sums round differently, so a request alone (batch 1, one row) would get other logits than the same
@@ -40,18 +45,24 @@ class ShortlistGraphError(ValueError):
     """The decoder's output projection is not a form the shortlist decoder can be built from."""
 
 
-def _projection(graph: onnx.GraphProto) -> tuple[onnx.NodeProto, onnx.NodeProto | None]:
-    """(the projection MatMul, the bias Add or None) producing the graph's `logits`."""
+PRODUCTS = ("MatMul", "DynamicQuantizeMatMul")       # fp32; int8 (optimize --precision int8)
+
+
+def _tail(graph: onnx.GraphProto) -> tuple[onnx.NodeProto, list[onnx.NodeProto]]:
+    """(the projection's product node, the elementwise Mul/Add nodes by constants between it and `logits`, in
+    graph order): the int8 column scales, the logits bias."""
     producer = {o: n for n in graph.node for o in n.output}
     inits = {t.name for t in graph.initializer}
-    node, bias = producer.get("logits"), None
-    if node is not None and node.op_type == "Add" and any(i in inits for i in node.input):
-        bias, node = node, producer.get(next(i for i in node.input if i not in inits))
-    if node is None or node.op_type != "MatMul" or node.input[1] not in inits:
+    node, tail = producer.get("logits"), []
+    while node is not None and node.op_type in ("Mul", "Add") and sum(i in inits for i in node.input) == 1:
+        tail.insert(0, node)
+        node = producer.get(next(i for i in node.input if i not in inits))
+    if node is None or node.op_type not in PRODUCTS or node.input[1] not in inits:
         found = "nothing" if node is None else f"{node.op_type} {node.name!r}"
-        raise ShortlistGraphError(f"the decoder's logits come from {found}, not a MatMul by a weight (and a bias); "
-                                  f"the shortlist needs an fp32 decoder whose output projection is one MatMul")
-    return node, bias
+        raise ShortlistGraphError(f"the decoder's logits come from {found}, not a MatMul (fp32) or "
+                                  f"DynamicQuantizeMatMul (int8) by a constant weight; build the shortlist on an "
+                                  f"fp32 or int8 bundle")
+    return node, tail
 
 
 def _array(graph: onnx.GraphProto, name: str, base: Path) -> np.ndarray:
@@ -59,18 +70,29 @@ def _array(graph: onnx.GraphProto, name: str, base: Path) -> np.ndarray:
     return numpy_helper.to_array(tensor, base_dir=str(base))
 
 
-def _table(graph: onnx.GraphProto, weight: np.ndarray, base: Path) -> str | None:
-    """The name of an initializer equal to weight^T ([V, D]: a tied embedding table), or None."""
+def _table(graph: onnx.GraphProto, weight: np.ndarray, base: Path) -> str:
+    """The name of an initializer equal to weight^T ([V, D]: a tied embedding table), else of a new one."""
     shape = [weight.shape[1], weight.shape[0]]
     for t in graph.initializer:
-        if list(t.dims) == shape and t.data_type == onnx.TensorProto.FLOAT:
+        if list(t.dims) == shape and helper.tensor_dtype_to_np_dtype(t.data_type) == weight.dtype:
             if np.array_equal(numpy_helper.to_array(t, base_dir=str(base)), weight.T):
                 return t.name
-    return None
+    graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(weight.T), TABLE))
+    return TABLE
 
 
-def _projection_nodes(graph: onnx.GraphProto, table: str, hidden: str, width: int, out: str) -> list:
-    """hidden [B,T,D] @ Gather(table, vocab_ids)^T -> out [B,T,V'], as drawn in the module docstring."""
+def _per_column(graph: onnx.GraphProto, name: str, vocab: int) -> str:
+    """`name`, or where it holds one value per vocabulary id ([V]), its values for vocab_ids (a Gather node)."""
+    dims = list(next(t for t in graph.initializer if t.name == name).dims)
+    if dims != [vocab]:
+        return name
+    graph.node.append(helper.make_node("Gather", [name, VOCAB_IDS], [f"shortlist.{name}"], f"shortlist.gather.{name}",
+                                       axis=0))
+    return f"shortlist.{name}"
+
+
+def _fp32_product(graph: onnx.GraphProto, table: str, hidden: str, width: int, out: str) -> list:
+    """hidden [B,T,D] @ Gather(table, vocab_ids)^T -> out [B,T,V'], padded to two rows (module docstring)."""
     consts = {"shortlist.flat": np.array([-1, width], np.int64), "shortlist.zero_row": np.zeros((1, width), np.float32),
               "shortlist.start": np.array([0], np.int64), "shortlist.stop": np.array([-1], np.int64)}
     graph.initializer.extend(numpy_helper.from_array(v, k) for k, v in consts.items())
@@ -88,31 +110,45 @@ def _projection_nodes(graph: onnx.GraphProto, table: str, hidden: str, width: in
             node("Reshape", ["shortlist.sliced", "shortlist.shape"], [out], "shortlist.unflatten")]
 
 
+def _int8_product(graph: onnx.GraphProto, product: onnx.NodeProto, table: str, vocab: int, out: str) -> list:
+    """DynamicQuantizeMatMul(hidden, Transpose(Gather(table, vocab_ids)), its scale, zero point and bias, each
+    gathered where it is per column): integer sums, the same whatever the rows."""
+    inputs = [product.input[0], "shortlist.columns"] + [_per_column(graph, name, vocab) if name else name
+                                                        for name in product.input[2:]]
+    node = helper.make_node
+    return [node("Gather", [table, VOCAB_IDS], ["shortlist.rows"], "shortlist.gather", axis=0),
+            node("Transpose", ["shortlist.rows"], ["shortlist.columns"], "shortlist.transpose", perm=[1, 0]),
+            node("DynamicQuantizeMatMul", inputs, [out], "shortlist.projection", domain=product.domain)]
+
+
 def shortlist_decoder(model: onnx.ModelProto, base: Path) -> onnx.ModelProto:
     """The decoder model rewritten in place as its shortlist variant (module docstring); `base`: the folder its
     external data lives in."""
     graph = model.graph
-    matmul, bias = _projection(graph)
-    hidden, weight_name = matmul.input
+    product, tail = _tail(graph)
+    hidden, weight_name = product.input[:2]
     weight = _array(graph, weight_name, base)
-    if weight.ndim != 2 or weight.dtype != np.float32:
+    fp32 = product.op_type == "MatMul"
+    if weight.ndim != 2 or weight.dtype != (np.float32 if fp32 else weight.dtype) or weight.dtype.kind not in "fiu":
         raise ShortlistGraphError(f"the output projection's weight is {weight.dtype} {list(weight.shape)}, not a "
-                                  f"float32 matrix; build the shortlist on the fp32 bundle")
-    table = _table(graph, weight, base)
-    if table is None:
-        table = TABLE
-        graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(weight.T), TABLE))
-    nodes = _projection_nodes(graph, table, hidden, weight.shape[0], "shortlist.logits" if bias else "logits")
-    if bias is not None:
-        bias_name = next(i for i in bias.input if i != matmul.output[0])
-        nodes += [helper.make_node("Gather", [bias_name, VOCAB_IDS], ["shortlist.bias"], "shortlist.gather_bias",
-                                   axis=0),
-                  helper.make_node("Add", ["shortlist.logits", "shortlist.bias"], ["logits"], "shortlist.add_bias")]
-    at = list(graph.node).index(matmul)
-    kept = [n for n in graph.node if n is not matmul and n is not bias]
+                                  f"matrix; build the shortlist on an fp32 or int8 bundle")
+    vocab, at = weight.shape[1], list(graph.node).index(product)
+    kept = [n for n in graph.node if n is not product and not any(n is t for t in tail)]
     del graph.node[:]
-    graph.node.extend(kept[:at] + nodes + kept[at:])
-    if not any(n.input and weight_name in n.input for n in graph.node):        # W itself is no longer read
+    table = _table(graph, weight, base)
+    out = "shortlist.product"
+    nodes = (_fp32_product(graph, table, hidden, weight.shape[0], out) if fp32
+             else _int8_product(graph, product, table, vocab, out))
+    inits = {t.name for t in graph.initializer}
+    for i, t in enumerate(tail):                                      # the scales and bias, on the gathered columns
+        const = _per_column(graph, next(n for n in t.input if n in inits), vocab)
+        nodes.append(helper.make_node(t.op_type, [f"shortlist.tail{i}" if i else out, const],
+                                      [f"shortlist.tail{i + 1}"], f"shortlist.{t.op_type.lower()}{i}"))
+    nodes[-1].output[0] = "logits"
+    gathers = list(graph.node)                                        # the per-column Gathers _per_column added
+    del graph.node[:]
+    graph.node.extend(kept[:at] + gathers + nodes + kept[at:])
+    if not any(weight_name in n.input for n in graph.node):          # W itself is no longer read
         graph.initializer.remove(next(t for t in graph.initializer if t.name == weight_name))
     graph.input.append(helper.make_tensor_value_info(VOCAB_IDS, onnx.TensorProto.INT64, [SHORTLIST]))
     logits = next(o for o in graph.output if o.name == "logits")

@@ -171,3 +171,21 @@ def test_in_flight_rows_on_the_shortlist_get_their_unbatched_outputs(shortlisted
     for i, on in enumerate([True, False, True]):
         want = generate_ids(engine, [seqs[i]], SearchOptions(max_new_tokens=12, shortlist=on))[0][0]
         assert mixed[i].tokens == want.tokens and abs(mixed[i].score - want.score) <= 1e-4
+
+
+@pytest.mark.slow                        # an int8 optimize of its own
+def test_an_int8_bundle_gets_a_shortlist_equal_to_its_full_vocabulary_when_it_covers_it(toy_exported, texts,
+                                                                                          tmp_path):
+    _, exported = toy_exported
+    int8, _ = optimize_bundle(exported, tmp_path / "int8", precision="int8", allow_unverified=True)
+    corpus, held = texts
+    out, report = shortlist_bundle(int8, corpus, tmp_path / "int8_sl", sizes=(16,), always=4, texts=held,
+                                   allow_unverified=True)
+    assert report.tried[0]["agreement"] > 0.9
+    engine = load_bundle(out, provider="cpu").engine
+    whole = Shortlist(np.zeros(engine.src_vocab_size + 1, np.int64), np.zeros(0, np.int64),
+                      np.arange(engine.vocab_size))
+    engine.use_shortlist(whole, engine.feed.shortlist_decoder)
+    for opts in (SEARCHES["greedy"], SEARCHES["beam"]):
+        assert _tokens(engine, SEQS, opts) == _tokens(engine, SEQS, SearchOptions(**{**opts.__dict__,
+                                                                                     "shortlist": False}))

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
@@ -80,12 +81,13 @@ def steps(args) -> list[dict]:
     return rows
 
 
-def _projection_sessions(width: int, vocab: int, threads: int):
-    """(full, gather, bound) sessions of the projection alone, weights random."""
+def _projection_sessions(width: int, vocab: int, threads: int, folder: Path):
+    """(full, gather, bound) sessions of the projection alone, weights random, written to `folder` with their
+    weights as external data (ONNX Runtime maps them), and the rows table [V, D]."""
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
-    from exporters.shortlist_graph import shortlist_decoder
+    from exporters.shortlist_graph import TABLE, shortlist_decoder
     from runtime.session import SessionConfig, make_session
 
     w = np.random.default_rng(0).standard_normal((width, vocab), dtype=np.float32) * 0.05
@@ -93,19 +95,26 @@ def _projection_sessions(width: int, vocab: int, threads: int):
     logits = helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["b", "t", vocab])
     graph = helper.make_graph([helper.make_node("MatMul", ["h", "w"], ["logits"])], "projection", [hidden], [logits],
                               [numpy_helper.from_array(w, "w")])
-    full = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    gather = shortlist_decoder(onnx.ModelProto.FromString(full.SerializeToString()), Path("."))
-    bound = onnx.ModelProto.FromString(gather.SerializeToString())          # rows as an input instead of a Gather
-    node = next(n for n in bound.graph.node if n.name == "shortlist.gather")
-    bound.graph.node.remove(node)
+    del w
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(folder / "full.onnx"),
+              save_as_external_data=True, location="full.data")
+    del graph
+    gather = shortlist_decoder(onnx.load(str(folder / "full.onnx"), load_external_data=False), folder)
+    onnx.save(gather, str(folder / "gather.onnx"), save_as_external_data=True, location="gather.data")
+    del gather
+    bound = onnx.load(str(folder / "gather.onnx"), load_external_data=False)   # rows an input, not a Gather
+    bound.graph.node.remove(next(n for n in bound.graph.node if n.name == "shortlist.gather"))
+    table = next(t for t in bound.graph.initializer if t.name == TABLE)
+    rows = numpy_helper.to_array(table, base_dir=str(folder))
+    bound.graph.initializer.remove(table)
     bound.graph.input.append(helper.make_tensor_value_info("shortlist.rows", TensorProto.FLOAT, ["v", width]))
     count = next(n for n in bound.graph.node if n.name == "shortlist.count_shape")
     count.input[0] = "shortlist.rows"
     count.attribute.append(helper.make_attribute("end", 1))
     bound.graph.input.remove(next(i for i in bound.graph.input if i.name == "vocab_ids"))
+    onnx.save(bound, str(folder / "bound.onnx"))
     config = SessionConfig(intra_op_threads=threads)
-    sessions = [make_session(m.SerializeToString(), "cpu", config) for m in (full, gather, bound)]
-    return sessions, np.ascontiguousarray(w.T)
+    return [make_session(folder / f"{k}.onnx", "cpu", config) for k in ("full", "gather", "bound")], rows
 
 
 def projection(args) -> list[dict]:
@@ -114,7 +123,8 @@ def projection(args) -> list[dict]:
     rows = []
     for shape in args.shapes:
         width, vocab = (int(x) for x in shape.split("x"))
-        (full, gather, bound), table = _projection_sessions(width, vocab, args.threads)
+        folder = Path(tempfile.mkdtemp(prefix="projection-"))
+        (full, gather, bound), table = _projection_sessions(width, vocab, args.threads, folder)
         rng = np.random.default_rng(2)
         for batch in args.batch_sizes:
             h = rng.standard_normal((batch, 1, width), dtype=np.float32)

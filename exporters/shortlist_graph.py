@@ -57,12 +57,23 @@ def _tail(graph: onnx.GraphProto) -> tuple[onnx.NodeProto, list[onnx.NodeProto]]
     while node is not None and node.op_type in ("Mul", "Add") and sum(i in inits for i in node.input) == 1:
         tail.insert(0, node)
         node = producer.get(next(i for i in node.input if i not in inits))
-    if node is None or node.op_type not in PRODUCTS or node.input[1] not in inits:
+    if node is None or node.op_type not in PRODUCTS or (node.input[1] not in inits and _transposed(graph, node) is None):
         found = "nothing" if node is None else f"{node.op_type} {node.name!r}"
         raise ShortlistGraphError(f"the decoder's logits come from {found}, not a MatMul (fp32) or "
                                   f"DynamicQuantizeMatMul (int8) by a constant weight; build the shortlist on an "
                                   f"fp32 or int8 bundle")
     return node, tail
+
+
+def _transposed(graph: onnx.GraphProto, product: onnx.NodeProto) -> onnx.NodeProto | None:
+    """The Transpose(perm [1, 0]) of a constant [V, D] matrix that is the product's weight (a tied fp32 decoder's
+    embedding table, transposed at run time), or None."""
+    t = next((n for n in graph.node if product.input[1] in n.output), None)
+    inits = {i.name for i in graph.initializer}
+    if t is None or t.op_type != "Transpose" or t.input[0] not in inits:
+        return None
+    perm = next((list(a.ints) for a in t.attribute if a.name == "perm"), [1, 0])
+    return t if perm == [1, 0] else None
 
 
 def _array(graph: onnx.GraphProto, name: str, base: Path) -> np.ndarray:
@@ -127,7 +138,19 @@ def shortlist_decoder(model: onnx.ModelProto, base: Path) -> onnx.ModelProto:
     graph = model.graph
     product, tail = _tail(graph)
     hidden, weight_name = product.input[:2]
-    weight = _array(graph, weight_name, base)
+    transpose = _transposed(graph, product) if weight_name not in {t.name for t in graph.initializer} else None
+    if transpose is not None:                                         # the table itself: no copy, nothing to compare
+        if sum(weight_name in n.input for n in graph.node) == 1:
+            graph.node.remove(transpose)
+        return _rewrite(model, product, tail, transpose.input[0], _array(graph, transpose.input[0], base).T, base,
+                        weight_name)
+    return _rewrite(model, product, tail, None, _array(graph, weight_name, base), base, weight_name)
+
+
+def _rewrite(model: onnx.ModelProto, product: onnx.NodeProto, tail: list, table: str | None, weight: np.ndarray,
+             base: Path, weight_name: str) -> onnx.ModelProto:
+    """shortlist_decoder's rewrite, the weight [D, V] given (and its [V, D] table's name where one is known)."""
+    graph, hidden = model.graph, product.input[0]
     fp32 = product.op_type == "MatMul"
     if weight.ndim != 2 or weight.dtype != (np.float32 if fp32 else weight.dtype) or weight.dtype.kind not in "fiu":
         raise ShortlistGraphError(f"the output projection's weight is {weight.dtype} {list(weight.shape)}, not a "
@@ -135,7 +158,7 @@ def shortlist_decoder(model: onnx.ModelProto, base: Path) -> onnx.ModelProto:
     vocab, at = weight.shape[1], list(graph.node).index(product)
     kept = [n for n in graph.node if n is not product and not any(n is t for t in tail)]
     del graph.node[:]
-    table = _table(graph, weight, base)
+    table = table or _table(graph, weight, base)
     out = "shortlist.product"
     nodes = (_fp32_product(graph, table, hidden, weight.shape[0], out) if fp32
              else _int8_product(graph, product, table, vocab, out))
@@ -148,8 +171,10 @@ def shortlist_decoder(model: onnx.ModelProto, base: Path) -> onnx.ModelProto:
     gathers = list(graph.node)                                        # the per-column Gathers _per_column added
     del graph.node[:]
     graph.node.extend(kept[:at] + gathers + nodes + kept[at:])
-    if not any(weight_name in n.input for n in graph.node):          # W itself is no longer read
-        graph.initializer.remove(next(t for t in graph.initializer if t.name == weight_name))
+    unused = [t for t in graph.initializer if t.name == weight_name and not any(weight_name in n.input
+                                                                                for n in graph.node)]
+    for t in unused:                                                  # W itself is no longer read
+        graph.initializer.remove(t)
     graph.input.append(helper.make_tensor_value_info(VOCAB_IDS, onnx.TensorProto.INT64, [SHORTLIST]))
     logits = next(o for o in graph.output if o.name == "logits")
     logits.type.tensor_type.shape.dim[-1].Clear()

@@ -189,3 +189,40 @@ def test_an_int8_bundle_gets_a_shortlist_equal_to_its_full_vocabulary_when_it_co
     for opts in (SEARCHES["greedy"], SEARCHES["beam"]):
         assert _tokens(engine, SEQS, opts) == _tokens(engine, SEQS, SearchOptions(**{**opts.__dict__,
                                                                                      "shortlist": False}))
+
+
+def test_a_projection_by_a_transposed_table_gathers_the_table_itself(toy_exported, tmp_path):
+    """Large tied decoders multiply by Transpose(embedding) (not folded): the shortlist graph gathers the
+    embedding's rows, and its logits for any ids are the full graph's columns."""
+    import onnx
+    import onnxruntime as ort
+    from onnx import helper, numpy_helper
+
+    from exporters.shortlist_graph import shortlist_decoder
+
+    _, exported = toy_exported
+    model = onnx.load(str(Path(exported) / "decoder.onnx"))
+    graph = model.graph
+    matmul = next(n for n in graph.node if "logits" in n.output)
+    weight = next(t for t in graph.initializer if t.name == matmul.input[1])
+    table = numpy_helper.to_array(weight).T.copy()
+    graph.initializer.remove(weight)
+    graph.initializer.append(numpy_helper.from_array(table, "table"))
+    graph.node.insert(0, helper.make_node("Transpose", ["table"], [matmul.input[1]], perm=[1, 0]))
+    full = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    short = shortlist_decoder(onnx.ModelProto.FromString(model.SerializeToString()), tmp_path)
+    assert not any(n.op_type == "Transpose" and "table" in n.input for n in short.graph.node)
+    assert next(n for n in short.graph.node if n.name == "shortlist.gather").input[0] == "table"
+    assert not any(t.name == "shortlist.table" for t in short.graph.initializer)       # no copy of the table
+    session = ort.InferenceSession(short.SerializeToString(), providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(0)
+    feeds = {}
+    for i in full.get_inputs():
+        shape = [2 if d in ("batch",) else 3 if isinstance(d, str) else d for d in i.shape]
+        feeds[i.name] = (rng.integers(3, 60, size=shape) if "int" in i.type else
+                         rng.standard_normal(shape).astype(np.float32))
+    feeds["encoder_attention_mask"] = np.ones_like(feeds["encoder_attention_mask"])
+    feeds["decoder_attention_mask"] = np.ones_like(feeds["decoder_attention_mask"])
+    ids = np.array([2, 5, 17, 40, 63])
+    want = full.run(["logits"], feeds)[0][..., ids]
+    assert np.array_equal(session.run(["logits"], {**feeds, "vocab_ids": ids})[0], want)

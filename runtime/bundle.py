@@ -26,7 +26,9 @@ from runtime.manifest import GRAPHS, decoder_layout, manifest_specs, read_manife
 from runtime.ort_engine import OrtEngine
 from runtime.session import (Arg, OnDemandSession, SessionConfig, choose_provider, installed_onnxruntime,
                              make_session)
-from runtime.spec import GraphSpec, config_field_of, graph_specs, parse_cache_name, source_vocab_size
+from runtime.shortlist import Shortlist
+from runtime.spec import (GraphSpec, config_field_of, graph_specs, parse_cache_name, shortlist_decoder_spec,
+                          source_vocab_size)
 from runtime.tokenizer import CharTokenizer, load_tokenizer
 
 _LOAD_ERRORS = (ort_errors.Fail, ort_errors.InvalidGraph, ort_errors.InvalidProtobuf, ort_errors.NotImplemented,
@@ -52,14 +54,17 @@ class Bundle:
 
 def load_bundle(path: str | Path, provider: str = "auto", threads: int | None = None,
                 session_options: SessionConfig | None = None, io_binding: bool | None = None,
-                one_graph_at_a_time: bool = False) -> Bundle:
+                one_graph_at_a_time: bool = False, shortlist: bool = True) -> Bundle:
     """Validate and load a bundle directory; `threads` sets intra-op threads, `io_binding` None = per provider.
 
     `one_graph_at_a_time` (CPU without IO binding; for one-shot use such as `onnxformer generate`): each graph's session is made when
     first used and the other one is released then, so the encoder's weights are gone before the decoder's are
     loaded (base int8 bundle: the peak resident memory of a 64-token request without the 18 MiB of the encoder's
     prepacked weights beside the decoder's). A graph that does not match the manifest then fails at its first use
-    (still a BundleError). Servers and benchmarks, which encode and decode in turn, keep both sessions."""
+    (still a BundleError). Servers and benchmarks, which encode and decode in turn, keep both sessions.
+
+    `shortlist`: load the bundle's vocabulary shortlist (its map and decoder graph, a third session) where it has
+    one; requests then decode on it unless their options say shortlist=False. False: the bundle loads as without."""
     path = Path(path)
     manifest = read_manifest(path)                                    # format, version, fields
     verify_hashes(path, manifest)                                     # every listed file present and unchanged
@@ -76,8 +81,9 @@ def load_bundle(path: str | Path, provider: str = "auto", threads: int | None = 
             raise
         chosen = "cpu"                                                # onnxruntime-gpu whose CUDA libraries are missing
         sessions, files = _sessions(path, manifest, chosen, config)
+    vocab = _shortlist(path, manifest, chosen, config) if shortlist and manifest.get("shortlist") else None
     engine = OrtEngine(sessions["encoder"], sessions["decoder"], manifest["model"], chosen, io_binding,
-                       decoder_layout(manifest))
+                       decoder_layout(manifest), vocab)
     return Bundle(path, manifest, engine, _tokenizer(path, manifest), chosen, files)
 
 
@@ -104,6 +110,19 @@ def _sessions(path: Path, manifest: dict, provider: str, config: SessionConfig,
     if on_demand:
         sessions["encoder"].before, sessions["decoder"].before = sessions["decoder"].release, sessions["encoder"].release
     return sessions, files
+
+
+def _shortlist(path: Path, manifest: dict, provider: str, config: SessionConfig) -> tuple[Shortlist, object]:
+    """The bundle's shortlist map and its decoder's session, checked against the manifest like the graphs."""
+    record, model = manifest["shortlist"], manifest["model"]
+    recorded = manifest_specs({"graphs": {"decoder": record["decoder"]}})["decoder"]
+    expected = shortlist_decoder_spec(graph_specs(model, layout=decoder_layout(manifest))["decoder"])
+    _check_recorded(path, "shortlist decoder", recorded, expected)
+    file = path / record["decoder"]["file"]
+    session = _session(file, provider, config.for_graph("decoder"),
+                       shared_initializers(path, manifest) if provider == "cpu" else None)
+    _check_session(file, session, recorded)
+    return Shortlist.load(path / record["file"], source_vocab_size(model), model["vocab_size"]), session
 
 
 def _interface(spec: GraphSpec) -> tuple[list[Arg], list[Arg]]:

@@ -5,6 +5,7 @@
     logits, presents = feed.decode(tokens, mask, past, cross)        # the dynamic contract, any layout
     bound = feed.bind_static(mask, cross, buffers)                   # static layouts: bound once ...
     logits = bound.step(tokens, lengths)                             # ... then ids, lengths, positions per step
+    logits, presents = feed.decode(tokens, mask, past, cross, vocab)  # vocab: a shortlist's ids [V'] (every way)
 
 The decoder is fed by its declared layout (the manifest's decoder_layout, runtime/spec.py), never by its input
 names:
@@ -24,6 +25,9 @@ Three ways to feed, by where tensors live:
 - static (`bind_static` -> StaticStep): the buffers, cross K/V and masks are bound once (numpy views wrapped
   without a copy on the CPU, OrtValues on the device); a step binds its token ids, filled lengths and positions
   only, and the graph writes the new key/value into the buffers in place.
+
+Every decoder call takes an optional `vocab` (int64 [V'], runtime/shortlist.py): the call then runs the bundle's
+shortlist decoder, which takes it as `vocab_ids` and gives logits [.., V'] for those ids only.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ import onnxruntime as ort
 
 from runtime.session import FLOAT, SessionConfig, device_of, gather_model, make_session
 from runtime.spec import (CROSS, DECODER_ATTENTION_MASK, DECODER_LAYOUTS, DYNAMIC, INPUT_IDS, PAST,
-                          PAST_SEQUENCE_LENGTH, POSITION_IDS, PRESENT, SELF, STATIC_PER_ROW, cache_names,
+                          PAST_SEQUENCE_LENGTH, POSITION_IDS, PRESENT, SELF, STATIC_PER_ROW, VOCAB_IDS, cache_names,
                           default_row_inputs, takes_key_mask)
 
 ENCODER_MASK = "encoder_attention_mask"
@@ -49,10 +53,12 @@ def _value(x) -> ort.OrtValue:
 class Feed:
     """How an encoder and a decoder session are fed: tensor names from runtime/spec.py, the decoder by its layout."""
 
-    def __init__(self, encoder, decoder, config: dict, layout: str = DYNAMIC, provider: str = "cpu"):
+    def __init__(self, encoder, decoder, config: dict, layout: str = DYNAMIC, provider: str = "cpu",
+                 shortlist_decoder=None):
         if layout not in DECODER_LAYOUTS:
             raise ValueError(f"unknown decoder layout {layout!r}; one of {DECODER_LAYOUTS}")
         self.encoder, self.decoder, self.layout, self.provider = encoder, decoder, layout, provider
+        self.shortlist_decoder = shortlist_decoder                     # the same graph taking vocab_ids, or None
         self.device = device_of(provider)
         self.static, self.per_row, self.key_mask = layout != DYNAMIC, layout == STATIC_PER_ROW, takes_key_mask(layout)
         self.n_heads, self.head_dim = config["n_heads"], config["d_model"] // config["n_heads"]
@@ -82,25 +88,38 @@ class Feed:
 
     # --- the decoder, in the dynamic contract ---
 
-    def decode(self, tokens: np.ndarray, mask: np.ndarray, past: list, cross: list) -> tuple[np.ndarray, list]:
-        """tokens [B, T] after past [B, H, P, Dh] (every slot a real token): logits [B, T, V] and presents
-        [B, H, P + T, Dh], numpy. Static layouts run T one-token steps into buffers of P + T positions."""
+    def session(self, vocab: np.ndarray | None):
+        """The decoder session a call runs: the shortlist decoder when it is given a shortlist's ids."""
+        if vocab is None:
+            return self.decoder
+        if self.shortlist_decoder is None:
+            raise ValueError("a shortlist's vocab ids were given but the bundle has no shortlist decoder")
+        return self.shortlist_decoder
+
+    @staticmethod
+    def _vocab_feed(vocab: np.ndarray | None) -> dict:
+        return {} if vocab is None else {VOCAB_IDS: vocab}
+
+    def decode(self, tokens: np.ndarray, mask: np.ndarray, past: list, cross: list,
+               vocab: np.ndarray | None = None) -> tuple[np.ndarray, list]:
+        """tokens [B, T] after past [B, H, P, Dh] (every slot a real token): logits [B, T, V] (V': len(vocab)) and
+        presents [B, H, P + T, Dh], numpy. Static layouts run T one-token steps into buffers of P + T positions."""
         if self.static:
-            return self._decode_static(tokens, mask, past, cross)
+            return self._decode_static(tokens, mask, past, cross, vocab)
         feeds = {INPUT_IDS: tokens, ENCODER_MASK: mask, **default_row_inputs(len(tokens), past[0].shape[2],
                                                                               tokens.shape[1], self.layout),
-                 **dict(zip(self.past_names, past)), **dict(zip(self.cross_in_names, cross))}
-        logits, *presents = self.decoder.run(self.decoder_out_names, feeds)
+                 **dict(zip(self.past_names, past)), **dict(zip(self.cross_in_names, cross)), **self._vocab_feed(vocab)}
+        logits, *presents = self.session(vocab).run(self.decoder_out_names, feeds)
         return logits, presents
 
-    def _decode_static(self, tokens: np.ndarray, mask: np.ndarray, past: list, cross: list):
+    def _decode_static(self, tokens: np.ndarray, mask: np.ndarray, past: list, cross: list, vocab=None):
         rows, filled, new = len(tokens), past[0].shape[2], tokens.shape[1]
         buffers = []
         for p in past:                                                 # room for exactly this call's positions
             buf = np.zeros(p.shape[:2] + (filled + new,) + p.shape[3:], dtype=p.dtype)
             buf[:, :, :filled] = p
             buffers.append(buf)
-        fixed = {ENCODER_MASK: mask, **dict(zip(self.cross_in_names, cross))}
+        fixed = {ENCODER_MASK: mask, **dict(zip(self.cross_in_names, cross)), **self._vocab_feed(vocab)}
         if self.key_mask:
             fixed[DECODER_ATTENTION_MASK] = np.ones((rows, filled + new), dtype=np.int64)
         logits = []
@@ -108,15 +127,19 @@ class Feed:
             lengths = np.full(rows if self.per_row else 1, filled + t, dtype=np.int32)
             step = {INPUT_IDS: np.ascontiguousarray(tokens[:, t:t + 1]), PAST_SEQUENCE_LENGTH: lengths,
                     POSITION_IDS: np.full((rows, 1), filled + t, dtype=np.int64), **dict(zip(self.past_names, buffers))}
-            out, *buffers = self.decoder.run(self.decoder_out_names, {**fixed, **step})
+            out, *buffers = self.session(vocab).run(self.decoder_out_names, {**fixed, **step})
             logits.append(out)
         return np.concatenate(logits, axis=1), buffers
 
-    def decode_bound(self, tokens: np.ndarray, mask: ort.OrtValue, past: list, cross: list) -> tuple[np.ndarray, list]:
+    def decode_bound(self, tokens: np.ndarray, mask: ort.OrtValue, past: list, cross: list,
+                     vocab: np.ndarray | None = None) -> tuple[np.ndarray, list]:
         """decode with IO binding (dynamic layout): past, cross K/V and the mask are OrtValues on the device, the
         presents stay there; only the logits come to the host."""
-        binding = self.decoder.io_binding()                            # fresh each step: outputs never reuse buffers
+        session = self.session(vocab)
+        binding = session.io_binding()                                 # fresh each step: outputs never reuse buffers
         binding.bind_cpu_input(INPUT_IDS, tokens)
+        for name, value in self._vocab_feed(vocab).items():
+            binding.bind_cpu_input(name, value)
         binding.bind_ortvalue_input(ENCODER_MASK, mask)
         for name, value in default_row_inputs(len(tokens), past[0].shape()[2], tokens.shape[1], self.layout).items():
             binding.bind_cpu_input(name, value)
@@ -124,18 +147,22 @@ class Feed:
             binding.bind_ortvalue_input(name, value)
         binding.bind_output("logits", "cpu")                           # the one tensor the search reads on the host
         self._bind_outputs(binding, self.present_names)
-        self.decoder.run_with_iobinding(binding)
+        session.run_with_iobinding(binding)
         logits, *presents = binding.get_outputs()
         return logits.numpy(), presents
 
     # --- the decoder, static layouts ---
 
-    def bind_static(self, mask, cross: list, buffers: list) -> "StaticStep":
+    def bind_static(self, mask, cross: list, buffers: list, vocab: np.ndarray | None = None) -> "StaticStep":
         """A binding of everything but a step's token ids, lengths and positions: the source mask, cross K/V, and
-        each buffer as both past and present (numpy arrays or views, wrapped without a copy, or device OrtValues).
-        Every tensor holds the same rows."""
-        binding = self.decoder.io_binding()
+        each buffer as both past and present (numpy arrays or views, wrapped without a copy, or device OrtValues),
+        and a shortlist's vocab ids. Every tensor holds the same rows."""
+        session = self.session(vocab)
+        binding = session.io_binding()
         kept = [_value(mask), *(_value(c) for c in cross)]            # the binding refers to their memory
+        if vocab is not None:
+            kept.append(_value(np.ascontiguousarray(vocab, dtype=np.int64)))
+            binding.bind_ortvalue_input(VOCAB_IDS, kept[-1])
         binding.bind_ortvalue_input(ENCODER_MASK, kept[0])
         for name, value in zip(self.cross_in_names, kept[1:]):
             binding.bind_ortvalue_input(name, value)
@@ -149,7 +176,7 @@ class Feed:
             kept.append(value)
             binding.bind_ortvalue_input(past, value)
             binding.bind_ortvalue_output(present, value)               # the same buffer: written in place
-        return StaticStep(self, binding, kept)
+        return StaticStep(self, session, binding, kept)
 
     # --- reordering rows on the device ---
 
@@ -181,8 +208,8 @@ def _shape(x) -> tuple:
 class StaticStep:
     """One static-layout binding: `step` binds a step's inputs and runs the decoder; everything else stays bound."""
 
-    def __init__(self, feed: Feed, binding, kept: list):
-        self.feed, self.binding, self.kept = feed, binding, kept
+    def __init__(self, feed: Feed, session, binding, kept: list):
+        self.feed, self.session, self.binding, self.kept = feed, session, binding, kept
 
     def step(self, tokens: np.ndarray, lengths: np.ndarray) -> np.ndarray:
         """tokens int64 [rows, 1]; lengths int32 [rows], each row's filled slots (= its new token's position; the
@@ -192,7 +219,7 @@ class StaticStep:
         binding.bind_cpu_input(INPUT_IDS, tokens)
         binding.bind_cpu_input(PAST_SEQUENCE_LENGTH, lengths if self.feed.per_row else lengths[:1])
         binding.bind_cpu_input(POSITION_IDS, lengths.astype(np.int64)[:, None])
-        self.feed.decoder.run_with_iobinding(binding)
+        self.session.run_with_iobinding(binding)
         return binding.get_outputs()[0].numpy()
 
 

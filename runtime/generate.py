@@ -7,6 +7,8 @@ An engine (PyTorch in toolkit/, ONNX Runtime in runtime/) provides
 
 which runs the encoder once and returns a state whose rows are the inputs, each repeated `expand`
 times (row b * expand + j), ready for `runtime.search`.
+An engine with a vocabulary shortlist (`engine.shortlist`, runtime/shortlist.py) also takes `targets=` (each
+input's forced prefix ids): its state then decodes on the shortlist, unless the request's options turn it off.
 """
 
 from __future__ import annotations
@@ -116,7 +118,10 @@ def start_search(engine: Engine, request: Request) -> "RowsOf | None":
         return None
     ids, mask = pad_batch(request.sequences, engine.src_pad_id)
     expand = rows_per_input(opts)                                      # beams, or samples, per input
-    return RowsOf(engine.start(ids, mask, expand, max_steps(opts)), len(ids), expand)   # encoder runs once here
+    extra = {}
+    if opts.shortlist and getattr(engine, "shortlist", None) is not None:   # its rows may take their prefixes too
+        extra["targets"] = [opts.prefix_ids[i] if opts.prefix_ids else () for i in range(len(ids))]
+    return RowsOf(engine.start(ids, mask, expand, max_steps(opts), **extra), len(ids), expand)   # encoder runs once
 
 
 def to_outputs(hyps: list[list[Hypothesis]], eos_id: int, tokenizer=None) -> list[Output]:

@@ -25,6 +25,11 @@ runtime.search.greedy computes them for that row alone (fp32: the same tokens; t
 tests/test_inflight.py).
 
 CPU only: the buffers are numpy arrays bound without a copy (runtime/feed.py's bind_static).
+
+With a vocabulary shortlist (the engine's, runtime/shortlist.py) each row holds its own candidates; a step
+computes the logits of the union of the live rows' candidates (the binding changes when the union does) and
+masks each row to its own, so a row gets what it gets alone. A row that joins without the shortlist makes the
+batch step on the full vocabulary while it is live (the others still masked to their candidates).
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from runtime.feed import Feed
 from runtime.generate import pad_batch
 from runtime.request import check_sources
 from runtime.search import Hypothesis, SearchOptions, chosen_logprob, greedy_pick, suppress
+from runtime.shortlist import widen
 from runtime.spec import DYNAMIC, STATIC_PER_ROW
 
 ROW_BUCKET = 2          # rows bound per step: the live rows rounded up to a multiple (few shapes, few rebinds)
@@ -75,6 +81,7 @@ class Row:
     ignore_eos: bool = False        # never stop at EOS (the batch's opts.ignore_eos applies to every row)
     last: int = 0                   # the token it feeds next
     sampler: Any = None             # a runtime.processors.RowSampler: the row samples instead of taking the best
+    candidates: Any = None          # its shortlist candidates (sorted vocabulary ids), None: the whole vocabulary
 
     def hypothesis(self) -> Hypothesis:
         return Hypothesis(list(self.tokens), float(self.score), self.finished)
@@ -88,7 +95,9 @@ class InflightBatch:
         if slots < 1:
             raise ValueError("slots must be at least 1")
         self.e, self.slots = engine, slots
-        self.feed = Feed(engine.encoder, engine.decoder, engine.config, engine.layout, engine.provider)
+        self.feed = Feed(engine.encoder, engine.decoder, engine.config, engine.layout, engine.provider,
+                         engine.feed.shortlist_decoder)
+        self.vocab = None                                             # the bound shortlist ids (None: full vocabulary)
         self.opts = opts or SearchOptions()
         self.suppress = tuple(engine.suppress_ids)
         self.capacity = capacity or engine.max_len                    # buffer positions (>= any row's limit)
@@ -112,10 +121,11 @@ class InflightBatch:
     # --- rows in ---
 
     def join(self, sequences: Sequence[Sequence[int]], limits: Sequence[int], keys: Sequence | None = None,
-             samplers: Sequence | None = None) -> list[Row]:
+             samplers: Sequence | None = None, shortlist: Sequence[bool] | None = None) -> list[Row]:
         """Add rows (at most `free`): the encoder runs for them only; they decode from the next step on. Rows
         with limit 0 are returned finished-empty and never join (as greedy gives them). samplers: per row, a
-        runtime.processors.RowSampler for a row that samples, None for a greedy one."""
+        runtime.processors.RowSampler for a row that samples, None for a greedy one. shortlist: per row, whether
+        it decodes on the engine's shortlist (default: the batch options' shortlist), where the engine has one."""
         keys = list(range(len(sequences))) if keys is None else list(keys)
         if len(sequences) > self.free:
             raise ValueError(f"{len(sequences)} rows do not fit: {self.free} of {self.slots} slots are free")
@@ -126,8 +136,11 @@ class InflightBatch:
                              f"got {bad[:5]}")
         check_sources(sequences, self.e)                              # a server checked them before: runtime.request
         samplers = [None] * len(sequences) if samplers is None else list(samplers)
-        rows = [Row(k, n, src_len=len(s), left=n == 0, last=self.e.bos_id, sampler=sampler)
-                for k, s, n, sampler in zip(keys, sequences, limits, samplers)]
+        on = [self.opts.shortlist] * len(sequences) if shortlist is None else list(shortlist)
+        table = getattr(self.e, "shortlist", None)
+        rows = [Row(k, n, src_len=len(s), left=n == 0, last=self.e.bos_id, sampler=sampler,
+                    candidates=table.of(s) if table is not None and use else None)
+                for k, s, n, sampler, use in zip(keys, sequences, limits, samplers, on)]
         joining = [i for i, r in enumerate(rows) if r.limit > 0]
         if not joining:
             return rows
@@ -176,13 +189,15 @@ class InflightBatch:
             return gone
         n = len(self.rows)
         bound = min(self.slots, -(-n // ROW_BUCKET) * ROW_BUCKET)
-        if self._binding is None or bound != self.bound:
+        vocab = self._vocab()
+        if self._binding is None or bound != self.bound or not _same(vocab, self.vocab):
+            self.vocab = vocab
             self._binding, self.bound = self._bind(bound), bound
         tokens = np.full((bound, 1), self.e.bos_id, dtype=np.int64)   # rows past n: not live, results unused
         lengths = np.zeros(bound, dtype=np.int32)                     # ... at length 0 (slot 0 of a free row)
         tokens[:n, 0] = [r.last for r in self.rows]
         lengths[:n] = [r.length for r in self.rows]
-        logits = self._binding.step(tokens, lengths)[:n, -1].copy()   # [n, V]; ORT reuses the output's memory
+        logits = self._rows_logits(self._binding.step(tokens, lengths)[:n])   # [n, V]
         self.steps += 1
         no_eos = [i for i, r in enumerate(self.rows) if r.ignore_eos] if not self.opts.ignore_eos else slice(None)
         logits[no_eos, self.e.eos_id] = -np.inf
@@ -205,6 +220,24 @@ class InflightBatch:
             self._leave()
         assert n >= len(self.rows)
         return gone + left
+
+    def _vocab(self) -> np.ndarray | None:
+        """The shortlist ids a step computes: the union of the live rows' candidates (None: the full vocabulary,
+        when no row or any row decodes without the shortlist)."""
+        own = [r.candidates for r in self.rows]
+        if not own or any(c is None for c in own):
+            return None
+        return np.unique(np.concatenate(own))
+
+    def _rows_logits(self, logits: np.ndarray) -> np.ndarray:
+        """Each live row's full-vocabulary logits [n, V] (a copy: ORT reuses the output's memory), restricted to its
+        own candidates where it has them."""
+        vocab = self.vocab if self.vocab is not None else np.arange(logits.shape[-1])
+        if self.vocab is None and all(r.candidates is None for r in self.rows):
+            return logits[:, -1].copy()
+        allowed = np.stack([np.ones(len(vocab), dtype=bool) if r.candidates is None else np.isin(vocab, r.candidates)
+                            for r in self.rows])
+        return widen(logits[:, -1:], vocab, allowed, self.e.vocab_size)[:, 0]
 
     # --- rows out ---
 
@@ -234,7 +267,11 @@ class InflightBatch:
         mask. Views of the slot arrays, no copies: joins and leaves change their contents in place, so the binding
         lives until n changes or the cross buffers widen."""
         return self.feed.bind_static(self.src_mask[:n], [buf[:n] for buf in self.cross],   # leading rows: contiguous
-                                     [buf[:n] for buf in self.buffers])
+                                     [buf[:n] for buf in self.buffers], self.vocab)
+
+
+def _same(a: np.ndarray | None, b: np.ndarray | None) -> bool:
+    return (a is None and b is None) or (a is not None and b is not None and np.array_equal(a, b))
 
 
 __all__ = ["InflightBatch", "Row", "check_engine", "REOPTIMIZE"]

@@ -95,8 +95,22 @@ def validate_manifest(manifest, where: str | Path = MANIFEST, written: bool = Tr
         _safe_file(entry["file"], where)
     if manifest.get("tokenizer") is not None:
         _safe_file(manifest["tokenizer"], where)
+    _check_shortlist(manifest.get("shortlist"), where)
     if "files" in manifest:
         _check_file_list(manifest, where)
+
+
+def _check_shortlist(record, where) -> None:
+    """An optional vocabulary shortlist (`onnxformer shortlist`): its map file and its decoder graph."""
+    if record is None:
+        return
+    decoder = record.get("decoder") if isinstance(record, dict) else None
+    if not isinstance(record, dict) or "file" not in record or not isinstance(decoder, dict) or any(
+            k not in decoder for k in ("file", "sha256", "inputs", "outputs")):
+        raise BundleError(f"{where}: 'shortlist' needs a file and a decoder graph entry (file, sha256, inputs, "
+                          f"outputs); rebuild it with onnxformer shortlist")
+    _safe_file(record["file"], where)
+    _safe_file(decoder["file"], where)
 
 
 def _check_file_list(manifest: dict, where) -> None:
@@ -132,6 +146,10 @@ def _named_files(manifest: dict) -> list[tuple[str, str | None]]:
         named.append((ops["file"], ops.get("sha256") if isinstance(ops.get("sha256"), str) else None))
     if isinstance(manifest.get("tokenizer"), str):
         named.append((manifest["tokenizer"], None))
+    shortlist = manifest.get("shortlist")                    # the vocabulary shortlist's map and decoder graph
+    for entry in ((shortlist, shortlist.get("decoder")) if isinstance(shortlist, dict) else ()):
+        if isinstance(entry, dict) and isinstance(entry.get("file"), str):
+            named.append((entry["file"], entry.get("sha256") if isinstance(entry.get("sha256"), str) else None))
     shared = manifest.get("shared_weights")                  # the graphs' external data (exporters/shared_weights)
     if isinstance(shared, dict) and isinstance(shared.get("file"), str):
         named.append((shared["file"], shared.get("sha256") if isinstance(shared.get("sha256"), str) else None))
@@ -244,9 +262,17 @@ def inspect_report(bundle_dir: str | Path) -> dict:
         "passes": manifest.get("passes") or [], "producer": manifest.get("producer") or {},
         "languages": manifest.get("languages"),
         "parity": _parity_summary(manifest.get("parity")), "created": manifest.get("created"),
+        "shortlist": _shortlist_summary(manifest.get("shortlist")),
         "files": manifest["files"],
         "total_bytes": sum(p.stat().st_size for p in bundle_dir.iterdir() if p.is_file()),
     }
+
+
+def _shortlist_summary(record) -> dict | None:
+    """The shortlist record without its decoder's interface."""
+    if not isinstance(record, dict):
+        return None
+    return {k: v for k, v in record.items() if k != "decoder"} | {"decoder": record["decoder"]["file"]}
 
 
 def _parity_summary(parity) -> dict | None:
@@ -259,6 +285,19 @@ def _parity_summary(parity) -> dict | None:
         if isinstance(parity.get(key), dict):
             summary[key] = {k: v for k, v in parity[key].items() if k in ("max_abs", "max_rel", "ok", "worst_output")}
     return summary
+
+
+def format_shortlist(s: dict | None) -> str:
+    """The inspect line of a bundle's vocabulary shortlist."""
+    if s is None:
+        return "shortlist: none"
+    sizes, gate = s.get("sizes") or {}, s.get("gate") or {}
+    agreement = gate.get("agreement")
+    return (f"shortlist: {s['file']} + {s['decoder']}, {sizes.get('most_candidates')} candidates a source token "
+            f"(mean {sizes.get('mean_candidates')}) + {sizes.get('always')} always; "
+            + ("verified" if s.get("verified") else "NOT verified")
+            + (f", {agreement:.2%} of tokens equal to the full vocabulary on {gate.get('source')}"
+               if isinstance(agreement, (int, float)) else ""))
 
 
 def _shape(dims) -> str:
@@ -321,6 +360,7 @@ def format_inspect(report: dict, max_io: int = 8) -> str:
         lines.append(f"parity: {status} on {p.get('provider')} {p.get('precision')}"
                      + (f" (tolerance {p['tolerance']:g})" if isinstance(p.get("tolerance"), (int, float)) else "")
                      + (f"; {detail}" if detail else ""))
+    lines.append(format_shortlist(report.get("shortlist")))
     if report.get("created"):
         lines.append(f"created: {report['created']}")
     return "\n".join(lines)

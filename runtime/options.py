@@ -47,6 +47,7 @@ class SearchOptions:
     prefix_ids: tuple[tuple[int, ...], ...] = ()      # per input: the target's first tokens, forced (() = none)
     prefix_counted: int = 0           # leading prefix tokens beam lengths count (a forced target-language token)
     return_logprobs: bool = False     # give each hypothesis its tokens' log-probabilities
+    shortlist: bool = True            # decode on the bundle's vocabulary shortlist, where it has one
 
 
 MAX_LENGTH_PENALTY = 10.0            # |length_penalty| above this overflows len ** lp and means nothing anyway
@@ -67,7 +68,7 @@ def check_options(opts: SearchOptions, inputs: int, vocab_size: int, max_len: in
     if not isinstance(lp, (int, float)) or not -MAX_LENGTH_PENALTY <= lp <= MAX_LENGTH_PENALTY:   # NaN fails too
         raise InputError(f"length penalty must be a number between {-MAX_LENGTH_PENALTY:g} and "
                          f"{MAX_LENGTH_PENALTY:g} (1.0 divides a beam's log-probability by its length), got {lp!r}")
-    for name in ("sample", "return_logprobs", "ignore_eos"):
+    for name in ("sample", "return_logprobs", "ignore_eos", "shortlist"):
         if not isinstance(getattr(opts, name), (bool, np.bool_)):
             raise InputError(f"{name} must be true or false, got {getattr(opts, name)!r}")
     if opts.sample:

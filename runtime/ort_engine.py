@@ -24,6 +24,7 @@ import numpy as np
 import onnxruntime as ort
 
 from runtime.feed import Feed
+from runtime.shortlist import Shortlist, widen
 from runtime.spec import DYNAMIC, empty_past, source_pad_id, source_vocab_size, suppressed_ids
 from runtime.static_cache import StaticPath
 
@@ -48,8 +49,8 @@ class HostPath:
     def empty_past(self, n: int, steps: int | None = None) -> list:
         return [empty_past(n, self.e.n_heads, self.e.head_dim)] * len(self.e.past_names)
 
-    def decode(self, tokens: np.ndarray, mask, past: list, cross: list) -> tuple[np.ndarray, list]:
-        return self.e.feed.decode(tokens, mask, past, cross)
+    def decode(self, tokens: np.ndarray, mask, past: list, cross: list, vocab=None) -> tuple[np.ndarray, list]:
+        return self.e.feed.decode(tokens, mask, past, cross, vocab)
 
 
 class BoundPath:
@@ -74,18 +75,21 @@ class BoundPath:
         empty = ort.OrtValue.ortvalue_from_numpy(empty_past(n, self.e.n_heads, self.e.head_dim))
         return [empty] * len(self.e.past_names)                        # zero bytes: host is fine
 
-    def decode(self, tokens: np.ndarray, mask, past: list, cross: list) -> tuple[np.ndarray, list]:
-        return self.e.feed.decode_bound(tokens, mask, past, cross)
+    def decode(self, tokens: np.ndarray, mask, past: list, cross: list, vocab=None) -> tuple[np.ndarray, list]:
+        return self.e.feed.decode_bound(tokens, mask, past, cross, vocab)
 
 
 class OrtState:
-    """Decoder state of one request: the mask, cross K/V and self-attention cache of its current rows."""
+    """Decoder state of one request: the mask, cross K/V and self-attention cache of its current rows, and with a
+    shortlist its ids (vocab [V']) and each input's own candidates among them (allowed [inputs, V'])."""
 
-    def __init__(self, path, mask: np.ndarray, cross: list, sources: np.ndarray, steps: int | None = None):
+    def __init__(self, path, mask: np.ndarray, cross: list, sources: np.ndarray, steps: int | None = None,
+                 shortlist: tuple[np.ndarray, np.ndarray] | None = None):
         self.path, self.cross, self.sources = path, cross, sources     # sources: the input each row belongs to
         self.host_mask = mask                                          # [N, S] int64
         self.mask = path.mask(mask)
         self.past = path.empty_past(len(mask), steps)                  # [N, H, 0, Dh] per tensor, or static buffers
+        self.vocab, self.allowed = shortlist if shortlist is not None else (None, None)
 
     def step(self, tokens: np.ndarray, keep: np.ndarray | None) -> np.ndarray:
         if keep is not None:                                           # reorder/drop rows before the step
@@ -105,17 +109,23 @@ class OrtState:
         tokens = np.ascontiguousarray(tokens, dtype=np.int64)
         if isinstance(self.path, StaticPath) and tokens.shape[1] > 1:
             return np.stack([self.feed(tokens[:, t:t + 1])[:, 0] for t in range(tokens.shape[1])], axis=1)
-        logits, self.past = self.path.decode(tokens, self.mask, self.past, self.cross)
-        return logits
+        logits, self.past = self.path.decode(tokens, self.mask, self.past, self.cross, self.vocab)
+        if self.vocab is None:
+            return logits
+        return widen(logits, self.vocab, self.allowed[self.sources], self.path.e.vocab_size)
 
 
 class OrtEngine:
     """runtime.generate.Engine over ONNX Runtime sessions of a bundle's encoder and decoder graphs."""
 
     def __init__(self, encoder: ort.InferenceSession, decoder: ort.InferenceSession, config: dict,
-                 provider: str = "cpu", io_binding: bool | None = None, layout: str = DYNAMIC):
+                 provider: str = "cpu", io_binding: bool | None = None, layout: str = DYNAMIC,
+                 shortlist: tuple[Shortlist, ort.InferenceSession] | None = None):
         self.config, self.provider, self.layout = config, provider, layout
         self.feed = Feed(encoder, decoder, config, layout, provider)
+        self.shortlist = None                                          # the bundle's map, used by start(targets=)
+        if shortlist is not None:
+            self.use_shortlist(*shortlist)
         self.pad_id, self.bos_id, self.eos_id = config["pad_id"], config["bos_id"], config["eos_id"]
         self.vocab_size, self.max_len = config["vocab_size"], config["max_len"]
         self.src_vocab_size, self.suppress_ids = source_vocab_size(config), suppressed_ids(config)
@@ -131,6 +141,11 @@ class OrtEngine:
             self.path = BoundPath(self) if self.io_binding else HostPath(self)
         self.name = f"ort-{provider}" + ("-static-cache" if self.static_cache else
                                          "-iobinding" if self.io_binding else "")
+
+    def use_shortlist(self, shortlist: Shortlist, decoder: ort.InferenceSession) -> None:
+        """Decode requests asking for it on this map and the decoder's shortlist variant (the runtime.spec
+        shortlist_decoder_spec interface)."""
+        self.shortlist, self.feed.shortlist_decoder = shortlist, decoder
 
     @property
     def encoder(self):
@@ -149,16 +164,20 @@ class OrtEngine:
         self.feed.decoder = session
 
     def start(self, input_ids: np.ndarray, attention_mask: np.ndarray, expand: int,
-              max_steps: int | None = None) -> OrtState:
+              max_steps: int | None = None, targets: list | None = None) -> OrtState:
+        """`targets` (only where the engine has a shortlist): decode on the shortlist of the inputs' source tokens,
+        each input's rows restricted to its own candidates and its targets[b] (its forced prefix ids); None: the
+        whole vocabulary."""
         ids = np.ascontiguousarray(input_ids, dtype=np.int64)          # [B, S]
         mask = np.ascontiguousarray(attention_mask, dtype=np.int64)
+        shortlist = None if targets is None else self.shortlist.select(ids, mask, targets)
         cross = self.path.encode(ids, mask)                            # 2 * layers tensors [B, H, S, Dh]
         sources = np.arange(len(ids))
         if expand > 1:                                                 # beam rows b * expand + j share input b
             sources = np.repeat(sources, expand)
             cross = self.path.take(cross, sources)
             mask = mask[sources]
-        return OrtState(self.path, mask, cross, sources, max_steps)
+        return OrtState(self.path, mask, cross, sources, max_steps, shortlist)
 
 
 def default_io_binding(provider: str) -> bool:

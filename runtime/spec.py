@@ -24,6 +24,8 @@ PAST_SEQUENCE_LENGTH = "past_sequence_length"   # static-cache decoders: how man
 CACHE_LEN = "cache_len"                          # static-cache decoders: buffer length (<= max_len, chosen per request)
 POSITION_IDS = "position_ids"                    # decoders: each new token's position in its own target sequence
 DECODER_ATTENTION_MASK = "decoder_attention_mask"  # decoders: 1 where a cached self-attention key is a real token
+VOCAB_IDS = "vocab_ids"                          # shortlist decoders: the target ids whose logits the step computes
+SHORTLIST = "shortlist"                          # shortlist decoders: the logits' last dim (len(vocab_ids))
 KV_CACHES = ("dynamic", "static")
 # the decoder layouts a manifest declares ("decoder_layout"): how its self-attention cache is fed
 DYNAMIC = "dynamic"                  # past [B, H, past_len, Dh] in, present [B, H, past_len + new_len, Dh] out
@@ -188,6 +190,14 @@ def decoder_spec(n_decoder_layers: int, n_heads: int, d_model: int, vocab_size: 
     return GraphSpec("decoder", inputs=tuple(inputs), outputs=tuple(outputs))
 
 
+def shortlist_decoder_spec(decoder: GraphSpec) -> GraphSpec:
+    """A decoder's shortlist variant (`onnxformer shortlist` writes it): the same graph with one more input,
+    `vocab_ids` int64 [shortlist], the target ids to compute; its logits hold those ids' columns, in that order."""
+    outputs = tuple(TensorSpec(t.name, t.dtype, t.shape[:-1] + (SHORTLIST,)) if t.name == "logits" else t
+                    for t in decoder.outputs)
+    return GraphSpec(decoder.name, decoder.inputs + (TensorSpec(VOCAB_IDS, "int64", (SHORTLIST,)),), outputs)
+
+
 def default_row_inputs(batch: int, past_len: int, new_len: int = 1, layout: str = DYNAMIC) -> dict:
     """position_ids and (where the layout takes it) decoder_attention_mask of rows that all start at position 0 with
     every slot filled, as one request alone sits: positions past_len + 0..new_len-1, every cached key real."""
@@ -231,6 +241,7 @@ def config_field_of(tensor: str, axis: int) -> str:
 
 
 __all__ = ["TensorSpec", "GraphSpec", "PAST_SEQUENCE_LENGTH", "CACHE_LEN", "POSITION_IDS", "DECODER_ATTENTION_MASK",
+           "VOCAB_IDS", "SHORTLIST", "shortlist_decoder_spec",
            "DYNAMIC", "STATIC_PER_ROW", "STATIC_SHARED", "DECODER_LAYOUTS", "kv_cache_of", "takes_key_mask",
            "default_row_inputs", "config_field_of", "KV_CACHES", "PAST", "PRESENT", "SELF",
            "CROSS", "KV", "cache_name", "cache_names", "parse_cache_name", "is_cache", "past_of", "present_of",

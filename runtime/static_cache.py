@@ -67,14 +67,15 @@ class StaticPath:
         cache.rows, cache.binding = len(rows), None                 # rows (and maybe cross K/V, mask) changed
         return cache
 
-    def decode(self, tokens: np.ndarray, mask, cache: StaticCache, cross: list) -> tuple[np.ndarray, StaticCache]:
+    def decode(self, tokens: np.ndarray, mask, cache: StaticCache, cross: list,
+               vocab: np.ndarray | None = None) -> tuple[np.ndarray, StaticCache]:
         if cache.length >= cache.capacity:
             raise InputError(f"the static KV cache holds {cache.capacity} positions and is full: the request was "
                              f"started for {cache.capacity} steps (engine.start max_steps; at most the model's "
                              f"max_len {self.e.max_len})")
         if cache.binding is None:                                    # host: the leading rows of a C-order array are
             buffers = [buf[:cache.rows] for buf in cache.buffers] if self.on_host else cache.buffers   # contiguous
-            cache.binding = self.e.feed.bind_static(mask, cross, buffers)
+            cache.binding = self.e.feed.bind_static(mask, cross, buffers, vocab)
         logits = cache.binding.step(tokens, np.full(cache.rows, cache.length, dtype=np.int32))
         cache.length += 1
         return logits.copy(), cache                                  # ORT reuses the bound output's memory next step

@@ -50,15 +50,16 @@ def model_kind(path: str | Path) -> str:
 
 
 def open_model(path: str | Path, provider: str = "auto", threads: int | None = None,
-               use_cache: bool = True, one_graph_at_a_time: bool = False) -> OpenModel:
-    """Load a checkpoint (PyTorch engine) or a bundle (ONNX Runtime engine) from a directory; one_graph_at_a_time:
-    see runtime.bundle.load_bundle (bundles on the CPU, one-shot use)."""
+               use_cache: bool = True, one_graph_at_a_time: bool = False, shortlist: bool = True) -> OpenModel:
+    """Load a checkpoint (PyTorch engine) or a bundle (ONNX Runtime engine) from a directory; one_graph_at_a_time,
+    shortlist: see runtime.bundle.load_bundle (bundles only)."""
     check_provider(provider, threads)
     path = Path(path)
     if model_kind(path) == "bundle":
         from runtime.bundle import load_bundle
 
-        b = load_bundle(path, provider=provider, threads=threads, one_graph_at_a_time=one_graph_at_a_time)
+        b = load_bundle(path, provider=provider, threads=threads, one_graph_at_a_time=one_graph_at_a_time,
+                        shortlist=shortlist)
         return OpenModel(b.engine, b.tokenizer, "bundle", path, b.provider, b.manifest["precision"])
     return _open_checkpoint(path, provider, threads, use_cache)
 

@@ -8,6 +8,7 @@
 | int8      | cpu      | report only                                   | >= 98%              | within 1 point|
 | int4      | cpu      | report only                                   | >= 98%              | within 1 point|
 | imported model (fp32) vs its original framework (PyTorch vs PyTorch, CPU): 1e-5, 100% greedy and beam |
+| shortlist vs full vocabulary (same bundle, any provider): >= 99.5% of greedy tokens on held-out texts |
 
 The max abs error applies to logits as written. Hidden states and K/V caches are judged by the same
 number relative to their magnitude when it exceeds 1 (atol * max|reference|): a trained model's keys
@@ -53,6 +54,9 @@ TOLERANCES: dict[tuple[str, str], Tolerance] = {
     # bundles (int8, int4)").
     ("int4", "cpu"): Tolerance(atol=None, token_match=0.98, accuracy_drop=1.0),
 }
+
+# a vocabulary shortlist against the full vocabulary, same bundle: greedy tokens on held-out texts
+SHORTLIST_TOKEN_MATCH = 0.995
 
 # an imported model against the framework it came from (MarianMTModel, the tutorial's nn.Transformer): both PyTorch
 IMPORTED = Tolerance(atol=1e-5, token_match=1.0, accuracy_drop=None)

@@ -90,6 +90,9 @@ def read_inputs(texts: tuple[str, ...], input_file: str | None, ids: tuple[str, 
 @click.option("--no-repeat-ngram-size", default=0, show_default=True, help="no n-gram of this size twice (0 = off)")
 @click.option("--min-new-tokens", default=0, show_default=True, help="no end token before this many new tokens")
 @click.option("--return-logprobs", is_flag=True, help="--json records carry each id's log-probability (logprobs)")
+@click.option("--shortlist/--no-shortlist", default=True, show_default=True,
+              help="bundles with a vocabulary shortlist (onnxformer shortlist): decode on it, or on the whole "
+                   "vocabulary")
 # the target-side flags, turned into prefix_ids and bad_words_ids by runtime.request.target_options
 @click.option("--prefix", help="target text every output starts with (forced)")
 @click.option("--prefix-ids", help='target ids every output starts with, e.g. "5 6"')
@@ -126,7 +129,8 @@ def command(model, texts, input_file, ids, split, provider, threads, as_json, us
     if use_ray:
         return _generate_on_ray(model, inputs, split, options, targets, langs, provider, threads, as_json, replicas,
                                 batch_size, address)
-    opened = open_model(model, provider=provider, threads=threads, one_graph_at_a_time=True)   # one generate call:
+    opened = open_model(model, provider=provider, threads=threads, one_graph_at_a_time=True,   # one generate call:
+                        shortlist=options["shortlist"])
     # the encoder runs once, so its session is released before the decoder's is made (peak memory on the edge)
     engine, tokenizer = opened.engine, opened.tokenizer
     request, plan = build_request(engine, tokenizer, inputs, split, options, targets, langs)

@@ -30,7 +30,7 @@ from runtime.request import differing
 from runtime.search import SearchOptions
 from toolkit.apps.serve.scheduler import Job, Scheduler, fail, warm_up_request
 
-ROW_OPTIONS = ("max_new_tokens", "ignore_eos")   # what an in-flight row keeps for itself
+ROW_OPTIONS = ("max_new_tokens", "ignore_eos", "shortlist")   # what an in-flight row keeps for itself
 SAMPLE_OPTIONS = ("sample", "temperature", "top_k", "top_p", "seed")   # ... and a sampling row (one sample an input)
 
 
@@ -134,7 +134,7 @@ class InflightScheduler(Scheduler):
         keys = [(job, i) for job in jobs for i in range(len(job.sequences))]
         seeds = {job: request_seed(job.opts) for job in jobs if job.opts.sample}       # one seed a request
         samplers = [RowSampler(job.opts, i, 0, seeds[job]) if job in seeds else None for job, i in keys]
-        rows = iter(self.batch.join(sequences, limits, keys, samplers))
+        rows = iter(self.batch.join(sequences, limits, keys, samplers, [job.opts.shortlist for job, _ in keys]))
         for job in jobs:
             job.started = now
             self._rows[job] = [next(rows) for _ in job.sequences]

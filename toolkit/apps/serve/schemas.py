@@ -43,6 +43,8 @@ class GenerateRequest(BaseModel):
     no_repeat_ngram_size: int = Field(0, description="no n-gram of this size occurs twice in an output (0 = off)")
     min_new_tokens: int = Field(0, description="no end token before this many new tokens")
     return_logprobs: bool = Field(False, description="each record carries `logprobs`, one per returned id")
+    shortlist: bool = Field(True, description="decode on the bundle's vocabulary shortlist where it has one (false: "
+                                              "the whole vocabulary)")
     prefix: str | list[str] | None = Field(None, description="target text every output starts with, or one per input")
     prefix_ids: list[list[int]] | None = Field(None, description="target ids each output starts with, one list per "
                                                                  "input")

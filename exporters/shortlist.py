@@ -1,0 +1,196 @@
+"""`onnxformer shortlist`: a vocabulary shortlist built from the model's own translations, gated, into a bundle.
+
+    out, report = shortlist_bundle(bundle, corpus, out, sizes=(20, 50), always=200, texts=held_out)
+
+1. The bundle translates the corpus (greedy, full vocabulary). Each source token's candidates are the target
+   tokens that most often appear in the translations of the lines holding it (co-occurrence counts; no external
+   aligner), beyond the always-included set: the specials and the `always` most frequent target tokens.
+2. The decoder's shortlist variant is written beside it (exporters/shortlist_graph.py).
+3. The gate, per candidate size from the smallest: greedy tokens with the shortlist against the full vocabulary on
+   held-out inputs (toolkit.parity.inputs: --input texts, else the task's, else random ids) must agree on at
+   least SHORTLIST_TOKEN_MATCH of the tokens, on reference outputs that vary. The smallest size that passes is
+   kept; none passing refuses the bundle with the figures (ParityError), or with allow_unverified writes the
+   largest marked unverified.
+The map (shortlist.npz), the decoder and the manifest's "shortlist" record (sizes, agreement) are hashed with every
+other file of the bundle.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+
+from exporters.bundle import graph_entry, stage_bundle, write_manifest
+from exporters.shortlist_graph import ShortlistGraphError, write_shortlist_decoder
+from runtime.bundle import load_bundle
+from runtime.errors import InputError
+from runtime.generate import generate_ids
+from runtime.manifest import listed_files, read_manifest, sha256_file
+from runtime.request import encode_inputs, search_options
+from runtime.session import SessionConfig, make_session
+from runtime.shortlist import Shortlist
+from runtime.spec import source_vocab_size
+from toolkit.parity import ParityError
+from toolkit.parity.generation import compare_tokens
+from toolkit.parity.inputs import DEFAULT_SAMPLES, choose_inputs
+from toolkit.parity.report import needed_distinct
+from toolkit.parity.tolerances import SHORTLIST_TOKEN_MATCH
+from toolkit.reference.config import ModelConfig
+
+MAP_FILE, DECODER_FILE = "shortlist.npz", "decoder.shortlist.onnx"
+BATCH = 16                          # inputs per generate call while translating the corpus and the gate's inputs
+DEFAULT_SIZES, DEFAULT_ALWAYS = (20, 50, 100), 200
+
+
+@dataclass
+class ShortlistReport:
+    """What `onnxformer shortlist` did: the corpus, each size the gate tried, the one kept."""
+
+    corpus_lines: int
+    gate_source: str
+    tried: list[dict] = field(default_factory=list)
+    kept: dict | None = None
+    verified: bool = False
+
+    def to_dict(self) -> dict:
+        return {"corpus_lines": self.corpus_lines, "gate_source": self.gate_source, "tried": self.tried,
+                "kept": self.kept, "verified": self.verified}
+
+    def format(self) -> str:
+        lines = [f"corpus: {self.corpus_lines} lines translated; gate on {self.gate_source}"]
+        for t in self.tried:
+            lines.append(f"  size {t['size']}: {t['mean_vocab']:.0f} target tokens an input on average, "
+                         f"{t['agreement']:.2%} of tokens equal to the full vocabulary "
+                         f"({t['sequences_equal']:.1%} of outputs), {t['verdict']}")
+        kept = self.kept
+        lines.append(f"kept size {kept['size']} ({'verified' if self.verified else 'NOT verified'})" if kept
+                     else "nothing kept")
+        return "\n".join(lines)
+
+
+def translate(engine, seqs: Sequence[Sequence[int]], max_new_tokens: int, shortlist: bool) -> list[list[int]]:
+    """Greedy outputs (end token dropped) of every input, BATCH at a time, with or without the shortlist."""
+    opts = search_options(engine, max_new_tokens, shortlist=shortlist)
+    out = []
+    for start in range(0, len(seqs), BATCH):
+        out += [h[0].tokens for h in generate_ids(engine, seqs[start:start + BATCH], opts)]
+    return [t[:-1] if t and t[-1] == engine.eos_id else t for t in out]
+
+
+def build_map(sources: Sequence[Sequence[int]], targets: Sequence[Sequence[int]], config: dict, size: int,
+              always: int) -> Shortlist:
+    """The shortlist of `size` candidates a source token (by co-occurrence in (source, translation) pairs) beyond
+    the always-included set (the specials and the `always` most frequent targets)."""
+    src_vocab, vocab = source_vocab_size(config), config["vocab_size"]
+    flat = np.concatenate([np.asarray(t, dtype=np.int64) for t in targets] + [np.zeros(0, np.int64)])
+    freq = np.bincount(flat, minlength=vocab)
+    frequent = np.argsort(-freq, kind="stable")[:always]
+    specials = [config[k] for k in ("pad_id", "bos_id", "eos_id", "unk_id") if isinstance(config.get(k), int)]
+    kept = np.unique(np.concatenate([frequent[freq[frequent] > 0], np.asarray(specials, dtype=np.int64)]))
+    pairs = [np.add.outer(np.unique(s) * vocab, np.setdiff1d(t, kept)).ravel() for s, t in zip(sources, targets)]
+    keys, counts = np.unique(np.concatenate(pairs + [np.zeros(0, np.int64)]), return_counts=True)
+    src, tgt = keys // vocab, keys % vocab
+    order = np.lexsort((tgt, -counts, src))                       # per source token: most counted first, then by id
+    src, tgt = src[order], tgt[order]
+    starts = np.searchsorted(src, src)                            # each entry's rank within its source token
+    take = np.arange(len(src)) - starts < size
+    offsets = np.concatenate([[0], np.cumsum(np.bincount(src[take], minlength=src_vocab))])
+    return Shortlist(offsets.astype(np.int64), tgt[take].astype(np.int64), kept.astype(np.int64))
+
+
+def save_map(shortlist: Shortlist, path: Path) -> None:
+    np.savez(path, offsets=shortlist.offsets, candidates=shortlist.candidates.astype(np.int32),
+             always=shortlist.always.astype(np.int32))
+
+
+def gate_check(engine, seqs: list[list[int]], reference: list[list[int]], max_new_tokens: int, size: int) -> dict:
+    """One size's verdict: greedy tokens with the engine's shortlist against the full vocabulary's."""
+    got = translate(engine, seqs, max_new_tokens, shortlist=True)
+    seq_eq, tok_eq, first = compare_tokens(reference, got)
+    distinct = len({tuple(t) for t in reference})
+    varied = distinct >= needed_distinct(len(seqs))
+    verdict = "inconclusive" if not varied else "ok" if tok_eq >= SHORTLIST_TOKEN_MATCH else "failed"
+    vocab = [len(engine.shortlist.of(s)) for s in seqs]
+    return {"size": size, "agreement": tok_eq, "sequences_equal": seq_eq, "threshold": SHORTLIST_TOKEN_MATCH,
+            "inputs": len(seqs), "distinct_outputs": distinct, "verdict": verdict,
+            "mean_vocab": float(np.mean(vocab)), "sizes": engine.shortlist.sizes(), "first_mismatch": first}
+
+
+def shortlist_bundle(bundle_dir: str | Path, corpus: list, out_dir: str | Path, sizes: Sequence[int] = DEFAULT_SIZES,
+                     always: int = DEFAULT_ALWAYS, texts: list[str] | None = None, samples: int = DEFAULT_SAMPLES,
+                     max_new_tokens: int | None = None, allow_unverified: bool = False, force: bool = False,
+                     progress: Callable[[str], None] | None = None) -> tuple[Path, ShortlistReport]:
+    """Build, gate and store a shortlist (module docstring) into a copy of the bundle at out_dir."""
+    say = progress or (lambda message: None)
+    bundle_dir = Path(bundle_dir)
+    sizes = sorted({int(s) for s in sizes})
+    if not sizes or sizes[0] < 1 or always < 0:
+        raise InputError(f"--size must be positive candidate counts and --always at least 0, got sizes {sizes} and "
+                         f"always {always}")
+    manifest = read_manifest(bundle_dir)
+    bundle = load_bundle(bundle_dir, provider="cpu", shortlist=False)
+    engine, config = bundle.engine, manifest["model"]
+    sources = encode_inputs(corpus, bundle.tokenizer)
+    if not sources:
+        raise InputError("--corpus has no lines; pass source texts (token ids for a bundle without tokenizer), one a "
+                         "line")
+    steps = search_options(engine, max_new_tokens).max_new_tokens
+    chosen = choose_inputs(ModelConfig.from_dict(config), bundle.tokenizer, samples, texts)
+    old = manifest.pop("shortlist", None)
+    skip = {old["file"], old["decoder"]["file"]} if old else set()
+    with stage_bundle(out_dir, force) as tmp:
+        for name in sorted(listed_files(manifest) - skip):
+            shutil.copyfile(bundle_dir / name, tmp / name)
+        try:
+            decoder = write_shortlist_decoder(tmp / manifest["graphs"]["decoder"]["file"], tmp / DECODER_FILE, tmp)
+        except ShortlistGraphError as exc:
+            raise InputError(f"{bundle_dir}: {exc}") from None
+        session = make_session(decoder, "cpu", SessionConfig())
+        say(f"translating {len(sources)} corpus lines")
+        targets = translate(engine, sources, steps, shortlist=False)
+        reference = translate(engine, chosen.seqs, steps, shortlist=False)
+        report = ShortlistReport(len(sources), chosen.source)
+        kept = None
+        for size in sizes:
+            engine.use_shortlist(build_map(sources, targets, config, size, always), session)
+            check = gate_check(engine, chosen.seqs, reference, steps, size)
+            say(f"size {size}: {check['agreement']:.2%} of tokens equal ({check['verdict']})")
+            report.tried.append(check)
+            kept = (engine.shortlist, check)
+            if check["verdict"] == "ok":
+                break
+        report.kept, report.verified = kept[1], kept[1]["verdict"] == "ok"
+        if not report.verified and not allow_unverified:
+            raise ParityError(f"the shortlist did not pass the gate (>= {SHORTLIST_TOKEN_MATCH:.1%} of tokens equal "
+                              f"to the full vocabulary on reference outputs that vary): "
+                              + "; ".join(f"size {t['size']} {t['agreement']:.2%} ({t['verdict']})"
+                                          for t in report.tried)
+                              + f"; nothing was written to {out_dir} (try larger --size or --always, or pass "
+                                f"--allow-unverified to write it marked unverified)", report.to_dict())
+        save_map(kept[0], tmp / MAP_FILE)
+        manifest["shortlist"] = _record(tmp, kept[1], always, report, allow_unverified)
+        write_manifest(tmp, manifest)
+    return Path(out_dir), report
+
+
+def _record(tmp: Path, check: dict, always: int, report: ShortlistReport, allow_unverified: bool) -> dict:
+    """The manifest's "shortlist" record: files, sizes and the gate's measured agreement."""
+    gate = {k: check[k] for k in ("agreement", "sequences_equal", "threshold", "inputs", "distinct_outputs",
+                                  "verdict", "mean_vocab")}
+    gate["source"] = report.gate_source
+    record = {"file": MAP_FILE, "sha256": sha256_file(tmp / MAP_FILE), "decoder": graph_entry(tmp / DECODER_FILE),
+              "size": check["size"], "always": always, "sizes": check["sizes"], "corpus_lines": report.corpus_lines,
+              "gate": gate, "tried": [{"size": t["size"], "agreement": t["agreement"], "verdict": t["verdict"]}
+                                      for t in report.tried],
+              "verified": report.verified}
+    if not report.verified and allow_unverified:
+        record["allowed_unverified"] = True
+    return record
+
+
+__all__ = ["shortlist_bundle", "build_map", "translate", "ShortlistReport", "MAP_FILE", "DECODER_FILE",
+           "DEFAULT_SIZES", "DEFAULT_ALWAYS"]

@@ -1,0 +1,193 @@
+"""The shortlist decoder: the bundle's decoder graph projecting onto a request's candidate tokens only.
+
+    write_shortlist_decoder(bundle / "decoder.onnx", tmp / "decoder.shortlist.onnx", bundle)
+
+The output projection of the decoder (its last MatMul, then elementwise Mul/Add by constants: the logits bias, an
+int8 bundle's column scales)
+
+    hidden [B,T,D] --> MatMul(., W [D,V]) --> (+ bias [V]) --> logits [B,T,V]
+
+becomes, with one more graph input `vocab_ids` int64 [V'] (runtime/spec.py's shortlist_decoder_spec) and each
+constant of one value per vocabulary id gathered for vocab_ids (fp32):
+
+    table [V,D] --> Gather(., vocab_ids) --> [V',D] -----------------------+
+    hidden [B,T,D] --> Reshape [B*T,D] --> Concat(a zero row) [B*T+1,D] --> Gemm(transB) --> Slice [B*T,V']
+        --> Reshape [B,T,V'] --> (+ Gather(bias, vocab_ids)) --> logits [B,T,V']
+
+`table` is W's transpose, rows contiguous, so the gather reads V' rows of D values each step (a gather of W's
+columns would touch a cache line per value). A tied model's embedding table is that transpose already and is
+reused by name (no copy); otherwise W^T is stored in the new graph. Every other tensor stays where it was
+(external data in weights.data keeps its references), so the file adds only the new nodes and, untied, W^T.
+
+int8 (DynamicQuantizeMatMul by W [D,V] int8): Transpose(Gather(W^T, vocab_ids)) [D,V'] is its weight, its scale
+and zero point gathered where they are per column; integer sums need no padding.
+
+The zero row: ONNX Runtime multiplies a single row by a non-constant matrix with another kernel than two or more
+rows, whose sums round differently, so a request alone (batch 1, one row) would get other logits than the same
+row in a batch. With the row added the product always has two rows or more: a row's logits do not depend on its
+batch (it costs one more row of a product that is bound by reading the gathered rows).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from runtime.spec import SHORTLIST, VOCAB_IDS
+
+TABLE = "shortlist.table"
+
+
+class ShortlistGraphError(ValueError):
+    """The decoder's output projection is not a form the shortlist decoder can be built from."""
+
+
+PRODUCTS = ("MatMul", "DynamicQuantizeMatMul")       # fp32; int8 (optimize --precision int8)
+
+
+def _tail(graph: onnx.GraphProto) -> tuple[onnx.NodeProto, list[onnx.NodeProto]]:
+    """(the projection's product node, the elementwise Mul/Add nodes by constants between it and `logits`, in
+    graph order): the int8 column scales, the logits bias."""
+    producer = {o: n for n in graph.node for o in n.output}
+    inits = {t.name for t in graph.initializer}
+    node, tail = producer.get("logits"), []
+    while node is not None and node.op_type in ("Mul", "Add") and sum(i in inits for i in node.input) == 1:
+        tail.insert(0, node)
+        node = producer.get(next(i for i in node.input if i not in inits))
+    if node is None or node.op_type not in PRODUCTS or (node.input[1] not in inits and _transposed(graph, node) is None):
+        found = "nothing" if node is None else f"{node.op_type} {node.name!r}"
+        raise ShortlistGraphError(f"the decoder's logits come from {found}, not a MatMul (fp32) or "
+                                  f"DynamicQuantizeMatMul (int8) by a constant weight; build the shortlist on an "
+                                  f"fp32 or int8 bundle")
+    return node, tail
+
+
+def _transposed(graph: onnx.GraphProto, product: onnx.NodeProto) -> onnx.NodeProto | None:
+    """The Transpose(perm [1, 0]) of a constant [V, D] matrix that is the product's weight (a tied fp32 decoder's
+    embedding table, transposed at run time), or None."""
+    t = next((n for n in graph.node if product.input[1] in n.output), None)
+    inits = {i.name for i in graph.initializer}
+    if t is None or t.op_type != "Transpose" or t.input[0] not in inits:
+        return None
+    perm = next((list(a.ints) for a in t.attribute if a.name == "perm"), [1, 0])
+    return t if perm == [1, 0] else None
+
+
+def _array(graph: onnx.GraphProto, name: str, base: Path) -> np.ndarray:
+    tensor = next(t for t in graph.initializer if t.name == name)
+    return numpy_helper.to_array(tensor, base_dir=str(base))
+
+
+def _table(graph: onnx.GraphProto, weight: np.ndarray, base: Path) -> str:
+    """The name of an initializer equal to weight^T ([V, D]: a tied embedding table), else of a new one."""
+    shape = [weight.shape[1], weight.shape[0]]
+    for t in graph.initializer:
+        if list(t.dims) == shape and helper.tensor_dtype_to_np_dtype(t.data_type) == weight.dtype:
+            if np.array_equal(numpy_helper.to_array(t, base_dir=str(base)), weight.T):
+                return t.name
+    graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(weight.T), TABLE))
+    return TABLE
+
+
+def _per_column(graph: onnx.GraphProto, name: str, vocab: int) -> str:
+    """`name`, or where it holds one value per vocabulary id ([V]), its values for vocab_ids (a Gather node)."""
+    dims = list(next(t for t in graph.initializer if t.name == name).dims)
+    if dims != [vocab]:
+        return name
+    graph.node.append(helper.make_node("Gather", [name, VOCAB_IDS], [f"shortlist.{name}"], f"shortlist.gather.{name}",
+                                       axis=0))
+    return f"shortlist.{name}"
+
+
+def _fp32_product(graph: onnx.GraphProto, table: str, hidden: str, width: int, out: str) -> list:
+    """hidden [B,T,D] @ Gather(table, vocab_ids)^T -> out [B,T,V'], padded to two rows (module docstring)."""
+    consts = {"shortlist.flat": np.array([-1, width], np.int64), "shortlist.zero_row": np.zeros((1, width), np.float32),
+              "shortlist.start": np.array([0], np.int64), "shortlist.stop": np.array([-1], np.int64)}
+    graph.initializer.extend(numpy_helper.from_array(v, k) for k, v in consts.items())
+    node = helper.make_node
+    return [node("Gather", [table, VOCAB_IDS], ["shortlist.rows"], "shortlist.gather", axis=0),
+            node("Reshape", [hidden, "shortlist.flat"], ["shortlist.hidden"], "shortlist.flatten"),
+            node("Concat", ["shortlist.hidden", "shortlist.zero_row"], ["shortlist.padded"], "shortlist.pad", axis=0),
+            node("Gemm", ["shortlist.padded", "shortlist.rows"], ["shortlist.product"], "shortlist.projection",
+                 transB=1),
+            node("Slice", ["shortlist.product", "shortlist.start", "shortlist.stop", "shortlist.start"],
+                 ["shortlist.sliced"], "shortlist.unpad"),
+            node("Shape", [hidden], ["shortlist.lead"], "shortlist.lead_shape", end=2),
+            node("Shape", [VOCAB_IDS], ["shortlist.count"], "shortlist.count_shape"),
+            node("Concat", ["shortlist.lead", "shortlist.count"], ["shortlist.shape"], "shortlist.out_shape", axis=0),
+            node("Reshape", ["shortlist.sliced", "shortlist.shape"], [out], "shortlist.unflatten")]
+
+
+def _int8_product(graph: onnx.GraphProto, product: onnx.NodeProto, table: str, vocab: int, out: str) -> list:
+    """DynamicQuantizeMatMul(hidden, Transpose(Gather(table, vocab_ids)), its scale, zero point and bias, each
+    gathered where it is per column): integer sums, the same whatever the rows."""
+    inputs = [product.input[0], "shortlist.columns"] + [_per_column(graph, name, vocab) if name else name
+                                                        for name in product.input[2:]]
+    node = helper.make_node
+    return [node("Gather", [table, VOCAB_IDS], ["shortlist.rows"], "shortlist.gather", axis=0),
+            node("Transpose", ["shortlist.rows"], ["shortlist.columns"], "shortlist.transpose", perm=[1, 0]),
+            node("DynamicQuantizeMatMul", inputs, [out], "shortlist.projection", domain=product.domain)]
+
+
+def shortlist_decoder(model: onnx.ModelProto, base: Path) -> onnx.ModelProto:
+    """The decoder model rewritten in place as its shortlist variant (module docstring); `base`: the folder its
+    external data lives in."""
+    graph = model.graph
+    product, tail = _tail(graph)
+    hidden, weight_name = product.input[:2]
+    transpose = _transposed(graph, product) if weight_name not in {t.name for t in graph.initializer} else None
+    if transpose is not None:                                         # the table itself: no copy, nothing to compare
+        if sum(weight_name in n.input for n in graph.node) == 1:
+            graph.node.remove(transpose)
+        return _rewrite(model, product, tail, transpose.input[0], _array(graph, transpose.input[0], base).T, base,
+                        weight_name)
+    return _rewrite(model, product, tail, None, _array(graph, weight_name, base), base, weight_name)
+
+
+def _rewrite(model: onnx.ModelProto, product: onnx.NodeProto, tail: list, table: str | None, weight: np.ndarray,
+             base: Path, weight_name: str) -> onnx.ModelProto:
+    """shortlist_decoder's rewrite, the weight [D, V] given (and its [V, D] table's name where one is known)."""
+    graph, hidden = model.graph, product.input[0]
+    fp32 = product.op_type == "MatMul"
+    if weight.ndim != 2 or weight.dtype != (np.float32 if fp32 else weight.dtype) or weight.dtype.kind not in "fiu":
+        raise ShortlistGraphError(f"the output projection's weight is {weight.dtype} {list(weight.shape)}, not a "
+                                  f"matrix; build the shortlist on an fp32 or int8 bundle")
+    vocab, at = weight.shape[1], list(graph.node).index(product)
+    kept = [n for n in graph.node if n is not product and not any(n is t for t in tail)]
+    del graph.node[:]
+    table = table or _table(graph, weight, base)
+    out = "shortlist.product"
+    nodes = (_fp32_product(graph, table, hidden, weight.shape[0], out) if fp32
+             else _int8_product(graph, product, table, vocab, out))
+    inits = {t.name for t in graph.initializer}
+    for i, t in enumerate(tail):                                      # the scales and bias, on the gathered columns
+        const = _per_column(graph, next(n for n in t.input if n in inits), vocab)
+        nodes.append(helper.make_node(t.op_type, [f"shortlist.tail{i}" if i else out, const],
+                                      [f"shortlist.tail{i + 1}"], f"shortlist.{t.op_type.lower()}{i}"))
+    nodes[-1].output[0] = "logits"
+    gathers = list(graph.node)                                        # the per-column Gathers _per_column added
+    del graph.node[:]
+    graph.node.extend(kept[:at] + gathers + nodes + kept[at:])
+    unused = [t for t in graph.initializer if t.name == weight_name and not any(weight_name in n.input
+                                                                                for n in graph.node)]
+    for t in unused:                                                  # W itself is no longer read
+        graph.initializer.remove(t)
+    graph.input.append(helper.make_tensor_value_info(VOCAB_IDS, onnx.TensorProto.INT64, [SHORTLIST]))
+    logits = next(o for o in graph.output if o.name == "logits")
+    logits.type.tensor_type.shape.dim[-1].Clear()
+    logits.type.tensor_type.shape.dim[-1].dim_param = SHORTLIST
+    return model
+
+
+def write_shortlist_decoder(decoder: Path, out: Path, base: Path) -> Path:
+    """Write the shortlist variant of the decoder graph file `decoder` (its external data in `base`) to `out`,
+    which must sit in a folder holding the same external data files."""
+    model = onnx.load(str(decoder), load_external_data=False)
+    onnx.save(shortlist_decoder(model, base), str(out))
+    return out
+
+
+__all__ = ["shortlist_decoder", "write_shortlist_decoder", "ShortlistGraphError"]

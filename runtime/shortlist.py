@@ -1,0 +1,100 @@
+"""The vocabulary shortlist: which target tokens a request may produce, from its source tokens.
+
+    shortlist = Shortlist.load(bundle / "shortlist.npz", src_vocab_size, vocab_size)
+    vocab, allowed = shortlist.select(input_ids, attention_mask, extra)   # the union [V'], each input's own [B, V']
+    logits = widen(local_logits, vocab, allowed[sources], vocab_size)      # [N, T, V'] -> [N, T, V], -inf elsewhere
+
+The file (`onnxformer shortlist` writes it) maps each source token to its candidate target tokens (CSR:
+`offsets` int64 [src_vocab + 1], `candidates` int32) and holds the tokens every request may produce (`always`:
+the specials and the most frequent targets). A request's candidates are the union over all its inputs: the
+decoder's shortlist graph projects onto those rows of the output matrix only (its `vocab_ids` input), and each
+row is then masked to its own input's candidates, so a row decodes exactly as it would alone.
+
+Local logit indices become vocabulary ids here and only here (`widen`): the search and its logits processors
+see full-vocabulary logits in which every token outside the row's candidates is -inf.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from runtime.errors import BundleError
+
+ARRAYS = ("offsets", "candidates", "always")
+
+
+class Shortlist:
+    """A source-token -> candidate-target-tokens map plus the always-included targets (validated on load)."""
+
+    def __init__(self, offsets: np.ndarray, candidates: np.ndarray, always: np.ndarray):
+        self.offsets, self.candidates, self.always = offsets, candidates, always
+
+    @classmethod
+    def load(cls, path: str | Path, src_vocab_size: int, vocab_size: int) -> "Shortlist":
+        """The map in `path`; a file that does not describe a map for these vocabularies is a BundleError."""
+        try:
+            with np.load(path, allow_pickle=False) as data:
+                arrays = {name: np.asarray(data[name]) for name in ARRAYS}
+        except (OSError, ValueError, KeyError) as exc:
+            raise BundleError(f"{path} is not a shortlist file ({str(exc).splitlines()[0][:200]}); copy the bundle "
+                              f"again or rebuild it with onnxformer shortlist") from None
+        offsets, candidates, always = (arrays[n] for n in ARRAYS)
+        problem = _problem(offsets, candidates, always, src_vocab_size, vocab_size)
+        if problem:
+            raise BundleError(f"{path}: {problem}; rebuild the shortlist with onnxformer shortlist")
+        return cls(offsets.astype(np.int64), candidates.astype(np.int64), np.unique(always.astype(np.int64)))
+
+    def of(self, tokens) -> np.ndarray:
+        """The sorted candidates of one input's source tokens (ids), the always-included ones among them."""
+        tokens = np.unique(np.asarray(tokens, dtype=np.int64))
+        parts = [self.always] + [self.candidates[self.offsets[t]:self.offsets[t + 1]] for t in tokens.tolist()]
+        return np.unique(np.concatenate(parts))
+
+    def select(self, input_ids: np.ndarray, attention_mask: np.ndarray, extra=None) -> tuple[np.ndarray, np.ndarray]:
+        """(vocab [V'] int64, the sorted union of every input's candidates; allowed [B, V'] bool, each input's own).
+        `extra`: per input, target ids it may also produce (its forced prefix)."""
+        own = []
+        for b, (ids, mask) in enumerate(zip(input_ids, attention_mask)):
+            mine = self.of(ids[mask > 0])
+            if extra is not None and len(extra[b]):
+                mine = np.union1d(mine, np.asarray(extra[b], dtype=np.int64))
+            own.append(mine)
+        vocab = np.unique(np.concatenate(own))
+        allowed = np.zeros((len(own), len(vocab)), dtype=bool)
+        for b, mine in enumerate(own):
+            allowed[b, np.searchsorted(vocab, mine)] = True
+        return vocab, allowed
+
+    def sizes(self) -> dict:
+        """How large the map is: candidates per source token (most, mean over tokens with any), always-included."""
+        counts = np.diff(self.offsets)
+        listed = counts[counts > 0]
+        return {"source_tokens": int(len(listed)), "most_candidates": int(counts.max(initial=0)),
+                "mean_candidates": round(float(listed.mean()), 2) if len(listed) else 0.0,
+                "always": int(len(self.always))}
+
+
+def _problem(offsets, candidates, always, src_vocab_size: int, vocab_size: int) -> str | None:
+    if offsets.ndim != 1 or len(offsets) != src_vocab_size + 1 or offsets.dtype.kind not in "iu":
+        return f"offsets must be {src_vocab_size + 1} integers (one more than the source vocabulary)"
+    if candidates.ndim != 1 or always.ndim != 1 or candidates.dtype.kind not in "iu" or always.dtype.kind not in "iu":
+        return "candidates and always must be 1-D integer arrays"
+    if offsets[0] != 0 or offsets[-1] != len(candidates) or (np.diff(offsets) < 0).any():
+        return "offsets must rise from 0 to the number of candidates"
+    for name, ids in (("candidates", candidates), ("always", always)):
+        if len(ids) and (ids.min() < 0 or ids.max() >= vocab_size):
+            return f"{name} hold ids outside the target vocabulary of {vocab_size}"
+    return None
+
+
+def widen(logits: np.ndarray, vocab: np.ndarray, allowed: np.ndarray, vocab_size: int) -> np.ndarray:
+    """Shortlist logits [N, T, V'] (columns: the ids in `vocab`) as full-vocabulary logits [N, T, vocab_size]:
+    each row keeps its own candidates (`allowed` [N, V']), every other token is -inf."""
+    out = np.full(logits.shape[:-1] + (vocab_size,), -np.inf, dtype=logits.dtype)
+    out[..., vocab] = np.where(allowed[:, None, :], logits, -np.inf)
+    return out
+
+
+__all__ = ["Shortlist", "widen", "ARRAYS"]

@@ -1,0 +1,228 @@
+"""The vocabulary shortlist: the build command and its storage (exporters/shortlist.py), the decoder's shortlist
+variant (exporters/shortlist_graph.py), the runtime's use of it (runtime/shortlist.py, feed, engine) and the gate.
+
+Exactness: a row decodes on the shortlist exactly as it does alone (each row sees only its own candidates), and a
+shortlist covering the whole vocabulary gives exactly what the full vocabulary gives."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from exporters.optimize import optimize_bundle
+from exporters.shortlist import build_map, shortlist_bundle
+from runtime.bundle import load_bundle
+from runtime.errors import BundleError
+from runtime.generate import generate_ids
+from runtime.manifest import inspect_report, format_inspect
+from runtime.search import SearchOptions
+from runtime.shortlist import Shortlist
+from toolkit.apps.cli import main
+from toolkit.parity import ParityError
+
+from conftest import TOY_CHARS
+
+SEQS = [[5, 6, 7, 8], [40, 41, 42, 43, 44, 45, 46], [9], [12, 13, 14, 15, 30]]
+SEARCHES = {"greedy": SearchOptions(max_new_tokens=12),
+            "beam": SearchOptions(max_new_tokens=12, beam=3, num_return=2),
+            "sample": SearchOptions(max_new_tokens=12, sample=True, num_return=2, seed=7, top_k=20)}
+
+
+def _lines(rng, n: int) -> list[str]:
+    return ["".join(rng.choice(list(TOY_CHARS), size=int(rng.integers(3, 12)))) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def texts():
+    rng = np.random.default_rng(2)
+    return _lines(rng, 200), _lines(rng, 40)                    # (corpus, held-out gate inputs)
+
+
+@pytest.fixture(scope="module")
+def shortlisted(toy_exported, texts, tmp_path_factory):
+    """{layout: bundle with a shortlist}: the exported (dynamic) bundle and its fused static-cache bundle."""
+    _, exported = toy_exported
+    root = tmp_path_factory.mktemp("shortlist")
+    static, _ = optimize_bundle(exported, root / "static")
+    corpus, held = texts
+    out = {}
+    for layout, source in (("dynamic", Path(exported)), ("static", static)):
+        out[layout], _ = shortlist_bundle(source, corpus, root / f"{layout}_sl", sizes=(4, 16), always=4, texts=held)
+    return out
+
+
+def _tokens(engine, seqs, opts):
+    return [[(h.tokens, h.score) for h in hyps] for hyps in generate_ids(engine, seqs, opts)]
+
+
+@pytest.mark.parametrize("layout", ["dynamic", "static"])
+@pytest.mark.parametrize("search", SEARCHES)
+def test_a_row_on_the_shortlist_gets_its_unbatched_output(shortlisted, layout, search):
+    engine = load_bundle(shortlisted[layout], provider="cpu").engine
+    opts = SEARCHES[search]
+    batched = _tokens(engine, SEQS, opts)
+    if opts.sample:                       # draws are seeded by the input's index: other neighbours, same index
+        assert batched == [_tokens(engine, [[60]] * b + [s], opts)[b] for b, s in enumerate(SEQS)]
+    else:
+        assert batched == [_tokens(engine, [s], opts)[0] for s in SEQS]
+    own = [engine.shortlist.of(s) for s in SEQS]
+    assert all(set(t for tokens, _ in hyps for t in tokens) <= set(own[i].tolist()) for i, hyps in enumerate(batched))
+    assert len(set(np.concatenate(own).tolist())) < engine.vocab_size          # the shortlist restricts the union
+
+
+@pytest.mark.parametrize("layout", ["dynamic", "static"])
+@pytest.mark.parametrize("search", SEARCHES)
+def test_a_shortlist_of_the_whole_vocabulary_equals_no_shortlist(shortlisted, layout, search):
+    engine = load_bundle(shortlisted[layout], provider="cpu").engine
+    whole = Shortlist(np.zeros(engine.src_vocab_size + 1, np.int64), np.zeros(0, np.int64),
+                      np.arange(engine.vocab_size))
+    engine.use_shortlist(whole, engine.feed.shortlist_decoder)
+    opts = SEARCHES[search]
+    full = _tokens(engine, SEQS, SearchOptions(**{**opts.__dict__, "shortlist": False}))
+    assert _tokens(engine, SEQS, opts) == full
+    assert len({tuple(h[0][0]) for h in full}) == len(SEQS)            # outputs that vary
+
+
+def test_a_shortlist_too_small_changes_tokens_and_no_shortlist_turns_it_off(shortlisted):
+    engine = load_bundle(shortlisted["static"], provider="cpu").engine
+    tiny = Shortlist(np.zeros(engine.src_vocab_size + 1, np.int64), np.zeros(0, np.int64), np.array([2, 10, 11]))
+    engine.use_shortlist(tiny, engine.feed.shortlist_decoder)
+    on = _tokens(engine, SEQS, SEARCHES["greedy"])
+    off = _tokens(engine, SEQS, SearchOptions(max_new_tokens=12, shortlist=False))
+    assert all(set(h[0][0]) <= {2, 10, 11} for h in on) and on != off
+    assert off == _tokens(load_bundle(shortlisted["static"], provider="cpu", shortlist=False).engine, SEQS,
+                          SEARCHES["greedy"])
+    forced = generate_ids(engine, SEQS[:2], SearchOptions(max_new_tokens=4, prefix_ids=((30, 31), (32,))))
+    assert forced[0][0].tokens[:2] == [30, 31] and forced[1][0].tokens[0] == 32
+    assert all(np.isfinite(h[0].score) for h in forced)              # forced tokens are each input's candidates
+
+
+def test_the_manifest_records_the_shortlist_and_inspect_shows_it(shortlisted):
+    manifest = json.loads((shortlisted["static"] / "manifest.json").read_text())
+    record = manifest["shortlist"]
+    assert record["verified"] and record["gate"]["agreement"] >= 0.995 and record["size"] in (4, 16)
+    assert {record["file"], record["decoder"]["file"]} <= set(manifest["files"])
+    assert record["gate"]["distinct_outputs"] >= 10 and record["sizes"]["always"] >= 3
+    report = inspect_report(shortlisted["static"])
+    assert "shortlist: shortlist.npz + decoder.shortlist.onnx" in format_inspect(report)
+    assert report["shortlist"]["gate"]["agreement"] == record["gate"]["agreement"]
+
+
+def test_a_changed_shortlist_file_is_refused(shortlisted, tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(shortlisted["dynamic"], copy)
+    with open(copy / "shortlist.npz", "ab") as f:
+        f.write(b"x")
+    with pytest.raises(BundleError, match="shortlist.npz"):
+        load_bundle(copy, provider="cpu")
+
+
+def test_the_gate_refuses_with_the_figure_or_writes_unverified(toy_exported, texts, tmp_path):
+    _, exported = toy_exported
+    corpus, held = texts
+    (tmp_path / "corpus.txt").write_text("\n".join(corpus) + "\n")
+    (tmp_path / "held.txt").write_text("\n".join(held) + "\n")
+    args = ["shortlist", str(exported), "--corpus", str(tmp_path / "corpus.txt"), "--input", str(tmp_path / "held.txt"),
+            "--size", "1", "--always", "0", "--out", str(tmp_path / "out")]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 1 and "did not pass the gate" in result.output and "size 1 " in result.output
+    assert not (tmp_path / "out").exists()
+    result = CliRunner().invoke(main, args + ["--allow-unverified"])
+    assert result.exit_code == 0, result.output
+    record = json.loads((tmp_path / "out" / "manifest.json").read_text())["shortlist"]
+    assert not record["verified"] and record["allowed_unverified"] and record["gate"]["agreement"] < 0.995
+    bad = CliRunner().invoke(main, args[:-2] + ["--size", "0", "--out", str(tmp_path / "x")])
+    assert bad.exit_code == 2 and "positive counts" in bad.output
+
+
+def test_the_map_keeps_the_most_frequent_pairs_beyond_the_always_set():
+    config = {"vocab_size": 10, "pad_id": 0, "bos_id": 1, "eos_id": 2}
+    sources = [[3, 4], [3], [4, 5]]
+    targets = [[6, 7, 9], [6, 8], [7, 9]]
+    m = build_map(sources, targets, config, size=1, always=1)
+    assert m.always.tolist() == [0, 1, 2, 6]                         # specials, then the most frequent target (6)
+    assert m.of([3]).tolist() == [0, 1, 2, 6, 7]                     # 3: 7 once, 8 once, 9 once: lowest id first
+    assert m.of([5]).tolist() == [0, 1, 2, 6, 7]
+    vocab, allowed = m.select(np.array([[3, 5, 0], [4, 0, 0]]), np.array([[1, 1, 0], [1, 0, 0]]), [(), (8,)])
+    assert vocab.tolist() == [0, 1, 2, 6, 7, 8] and allowed.tolist() == [[1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1]]
+
+
+def test_in_flight_rows_on_the_shortlist_get_their_unbatched_outputs(shortlisted, toy_model_factory):
+    from runtime.inflight import InflightBatch
+    from test_inflight import assert_alone, drive
+    from toolkit.testing.toy import toy_inputs
+
+    engine = load_bundle(shortlisted["static"], provider="cpu").engine
+    seqs = toy_inputs(toy_model_factory().config, 16, min_len=1, max_len=12, seed=5)
+    limits = np.random.default_rng(3).integers(1, 16, size=len(seqs))
+    got = drive(InflightBatch(engine, slots=4), seqs, limits, per_join=2)
+    assert_alone(engine, seqs, limits, got)                            # tokens equal, scores within rounding
+    assert len({tuple(h.tokens) for h in got.values()}) > 8
+    batch, mixed = InflightBatch(engine, slots=4), {}                 # one row without the shortlist among them
+    for row in batch.join(seqs[:3], [12] * 3, shortlist=[True, False, True]):
+        mixed[row.key] = row
+    while batch.live:
+        batch.step()
+    for i, on in enumerate([True, False, True]):
+        want = generate_ids(engine, [seqs[i]], SearchOptions(max_new_tokens=12, shortlist=on))[0][0]
+        assert mixed[i].tokens == want.tokens and abs(mixed[i].score - want.score) <= 1e-4
+
+
+@pytest.mark.slow                        # an int8 optimize of its own
+def test_an_int8_bundle_gets_a_shortlist_equal_to_its_full_vocabulary_when_it_covers_it(toy_exported, texts,
+                                                                                          tmp_path):
+    _, exported = toy_exported
+    int8, _ = optimize_bundle(exported, tmp_path / "int8", precision="int8", allow_unverified=True)
+    corpus, held = texts
+    out, report = shortlist_bundle(int8, corpus, tmp_path / "int8_sl", sizes=(16,), always=4, texts=held,
+                                   allow_unverified=True)
+    assert report.tried[0]["agreement"] > 0.9
+    engine = load_bundle(out, provider="cpu").engine
+    whole = Shortlist(np.zeros(engine.src_vocab_size + 1, np.int64), np.zeros(0, np.int64),
+                      np.arange(engine.vocab_size))
+    engine.use_shortlist(whole, engine.feed.shortlist_decoder)
+    for opts in (SEARCHES["greedy"], SEARCHES["beam"]):
+        assert _tokens(engine, SEQS, opts) == _tokens(engine, SEQS, SearchOptions(**{**opts.__dict__,
+                                                                                     "shortlist": False}))
+
+
+def test_a_projection_by_a_transposed_table_gathers_the_table_itself(toy_exported, tmp_path):
+    """Large tied decoders multiply by Transpose(embedding) (not folded): the shortlist graph gathers the
+    embedding's rows, and its logits for any ids are the full graph's columns."""
+    import onnx
+    import onnxruntime as ort
+    from onnx import helper, numpy_helper
+
+    from exporters.shortlist_graph import shortlist_decoder
+
+    _, exported = toy_exported
+    model = onnx.load(str(Path(exported) / "decoder.onnx"))
+    graph = model.graph
+    matmul = next(n for n in graph.node if "logits" in n.output)
+    weight = next(t for t in graph.initializer if t.name == matmul.input[1])
+    table = numpy_helper.to_array(weight).T.copy()
+    graph.initializer.remove(weight)
+    graph.initializer.append(numpy_helper.from_array(table, "table"))
+    graph.node.insert(0, helper.make_node("Transpose", ["table"], [matmul.input[1]], perm=[1, 0]))
+    full = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    short = shortlist_decoder(onnx.ModelProto.FromString(model.SerializeToString()), tmp_path)
+    assert not any(n.op_type == "Transpose" and "table" in n.input for n in short.graph.node)
+    assert next(n for n in short.graph.node if n.name == "shortlist.gather").input[0] == "table"
+    assert not any(t.name == "shortlist.table" for t in short.graph.initializer)       # no copy of the table
+    session = ort.InferenceSession(short.SerializeToString(), providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(0)
+    feeds = {}
+    for i in full.get_inputs():
+        shape = [2 if d in ("batch",) else 3 if isinstance(d, str) else d for d in i.shape]
+        feeds[i.name] = (rng.integers(3, 60, size=shape) if "int" in i.type else
+                         rng.standard_normal(shape).astype(np.float32))
+    feeds["encoder_attention_mask"] = np.ones_like(feeds["encoder_attention_mask"])
+    feeds["decoder_attention_mask"] = np.ones_like(feeds["decoder_attention_mask"])
+    ids = np.array([2, 5, 17, 40, 63])
+    want = full.run(["logits"], feeds)[0][..., ids]
+    assert np.array_equal(session.run(["logits"], {**feeds, "vocab_ids": ids})[0], want)

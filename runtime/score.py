@@ -75,11 +75,13 @@ def score_ids(engine: Engine, sources: Sequence[Sequence[int]], targets: Sequenc
             for row, t in enumerate(wanted)]
 
 
-def score_texts(engine: Engine, tokenizer, sources: Sequence[str], targets: Sequence[str]) -> list[dict]:
-    """The records of `onnxformer score --json`: each (source, target) text pair's target ids (target side, EOS
-    appended), their teacher-forced log-probabilities (`token_logprobs`) and their sum (`score`)."""
+def score_texts(engine: Engine, tokenizer, sources: Sequence, targets: Sequence) -> list[dict]:
+    """The records of `onnxformer score --json` (and of the server's /v1/score): each (source, target) pair's target
+    ids (target side, EOS appended), their teacher-forced log-probabilities (`token_logprobs`) and their sum
+    (`score`). Sources and targets are texts, or token id lists (a target's without EOS); records echo them."""
     source_ids = encode_inputs(list(sources), tokenizer)
-    target_seqs = [encode_target(tokenizer, "target", i, text, "target ids") for i, text in enumerate(targets)]
+    target_seqs = [list(t) if not isinstance(t, str) else encode_target(tokenizer, "target", i, t, "target ids")
+                   for i, t in enumerate(targets)]
     scored = score_ids(engine, source_ids, target_seqs)
     return [{"index": i, "source": src, "target": tgt, "ids": s.ids, "token_logprobs": s.logprobs, "score": s.score}
             for i, (src, tgt, s) in enumerate(zip(sources, targets, scored))]

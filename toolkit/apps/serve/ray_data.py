@@ -56,9 +56,11 @@ class BatchGenerator:
 
         inputs = [json.loads(x) for x in batch["input"]]
         engine, tokenizer = self.bundle.engine, self.bundle.tokenizer
-        opts = self.opts                                                # per-input options: this batch's part
+        opts, positions = self.opts, [int(i) for i in batch["index"]]  # per-input options: this batch's part
         if opts.prefix_ids:
-            opts = replace(opts, prefix_ids=tuple(opts.prefix_ids[int(i)] for i in batch["index"]))
+            opts = replace(opts, prefix_ids=tuple(opts.prefix_ids[i] for i in positions))
+        if opts.sample:                                                 # each input draws as in the whole request
+            opts = replace(opts, seed_index=tuple(opts.seed_index[i] if opts.seed_index else i for i in positions))
         request = Request.build(engine, inputs, tokenizer, opts)        # this actor's part of the request
         outputs = to_outputs(generate(engine, request), engine.eos_id, tokenizer)
         recs = records(inputs, outputs)

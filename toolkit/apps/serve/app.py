@@ -244,7 +244,9 @@ def _generate_route(app: FastAPI, models: ModelSet) -> None:
 
     @app.post("/v1/generate", response_model=GenerateResponse, openapi_extra={"requestBody": {
         "required": True, "content": {"application/json": {"schema": GenerateRequest.model_json_schema()}}}},
-        responses={400: {"description": "malformed JSON"}, 413: {"description": "body too large"},
+        responses={200: {"description": "the records; with \"stream\": true, server-sent events",
+                         "content": {"text/event-stream": {"schema": {"type": "string"}}}},
+                   400: {"description": "malformed JSON"}, 413: {"description": "body too large"},
                    422: {"description": "a field of the wrong type, unknown, or out of range"},
                    503: {"description": "warming up, queue full or shutting down (see Retry-After)"}})
     async def generate(request: Request):

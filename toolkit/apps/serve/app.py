@@ -4,11 +4,11 @@
     app = create_app(service)                 # ASGI: uvicorn here (`run`), or inside a Ray Serve replica
     run(service, host="127.0.0.1", port=8000) # blocks; SIGTERM drains and returns
 
-Routes: POST /v1/generate (answers, or server-sent events: sse.py), POST /v1/score (scoring.py), GET /healthz, GET /v1/model, GET /v1/models, GET /metrics, FastAPI's /docs and
-/openapi.json, and the LibreTranslate- and DeepL-compatible routes of compat.py. `create_app` takes one Service or
-a models.ModelSet (several bundles; a request names its model). Every refusal is a JSON body
-{"error": "<one line naming the problem and the fix>"} with a 4xx (the request) or 503 (not ready, queue full,
-shutting down; with Retry-After) status.
+Routes: POST /v1/generate (the records, or server-sent events: sse.py), POST /v1/score (scoring.py), GET /healthz,
+GET /v1/model, GET /v1/models, GET /metrics, FastAPI's /docs and /openapi.json, and the LibreTranslate- and
+DeepL-compatible routes of compat.py. `create_app` takes one Service or a models.ModelSet (several bundles; a request
+names its model). Every refusal is a JSON body {"error": "<one line naming the problem and the fix>"} with a 4xx
+(the request) or 503 (not ready, queue full, shutting down; with Retry-After) status.
 """
 
 from __future__ import annotations

@@ -14,10 +14,10 @@ then its batch (equal batch keys) decodes as in Scheduler.
 
 The guarantees are Scheduler's: the queue (waiting + decoding jobs) is bounded by max_queue, every accepted
 job's future is resolved exactly once, a cancelled job that waits never runs, one that decodes gives up its rows
-at the next step (their slots go to the next joiners), and stop() drains every accepted job first. A streamed
-job's rows hand it each new token after the step that chose it (Job.on_tokens), before its future is resolved. A failure
+at the next step (their slots go to the next joiners), and stop() drains every accepted job first. A failure
 fails only the jobs it can be traced to: the joiners when their encoder run fails, the rows' jobs when a step
-gives them a non-finite logit (the other rows run the step again); anything else fails every live job.
+gives them a non-finite logit (the other rows run the step again); anything else fails every live job. A streamed
+job's rows hand it each new token after the step that chose it (Job.on_tokens), before its future is resolved.
 """
 
 from __future__ import annotations

@@ -52,6 +52,7 @@ class BatchGenerator:
 
     def __call__(self, batch: dict) -> dict:
         from runtime.generate import generate, records, to_outputs
+        from runtime.processors import seed_index
         from runtime.request import Request
 
         inputs = [json.loads(x) for x in batch["input"]]
@@ -60,7 +61,7 @@ class BatchGenerator:
         if opts.prefix_ids:
             opts = replace(opts, prefix_ids=tuple(opts.prefix_ids[i] for i in positions))
         if opts.sample:                                                 # each input draws as in the whole request
-            opts = replace(opts, seed_index=tuple(opts.seed_index[i] if opts.seed_index else i for i in positions))
+            opts = replace(opts, seed_index=tuple(seed_index(opts, i) for i in positions))
         request = Request.build(engine, inputs, tokenizer, opts)        # this actor's part of the request
         outputs = to_outputs(generate(engine, request), engine.eos_id, tokenizer)
         recs = records(inputs, outputs)

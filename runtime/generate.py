@@ -68,12 +68,14 @@ def pad_batch(sequences: Sequence[Sequence[int]], pad_id: int) -> tuple[np.ndarr
     return ids, mask
 
 
-def generate(engine: Engine, request: Request, stop: np.ndarray | None = None) -> list[list[Hypothesis]]:
+def generate(engine: Engine, request: Request, stop: np.ndarray | None = None,
+             on_step=None) -> list[list[Hypothesis]]:
     """Hypotheses for each input of a validated request (runtime.request), in input order, best first.
 
     Each input stops at its own limit (request.limits: a server's merged batch gives each what it would get
-    alone). `stop`: inputs the caller no longer needs, set while the search runs (runtime.search.greedy). A
-    non-finite logit raises NumericsError naming, in `inputs`, the inputs whose rows gave it.
+    alone). `stop`: inputs the caller no longer needs, set while the search runs (runtime.search.greedy).
+    `on_step(step, inputs, tokens)`: each step's tokens as they are chosen (greedy and sampling: runtime.search.greedy).
+    A non-finite logit raises NumericsError naming, in `inputs`, the inputs whose rows gave it.
     """
     opts, n = request.opts, len(request.sequences)
     state = start_search(engine, request)
@@ -81,7 +83,7 @@ def generate(engine: Engine, request: Request, stop: np.ndarray | None = None) -
         return search(None, n, engine.bos_id, engine.eos_id, opts)
     limits = np.asarray(request.limits, dtype=np.int64) if opts.beam == 1 else None
     try:
-        return search(state, n, engine.bos_id, engine.eos_id, opts, limits, stop)
+        return search(state, n, engine.bos_id, engine.eos_id, opts, limits, stop, on_step)
     except NumericsError as exc:
         exc.inputs = sorted({int(i) for i in state.inputs[exc.rows]})
         raise

@@ -48,6 +48,8 @@ class SearchOptions:
     prefix_counted: int = 0           # leading prefix tokens beam lengths count (a forced target-language token)
     return_logprobs: bool = False     # give each hypothesis its tokens' log-probabilities
     shortlist: bool = True            # decode on the bundle's vocabulary shortlist, where it has one
+    seed_index: tuple[int, ...] = ()  # sampling, per input: the index its generator is seeded by (() = its position
+                                      # here; a part of a split request gives its inputs' positions in the whole)
 
 
 MAX_LENGTH_PENALTY = 10.0            # |length_penalty| above this overflows len ** lp and means nothing anyway
@@ -80,11 +82,17 @@ def check_options(opts: SearchOptions, inputs: int, vocab_size: int, max_len: in
         _number("top_p", opts.top_p, 0, 1, low_open=True, what="1 keeps every token")
         if opts.seed is not None:
             _number("seed", opts.seed, 0, SEED_RANGE - 1, integer=True)
+        if opts.seed_index:
+            if len(opts.seed_index) != inputs:
+                raise InputError(f"seed_index must give one index per input ({inputs}), got {len(opts.seed_index)}")
+            for i, index in enumerate(opts.seed_index):
+                _number(f"seed_index[{i}]", index, 0, SEED_RANGE - 1, integer=True)
     else:
         if not 1 <= opts.num_return <= opts.beam:
             raise InputError(f"number of returned hypotheses ({opts.num_return}) must be between 1 and the beam "
                              f"width ({opts.beam})")
-        for name, default in (("temperature", 1.0), ("top_k", 0), ("top_p", 1.0), ("seed", None)):
+        unset = (("temperature", 1.0), ("top_k", 0), ("top_p", 1.0), ("seed", None), ("seed_index", ()))
+        for name, default in unset:
             if getattr(opts, name) != default:
                 raise InputError(f"{name} shapes sampling only; set sample (or leave {name} at {default})")
     _number("repetition_penalty", opts.repetition_penalty, 0, MAX_PENALTY, low_open=True, what="1 is off")

@@ -12,7 +12,8 @@ the forced prefix, the generated tokens. Greedy and sampling process the raw log
 log-softmax (as transformers' beam search does), so a repetition penalty scales log-probabilities there.
 
 Sampling is reproducible per request: row j of input b draws from its own numpy Generator seeded from
-(seed, b, j), so its tokens do not depend on its batch neighbours or on the engine that computed the logits.
+(seed, b, j), so its tokens do not depend on its batch neighbours or on the engine that computed the logits. A part
+of a split request (Ray Data's batches) names its inputs' positions in the whole in opts.seed_index.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ class Controls:
         self.generators = None
         if opts.sample:
             seed = request_seed(opts)
-            self.generators = [row_generator(seed, r // n, r % n) for r in range(batch * n)]
+            self.generators = [row_generator(seed, seed_index(opts, r // n), r % n) for r in range(batch * n)]
 
     @classmethod
     def of(cls, opts, batch: int, n: int, eos: int) -> "Controls | None":
@@ -87,6 +88,12 @@ def request_seed(opts) -> int:
     return np.random.SeedSequence().entropy if opts.seed is None else opts.seed
 
 
+def seed_index(opts, index: int) -> int:
+    """The index input `index` of a request seeds its generators by: its position in the whole request
+    (opts.seed_index, where the request is a part of a split one), else `index`."""
+    return int(opts.seed_index[index]) if opts.seed_index else index
+
+
 def row_generator(seed: int, index: int, ret: int) -> np.random.Generator:
     """The generator of the ret-th sample of input `index` of a request with this seed: the one source of its draws."""
     return np.random.default_rng([seed, index, ret])
@@ -97,7 +104,8 @@ class RowSampler:
     search makes for sample `ret` of input `index` of a request with these options, so the row gets its tokens."""
 
     def __init__(self, opts, index: int = 0, ret: int = 0, seed: int | None = None):
-        self.opts, self.generator = opts, row_generator(request_seed(opts) if seed is None else seed, index, ret)
+        seed = request_seed(opts) if seed is None else seed
+        self.opts, self.generator = opts, row_generator(seed, seed_index(opts, index), ret)
 
     def draw(self, logits: np.ndarray) -> int:
         """The token drawn from one row's logits [V] (suppressed ids already at -inf)."""

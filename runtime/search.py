@@ -151,11 +151,15 @@ class GreedySearch:
 
 
 def greedy(state: DecodeState, batch: int, bos: int, eos: int, opts: SearchOptions,
-           limits: np.ndarray | None = None, stop: np.ndarray | None = None) -> list[list[Hypothesis]]:
-    """Pick the most likely token each step (or draw one: opts.sample); see GreedySearch."""
+           limits: np.ndarray | None = None, stop: np.ndarray | None = None,
+           on_step=None) -> list[list[Hypothesis]]:
+    """Pick the most likely token each step (or draw one: opts.sample); see GreedySearch. `on_step(step, inputs,
+    tokens)`, when given, is called after each step with each live row's input and the token it took (a server
+    streams them)."""
     search = GreedySearch(state, batch, bos, eos, opts, limits, stop)
-    for _ in search.steps():
-        pass
+    for step, (rows, tokens) in enumerate(search.steps()):
+        if on_step is not None:
+            on_step(step, rows // search.n, tokens)
     return search.hypotheses()
 
 
@@ -321,16 +325,18 @@ def _done(finished: list[Hypothesis], best_live: float, length: int, opts: Searc
 
 
 def search(state: DecodeState, batch: int, bos: int, eos: int, opts: SearchOptions,
-           limits: np.ndarray | None = None, stop: np.ndarray | None = None) -> list[list[Hypothesis]]:
+           limits: np.ndarray | None = None, stop: np.ndarray | None = None,
+           on_step=None) -> list[list[Hypothesis]]:
     """Greedy (or sampling) when beam == 1, else beam search; one list of hypotheses per input, best first (samples
     in the order of their seeds).
 
-    `limits` (greedy only: per-input max new tokens) and `stop` (inputs nobody waits for any more): see greedy.
+    `limits` (greedy only: per-input max new tokens), `stop` (inputs nobody waits for any more) and `on_step`
+    (greedy only: each step's tokens): see greedy.
     """
     if opts.max_new_tokens == 0 and limits is None:                  # (check_options refuses a prefix here)
         return [[Hypothesis([], 0.0, False, [] if opts.return_logprobs else None)] for _ in range(batch)]
     if opts.beam == 1:
-        return greedy(state, batch, bos, eos, opts, limits, stop)
+        return greedy(state, batch, bos, eos, opts, limits, stop, on_step)
     if limits is not None and len(set(np.asarray(limits).tolist())) > 1:
         raise ValueError("per-input max_new_tokens work with greedy search only; group beam requests by it")
     return beam_search(state, batch, bos, eos, opts, stop)

@@ -55,14 +55,19 @@ class Detokenizer:
         return piece
 
 
-def stream(engine: Engine, tokenizer, source: str | list[int], opts: SearchOptions) -> Iterator[str]:
-    """Text pieces of the output for one input (text, or token ids) as the search generates it. The request is
-    checked (and the encoder run) here, before the first piece is asked for."""
+def check_streamable(opts: SearchOptions) -> None:
+    """Refuse options a stream cannot follow (InputError, one line): beam search, several outputs an input."""
     if opts.beam != 1:
         raise InputError(f"streaming sends tokens as they are chosen, but beam search (beam {opts.beam}) knows its "
                          f"best hypothesis only at the end; use beam 1 (greedy or sample)")
     if opts.num_return != 1:
         raise InputError(f"streaming sends one output per input; use num_return 1 (got {opts.num_return})")
+
+
+def stream(engine: Engine, tokenizer, source: str | list[int], opts: SearchOptions) -> Iterator[str]:
+    """Text pieces of the output for one input (text, or token ids) as the search generates it. The request is
+    checked (and the encoder run) here, before the first piece is asked for."""
+    check_streamable(opts)
     if tokenizer is None:
         raise InputError("streaming sends text, but this model has no tokenizer (tokenizer.json); use generate")
     request = Request.build(engine, [source], tokenizer, opts)

@@ -53,7 +53,10 @@ BAD = [(dict(sample=True, beam=2), "sample draws one token"),
        (dict(prefix_ids=((5,),), max_new_tokens=8), "prefix_ids must give one prefix per input"),
        (dict(prefix_ids=((5,), (2,)), max_new_tokens=8), r"prefix_ids\[1\] holds the end token"),
        (dict(prefix_ids=((5,), (6,)), max_new_tokens=0), "prefix_ids need max_new_tokens of at least 1"),
-       (dict(prefix_ids=((5,) * 60, ()), max_new_tokens=8), r"prefix_ids\[0\] has 60 tokens")]
+       (dict(prefix_ids=((5,) * 60, ()), max_new_tokens=8), r"prefix_ids\[0\] has 60 tokens"),
+       (dict(sample=True, seed_index=(3,)), r"seed_index must give one index per input \(2\), got 1"),
+       (dict(sample=True, seed_index=(3, -1)), r"seed_index\[1\] must be an integer"),
+       (dict(seed_index=(3, 4)), "seed_index shapes sampling only; set sample")]
 
 
 @pytest.mark.parametrize("options,message", BAD)
@@ -223,6 +226,20 @@ def test_detokenizer_sends_whole_words_where_a_later_token_may_remove_a_space():
     pieces = [detok.push(i) for i in ids] + [detok.flush()]
     assert "".join(pieces) == Words().decode(ids) == "it's ok. don't."
     assert [p for p in pieces if p] == ["it", "'s", " ok.", " don't."]   # never "it '", which "s" undoes
+
+
+def test_a_part_of_a_split_request_samples_as_the_whole_does(engines, inputs):
+    """seed_index gives each input of a part (Ray Data's batches) the generators of its position in the whole."""
+    engine = engines[1]
+    opts = SearchOptions(max_new_tokens=12, sample=True, temperature=1.5, seed=9, num_return=2)
+    whole = [[h.tokens for h in per] for per in generate_ids(engine, inputs, opts)]
+    for part in ([5, 6, 7], [2, 0]):
+        got = generate_ids(engine, [inputs[i] for i in part], replace(opts, seed_index=tuple(part)))
+        assert [[h.tokens for h in per] for per in got] == [whole[i] for i in part]
+    unplaced = generate_ids(engine, inputs[5:8], opts)                # without it: the part's own positions
+    assert [[h.tokens for h in per] for per in unplaced] != whole[5:8]
+    plain = [[h.tokens for h in per] for per in generate_ids(engine, inputs[:3], opts)]
+    assert plain == whole[:3]
 
 
 def test_an_in_flight_row_samples_what_the_search_samples(toy_exported, inputs, tmp_path):

@@ -240,3 +240,28 @@ def test_the_python_api_takes_the_languages(nllb_bundle, multilingual):
         translator.generate(TEXTS[:1])
     with pytest.raises(InputError, match="unknown option 'prefix_counted'"):
         translator.generate(TEXTS[:1], tgt_lang="deu_Latn", prefix_counted=1)
+
+
+def test_the_server_scores_and_streams_in_the_target_language(nllb_bundle):
+    from fastapi.testclient import TestClient
+
+    from runtime.score import score_texts
+    from toolkit.apps.serve.app import ServeSettings, Service, create_app
+
+    service = Service.load(nllb_bundle, ServeSettings(provider="cpu", max_batch=4))
+    targets = ["the box", "a lazy dog"]
+    want = score_texts(service.engine, service.tokenizer, TEXTS[:2], targets, "fra_Latn", "deu_Latn")
+    other = score_texts(service.engine, service.tokenizer, TEXTS[:2], targets, "fra_Latn", "spa_Latn")
+    assert [r["score"] for r in want] != [r["score"] for r in other], "the target language changes nothing"
+    with TestClient(create_app(service, start_in_background=False)) as client:
+        got = client.post("/v1/score", json={"source": TEXTS[:2], "target": targets, "src_lang": "fra_Latn",
+                                             "tgt_lang": "deu_Latn"})
+        assert got.status_code == 200, got.text
+        assert got.json()["scores"] == want
+        missing = client.post("/v1/score", json={"source": TEXTS[:1], "target": targets[:1]})
+        assert missing.status_code == 422 and "this model is multilingual" in missing.text
+        body = {"inputs": TEXTS[:2], "src_lang": "fra_Latn", "tgt_lang": "deu_Latn", "max_new_tokens": MAX_NEW - 1}
+        plain = client.post("/v1/generate", json=body).json()["outputs"]
+        with client.stream("POST", "/v1/generate", json={**body, "stream": True}) as streamed:
+            events = [json.loads(line[5:]) for line in streamed.iter_lines() if line.startswith("data:")]
+        assert events[-1]["final"] and events[-1]["outputs"] == plain

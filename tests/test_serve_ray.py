@@ -65,6 +65,21 @@ def test_generate_with_ray_data_gives_each_batch_its_inputs_prefixes(ray_local, 
     assert all(len(r["logprobs"]) == len(r["ids"]) for r in got) and got[3]["text"].startswith("Zq")
 
 
+def test_generate_with_ray_data_samples_each_input_as_generate_does(ray_local, toy_exported, tmp_path):
+    """Each input's generator is seeded by its index in the whole input, not in its Ray batch."""
+    bundle = toy_exported[1]
+    (tmp_path / "inputs.txt").write_text("\n".join(["abcdef", "XYZ", "hello", "q", "mnopqrs", "abc", "Zz8"]) + "\n")
+    args = ["generate", str(bundle), "--input", str(tmp_path / "inputs.txt"), "--json", "--provider", "cpu",
+            "--max-new-tokens", "10", "--sample", "--seed", "7", "--temperature", "2.0", "--num-return", "2"]
+    plain = CliRunner().invoke(main, args)
+    on_ray = CliRunner().invoke(main, args + ["--ray", "--replicas", "2", "--batch-size", "3"])
+    assert plain.exit_code == 0 and on_ray.exit_code == 0, on_ray.output
+    expected = [json.loads(x) for x in plain.stdout.splitlines()]
+    got = [json.loads(x) for x in on_ray.stdout.splitlines()]
+    assert [(r["index"], r["rank"], r["ids"]) for r in got] == [(r["index"], r["rank"], r["ids"]) for r in expected]
+    assert len({tuple(r["ids"]) for r in expected}) >= 8, "samples do not vary: equality would prove nothing"
+
+
 def test_generate_ray_refuses_checkpoints(ray_local, toy_exported):
     result = CliRunner().invoke(main, ["generate", str(toy_exported[0]), "abc", "--ray"])
     assert result.exit_code == 2 and "--ray generates with bundles only" in result.stderr, result.output

@@ -40,9 +40,10 @@ from toolkit.apps.extras import require
 @friendly
 def command(bundles, host, port, provider, threads, max_batch, max_wait_ms, max_queue, batching, max_beam, use_ray,
             replicas, address, languages, api_keys, protect_metrics, allow_open, ssl_certfile, ssl_keyfile):
-    """Serve one or more bundles over HTTP: POST /v1/generate, GET /healthz, /v1/model, /v1/models, /metrics,
-    /docs, and the LibreTranslate (/translate, /languages) and DeepL (/v2/translate, /v2/languages, /v2/usage)
-    APIs. Several bundles are given as NAME=BUNDLE; a lone BUNDLE is named after its folder.
+    """Serve one or more bundles over HTTP: POST /v1/generate ("stream": true: server-sent events), POST /v1/score,
+    GET /healthz, /v1/model, /v1/models, /metrics, /docs, and the LibreTranslate (/translate, /languages) and DeepL
+    (/v2/translate, /v2/languages, /v2/usage) APIs. Several bundles are given as NAME=BUNDLE; a lone BUNDLE is
+    named after its folder.
 
     Greedy requests join the running batch at the next decoding step and leave it when done (in-flight
     batching, where the bundle allows it: --batching auto, the default); with --batching request, and for beam

@@ -3,6 +3,8 @@
     app.py        the ASGI app: routes, error answers, the Service that owns the engine, `run` (uvicorn)
     scheduler.py  the batching scheduler: a bounded queue and one decoding thread
     schemas.py    request and answer bodies (pydantic), request limits
+    sse.py        "stream": true: server-sent events, a piece of text per chosen token, then the records
+    scoring.py    POST /v1/score: teacher-forced log-probabilities of given (source, target) pairs
     metrics.py    Prometheus metrics (one registry per Service)
     ray_serve.py  the same app and engine in Ray Serve deployments
     ray_data.py   offline generation with Ray Data (map_batches over an actor pool)

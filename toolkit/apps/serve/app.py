@@ -4,11 +4,11 @@
     app = create_app(service)                 # ASGI: uvicorn here (`run`), or inside a Ray Serve replica
     run(service, host="127.0.0.1", port=8000) # blocks; SIGTERM drains and returns
 
-Routes: POST /v1/generate, GET /healthz, GET /v1/model, GET /v1/models, GET /metrics, FastAPI's /docs and
-/openapi.json, and the LibreTranslate- and DeepL-compatible routes of compat.py. `create_app` takes one Service or
-a models.ModelSet (several bundles; a request names its model). Every refusal is a JSON body
-{"error": "<one line naming the problem and the fix>"} with a 4xx (the request) or 503 (not ready, queue full,
-shutting down; with Retry-After) status.
+Routes: POST /v1/generate (the records, or server-sent events: sse.py), POST /v1/score (scoring.py), GET /healthz,
+GET /v1/model, GET /v1/models, GET /metrics, FastAPI's /docs and /openapi.json, and the LibreTranslate- and
+DeepL-compatible routes of compat.py. `create_app` takes one Service or a models.ModelSet (several bundles; a request
+names its model). Every refusal is a JSON body {"error": "<one line naming the problem and the fix>"} with a 4xx
+(the request) or 503 (not ready, queue full, shutting down; with Retry-After) status.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from runtime.bundle import Bundle, load_bundle
 from runtime.errors import InputError, OnnxformerError
@@ -33,6 +33,7 @@ from toolkit.apps.serve.models import ModelSet
 from toolkit.apps.serve.inflight import InflightScheduler
 from toolkit.apps.serve.scheduler import Job, Overloaded, Scheduler, Stopped
 from toolkit.apps.serve.schemas import GenerateRequest, GenerateResponse, Limits, parse_request
+from toolkit.apps.serve.sse import HEADERS, MEDIA_TYPE, Tokens, events
 
 
 class ServeError(OnnxformerError):
@@ -199,6 +200,7 @@ def create_app(service: Service | ModelSet, start_in_background: bool = True, on
     when `start_in_background`, so /healthz answers 503 meanwhile; then `on_ready()`) and drains them at shutdown.
     `keys` (keys.ApiKeys): the API keys the /v1, LibreTranslate and DeepL routes ask for (None: an open server)."""
     from toolkit.apps.serve.compat import add_compat_routes
+    from toolkit.apps.serve.scoring import add_score_route
 
     models = service if isinstance(service, ModelSet) else ModelSet.single(service)
     app = FastAPI(title="onnxformer", version="1", lifespan=_lifespan(models, start_in_background, on_ready),
@@ -210,6 +212,7 @@ def create_app(service: Service | ModelSet, start_in_background: bool = True, on
         return error_response(500, f"internal error: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
 
     _generate_route(app, models)
+    add_score_route(app, models)
     _info_routes(app, models)
     add_compat_routes(app, models, keys)
     return app
@@ -241,53 +244,84 @@ def _generate_route(app: FastAPI, models: ModelSet) -> None:
 
     @app.post("/v1/generate", response_model=GenerateResponse, openapi_extra={"requestBody": {
         "required": True, "content": {"application/json": {"schema": GenerateRequest.model_json_schema()}}}},
-        responses={400: {"description": "malformed JSON"}, 413: {"description": "body too large"},
+        responses={200: {"description": "the records; with \"stream\": true, server-sent events",
+                         "content": {"text/event-stream": {"schema": {"type": "string"}}}},
+                   400: {"description": "malformed JSON"}, 413: {"description": "body too large"},
                    422: {"description": "a field of the wrong type, unknown, or out of range"},
                    503: {"description": "warming up, queue full or shutting down (see Retry-After)"}})
     async def generate(request: Request):
-        """Generate for each input; answers the records of `onnxformer generate --json`."""
+        """Generate for each input; answers the records of `onnxformer generate --json` ("stream": true: server-sent
+        events, a piece of text a token, then those records)."""
         arrived = time.monotonic()
         picked = []                                              # the model, once the body names it
         try:
-            job, inputs = await _accept(models, limits, request, arrived, picked)
+            job, tokens = await _accept(models, limits, request, arrived, picked)
         except RequestError as exc:
             outcome = "overloaded" if exc.status == 503 else "client_error"
             (picked[0].metrics if picked else models.front).refused(exc.kind, outcome)
             return error_response(exc.status, str(exc), exc.retry_after)
         service = picked[0]
-        metrics = service.metrics
+        if tokens is not None:
+            return _streamed(service, job, tokens, arrived)
         future = asyncio.wrap_future(job.future)
         disconnect = asyncio.ensure_future(wait_for_disconnect(request))
         done, _ = await asyncio.wait({future, disconnect}, return_when=asyncio.FIRST_COMPLETED)
         if future not in done:                                   # the client left: free its rows, answer nobody
-            service.scheduler.cancel(job)
-            metrics.refused("cancelled", "cancelled")
+            _cancel(service, job)
             return Response(status_code=499)
         disconnect.cancel()
         try:
-            hyps = future.result()
-        except Exception as exc:                                 # the engine failed on this request (scheduler.fail)
-            metrics.refused("engine", "error")
-            return error_response(500, f"generation failed: {type(exc).__name__}: {exc}".splitlines()[0])
-        outputs = to_outputs(hyps, service.engine.eos_id, service.tokenizer)
-        finished = time.monotonic()
-        metrics.requests.labels("ok").inc()
-        metrics.latency.observe(finished - arrived)
-        metrics.tokens.inc(sum(len(o.ids) for o in outputs))
-        return JSONResponse({"outputs": records(inputs, outputs),
-                             "queue_ms": round(((job.started or finished) - arrived) * 1000, 3),
-                             "total_ms": round((finished - arrived) * 1000, 3)})
+            return JSONResponse(answer(service, job, arrived))
+        except RequestError as exc:
+            return error_response(exc.status, str(exc))
 
 
-async def _accept(models: ModelSet, limits: Limits, request: Request, arrived: float,
-                  picked: list) -> tuple[Job, list]:
-    """Read, check and queue a request (its Service appended to `picked`); RequestError for every refusal. It is
-    validated completely here (runtime.request), before it can join a batch: a bad request never fails another."""
+def answer(service: Service, job: Job, arrived: float) -> dict:
+    """The answer to a job whose future is done, {"outputs": generate --json records, "queue_ms", "total_ms"}
+    (counted in the metrics); RequestError 500 when the engine failed on it (scheduler.fail)."""
+    metrics = service.metrics
+    try:
+        hyps = job.future.result()
+    except Exception as exc:
+        metrics.refused("engine", "error")
+        raise RequestError(500, "engine", f"generation failed: {type(exc).__name__}: {exc}".splitlines()[0]) from None
+    outputs = to_outputs(hyps, service.engine.eos_id, service.tokenizer)
+    finished = time.monotonic()
+    metrics.requests.labels("ok").inc()
+    metrics.latency.observe(finished - arrived)
+    metrics.tokens.inc(sum(len(o.ids) for o in outputs))
+    return {"outputs": records(job.request.inputs, outputs),
+            "queue_ms": round(((job.started or finished) - arrived) * 1000, 3),
+            "total_ms": round((finished - arrived) * 1000, 3)}
+
+
+def _cancel(service: Service, job: Job) -> None:
+    """The client left: free the job's rows (or its place in the queue); nobody is answered."""
+    service.scheduler.cancel(job)
+    service.metrics.refused("cancelled", "cancelled")
+
+
+def _streamed(service: Service, job: Job, tokens: Tokens, arrived: float) -> StreamingResponse:
+    """The event stream of a job with "stream": true (sse.py); its last event holds what `answer` gives."""
+    def finish() -> dict:
+        try:
+            return answer(service, job, arrived)
+        except RequestError as exc:
+            return {"error": str(exc)}
+
+    body = events(tokens, len(job.sequences), service.tokenizer, service.engine.eos_id, finish,
+                  lambda: _cancel(service, job))
+    return StreamingResponse(body, media_type=MEDIA_TYPE, headers=HEADERS)
+
+
+async def read_request(models: ModelSet, limits: Limits, request: Request, schema, picked: list) -> tuple:
+    """(the body parsed as `schema` (schemas.py), the Service it names, also appended to `picked`) once the server
+    is ready; RequestError for a refusal."""
     if not models.ready:
         raise RequestError(503, "not_ready", f"the server is {models.state}; retry shortly", retry_after=1)
     body = await read_body(request, limits.max_body_bytes)
     try:
-        parsed = parse_request(body)
+        parsed = parse_request(body, schema)
     except ValueError as exc:
         malformed = str(exc).startswith("the body is not valid JSON")
         raise RequestError(400 if malformed else 422, "malformed_json" if malformed else "validation",
@@ -297,13 +331,23 @@ async def _accept(models: ModelSet, limits: Limits, request: Request, arrived: f
     except LookupError as exc:
         raise RequestError(422, "unknown_model", str(exc)) from None
     picked.append(service)
+    return parsed, service
+
+
+async def _accept(models: ModelSet, limits: Limits, request: Request, arrived: float,
+                  picked: list) -> tuple[Job, Tokens | None]:
+    """Read, check and queue a request (its Service appended to `picked`); RequestError for every refusal. It is
+    validated completely here (runtime.request), before it can join a batch: a bad request never fails another.
+    A streamed one ("stream": true) gets its Tokens before it is queued."""
+    parsed, service = await read_request(models, limits, request, GenerateRequest, picked)
     try:
         job = Job(limits.request(parsed, service.engine, service.tokenizer), arrived)
     except OnnxformerError as exc:
         kind = "too_many_inputs" if str(exc).startswith("too many inputs") else "validation"
         raise RequestError(422, kind, str(exc)) from None
+    tokens = Tokens(job, asyncio.get_running_loop()) if parsed.stream else None
     submit(service, job)
-    return job, job.request.inputs
+    return job, tokens
 
 
 def _info_routes(app: FastAPI, models: ModelSet) -> None:

@@ -16,7 +16,8 @@ The guarantees are Scheduler's: the queue (waiting + decoding jobs) is bounded b
 job's future is resolved exactly once, a cancelled job that waits never runs, one that decodes gives up its rows
 at the next step (their slots go to the next joiners), and stop() drains every accepted job first. A failure
 fails only the jobs it can be traced to: the joiners when their encoder run fails, the rows' jobs when a step
-gives them a non-finite logit (the other rows run the step again); anything else fails every live job.
+gives them a non-finite logit (the other rows run the step again); anything else fails every live job. A streamed
+job's rows hand it each new token after the step that chose it (Job.on_tokens), before its future is resolved.
 """
 
 from __future__ import annotations
@@ -154,8 +155,12 @@ class InflightScheduler(Scheduler):
         if self.metrics is not None:
             self.metrics.batch_rows.observe(self.batch.live)
             self.metrics.active_rows.set(self.batch.live)
+        streamed = [(row, len(row.tokens)) for row in self.batch.rows if row.key[0].on_tokens is not None]
         left = self.batch.step()
         self.steps += 1
+        for row, before in streamed:                             # streamed jobs get each new token (not a stopped row)
+            if len(row.tokens) > before:
+                row.key[0].on_tokens(row.key[1], before, row.tokens[-1])
         self.batches = self.steps
         for job in {row.key[0] for row in left}:
             self._finish_if_done(job)

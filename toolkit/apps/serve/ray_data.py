@@ -52,14 +52,17 @@ class BatchGenerator:
 
     def __call__(self, batch: dict) -> dict:
         from runtime.generate import generate, records, to_outputs
+        from runtime.processors import seed_index
         from runtime.request import Request
 
         inputs = [json.loads(x) for x in batch["input"]]
         sources = [json.loads(x) for x in batch["ids"]]                # encoded on the driver (its src_lang framing)
         engine, tokenizer = self.bundle.engine, self.bundle.tokenizer
-        opts = self.opts                                                # per-input options: this batch's part
+        opts, positions = self.opts, [int(i) for i in batch["index"]]  # per-input options: this batch's part
         if opts.prefix_ids:
-            opts = replace(opts, prefix_ids=tuple(opts.prefix_ids[int(i)] for i in batch["index"]))
+            opts = replace(opts, prefix_ids=tuple(opts.prefix_ids[i] for i in positions))
+        if opts.sample:                                                 # each input draws as in the whole request
+            opts = replace(opts, seed_index=tuple(seed_index(opts, i) for i in positions))
         request = Request.build(engine, sources, None, opts)            # this actor's part of the request
         outputs = to_outputs(generate(engine, request), engine.eos_id, tokenizer)
         recs = records(inputs, outputs)

@@ -19,6 +19,10 @@ batch is the engine: where the inputs that caused it are known (a non-finite log
 others decode again; else every job of the batch fails, and when it shared the batch it learns only the error's
 type (the message may quote another request's input). A cancelled job that is still waiting never runs; one that is
 decoding gives up its rows at the next step (greedy) or when all its batch is cancelled (beam).
+
+A streamed job (`on_tokens`, greedy or sampling) is handed each token of each of its inputs as it is chosen, with its
+position in the output, on the decoding thread, before its future is resolved; a batch decoded again after another
+job failed hands the same positions again.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -64,6 +69,7 @@ class Job:
     future: Future = field(default_factory=Future)
     started: float | None = None                    # when its batch began decoding
     cancelled: bool = False
+    on_tokens: Callable[[int, int, int], None] | None = None   # streamed: (input, position, token), each as chosen
     _stop: tuple | None = None                      # (the running batch's stop array, this job's slice of it)
 
     @property
@@ -220,7 +226,7 @@ class Scheduler:
             for job in batch:
                 self.metrics.queue_wait.observe(now - job.arrived)
         try:
-            hyps = generate(self.engine, request, stop)
+            hyps = generate(self.engine, request, stop, streamer(batch))
         except Exception as exc:
             bad = culprits(batch, exc)
             fail(bad or batch, exc, known=bad is not None)
@@ -239,6 +245,20 @@ class Scheduler:
         """Decode a few steps at batch 1 and at the full batch, so the first requests do not pay for first runs."""
         for rows in sorted({1, self.max_batch}):
             generate(self.engine, warm_up_request(self.engine, rows, max_new_tokens=min(4, self.engine.max_len)))
+
+
+def streamer(batch: list[Job]) -> Callable | None:
+    """The on_step of a batch's search that hands each streamed job's tokens to it (None: nothing streams)."""
+    if not any(job.on_tokens for job in batch):
+        return None
+    owner = [(job, i) for job in batch for i in range(len(job.sequences))]       # merged input -> (job, its input)
+
+    def on_step(step: int, inputs, tokens) -> None:
+        for b, token in zip(inputs.tolist(), tokens.tolist()):
+            job, i = owner[b]
+            if job.on_tokens is not None:
+                job.on_tokens(i, step, token)
+    return on_step
 
 
 def warm_up_request(engine, rows: int, **options) -> Request:

@@ -3,10 +3,11 @@
 A request body is checked in two steps: its shape and types here (pydantic, strict: no string for a number,
 no unknown field), then its values against the server's limits and the model (`Limits.request`: the same
 `runtime.request.Request.build` as `onnxformer generate`), so both say the same thing about the same mistake.
-Every field but `model`, `inputs`, `ids` and the target-side ones (TARGET: `prefix`, `prefix_ids`, `bad_words`,
-`bad_words_ids`, turned into SearchOptions fields by runtime.request.target_options, as on the command line) is a
-runtime.search.SearchOptions field of the same name: a new search option is one field here, passed on by name.
-`src_lang` and `tgt_lang` (a multilingual model's codes) go to runtime.request.languages, as --src-lang/--tgt-lang.
+Every field but `model`, `inputs`, `ids`, `stream` and the target-side ones (TARGET: `prefix`, `prefix_ids`,
+`bad_words`, `bad_words_ids`, turned into SearchOptions fields by runtime.request.target_options, as on the command
+line) is a runtime.search.SearchOptions field of the same name: a new search option is one field here, passed on by
+name. `src_lang` and `tgt_lang` (a multilingual model's codes) go to runtime.request.languages, as
+--src-lang/--tgt-lang.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from runtime.errors import InputError
 from runtime.request import Request, languages, search_options, target_options
+from runtime.stream import check_streamable
 
 TARGET = ("prefix", "prefix_ids", "bad_words", "bad_words_ids")   # fields given to runtime.request.target_options
 
@@ -54,11 +56,61 @@ class GenerateRequest(BaseModel):
                                                    "[default: the one it was imported with]")
     tgt_lang: str | None = Field(None, description="a multilingual model's target language code, e.g. deu_Latn "
                                                    "(required by NLLB and mBART-50 bundles)")
+    stream: bool = Field(False, description="answer text/event-stream: an event per step with each input's new ids "
+                                            "and text, then a final one with the outputs (greedy or sample, "
+                                            "num_return 1)")
 
     def options(self) -> dict:
         """The search options it names (SearchOptions' fields), for runtime.request.search_options; the TARGET
         fields go to runtime.request.target_options."""
-        return self.model_dump(exclude={"model", "inputs", "ids", "src_lang", "tgt_lang", *TARGET})
+        return self.model_dump(exclude={"model", "inputs", "ids", "stream", "src_lang", "tgt_lang", *TARGET})
+
+    def check(self) -> None:
+        if (self.inputs is None) == (self.ids is None):
+            raise ValueError('give exactly one of "inputs" (texts) and "ids" (token id lists)')
+
+
+class Pair(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    source: str
+    target: str
+
+
+class ScoreRequest(BaseModel):
+    """POST /v1/score: (source, target) pairs as `pairs`, as `source` and `target` text lists, or as `source_ids`
+    and `target_ids` token id lists (a target without the end token: it is appended)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model: str | None = Field(None, description="the served model to use (required when the server serves several)")
+    pairs: list[Pair] | None = Field(None, description='[{"source": text, "target": text}, ...]')
+    source: list[str] | None = Field(None, description="source texts (with `target`: one target per source)")
+    target: list[str] | None = Field(None, description="target texts, the i-th scored given the i-th source")
+    source_ids: list[list[int]] | None = Field(None, description="source token id lists (with `target_ids`)")
+    target_ids: list[list[int]] | None = Field(None, description="target token id lists, without the end token")
+    src_lang: str | None = Field(None, description="a multilingual model's source language code [default: the one "
+                                                   "it was imported with]")
+    tgt_lang: str | None = Field(None, description="a multilingual model's target language code: fed first, not "
+                                                   "scored (required by NLLB and mBART-50 bundles)")
+
+    def check(self) -> None:
+        forms = [self.pairs is not None, self.source is not None or self.target is not None,
+                 self.source_ids is not None or self.target_ids is not None]
+        if sum(forms) != 1:
+            raise ValueError('give exactly one of "pairs", "source" with "target", and "source_ids" with '
+                             '"target_ids"')
+        sources, targets = self.sides()
+        if sources is None or targets is None:
+            raise ValueError('"source" needs "target" (and "source_ids" needs "target_ids"): one target per source')
+
+    def sides(self) -> tuple[list, list]:
+        """(sources, targets): texts, or token id lists."""
+        if self.pairs is not None:
+            return [p.source for p in self.pairs], [p.target for p in self.pairs]
+        if self.source is not None or self.target is not None:
+            return self.source, self.target
+        return self.source_ids, self.target_ids
 
 
 class Record(BaseModel):
@@ -98,21 +150,24 @@ class Limits:
             raise InputError(f"beam must be between 1 and {self.max_beam}, got {body.beam}")
         tokenizer, lead = languages(tokenizer, body.src_lang, body.tgt_lang)
         targets = target_options(tokenizer, len(inputs), lead=lead, **{name: getattr(body, name) for name in TARGET})
-        return Request.build(model, inputs, tokenizer, search_options(model, **body.options(), **targets))
+        request = Request.build(model, inputs, tokenizer, search_options(model, **body.options(), **targets))
+        if body.stream:
+            check_streamable(request.opts)
+        return request
 
 
-def parse_request(body: bytes) -> GenerateRequest:
-    """The request from a JSON body; a ValueError with one line naming the problem otherwise."""
+def parse_request(body: bytes, schema=GenerateRequest):
+    """The request (a GenerateRequest, or ScoreRequest) from a JSON body; a ValueError with one line naming the
+    problem otherwise."""
     try:
-        request = GenerateRequest.model_validate_json(body)
+        request = schema.model_validate_json(body)
     except ValidationError as exc:
-        raise ValueError(describe(exc)) from None
-    if (request.inputs is None) == (request.ids is None):
-        raise ValueError('give exactly one of "inputs" (texts) and "ids" (token id lists)')
+        raise ValueError(describe(exc, schema)) from None
+    request.check()
     return request
 
 
-def describe(exc: ValidationError) -> str:
+def describe(exc: ValidationError, schema=GenerateRequest) -> str:
     """One line for the first problem pydantic found: which field, what is wrong, what it should be."""
     err = exc.errors(include_url=False)[0]
     where = ".".join(str(p) for p in err["loc"]) or "body"
@@ -120,7 +175,7 @@ def describe(exc: ValidationError) -> str:
     if kind == "json_invalid":
         return f"the body is not valid JSON ({err['ctx'].get('error', 'parse error')}); send a JSON object"
     if kind == "extra_forbidden":
-        known = ", ".join(GenerateRequest.model_fields)
+        known = ", ".join(schema.model_fields)
         return f"unknown field {where!r}; the fields are: {known}"
     if kind in ("model_type", "model_attributes_type"):
         return "the body must be a JSON object such as {\"inputs\": [\"text\"]}"

@@ -42,6 +42,7 @@ class Controls:
             self.prefix[b * n:(b + 1) * n, :len(p)] = p
         self.needs_history = bool(opts.repetition_penalty != 1.0 or opts.no_repeat_ngram_size or opts.bad_words_ids)
         self.bans = [tuple(w) for w in opts.bad_words_ids]
+        self.settings = tuple(getattr(opts, name) for name in SETTINGS)   # rows of equal settings process together
         self.generators = None
         if opts.sample:
             seed = request_seed(opts)
@@ -53,11 +54,6 @@ class Controls:
         active = (opts.sample or opts.repetition_penalty != 1.0 or opts.no_repeat_ngram_size or opts.min_new_tokens
                   or opts.bad_words_ids or opts.prefix_ids or opts.return_logprobs)
         return cls(opts, batch, n, eos) if active else None
-
-    @property
-    def settings(self) -> tuple:
-        """What process() and draw() read of the options: rows whose controls have equal settings process together."""
-        return tuple(getattr(self.opts, name) for name in SETTINGS)
 
     def forced(self, step, rows: np.ndarray) -> np.ndarray:
         """Each row's forced prefix token at `step` (its step-th target token; an int, or one per row), -1 where the

@@ -29,7 +29,7 @@ from toolkit.apps.serve.scheduler import Job, Scheduler, fail, warm_up_request
 
 
 class InflightScheduler(Scheduler):
-    """Scheduler whose greedy jobs decode in one in-flight batch (runtime/inflight.py)."""
+    """Scheduler whose greedy and sampling jobs decode in one in-flight batch (runtime/inflight.py)."""
 
     kind = "in-flight"
 

@@ -44,8 +44,8 @@ import numpy as np
 from runtime.errors import InputError
 from runtime.feed import Feed
 from runtime.generate import pad_batch
-from runtime.request import check_sources
 from runtime.processors import Controls
+from runtime.request import check_sources
 from runtime.search import Hypothesis, SearchOptions, chosen_logprob, greedy_pick, rows_per_input
 from runtime.spec import DYNAMIC, STATIC_PER_ROW
 

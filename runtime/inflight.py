@@ -1,7 +1,8 @@
-"""In-flight (continuous) batching: greedy rows join a running batch at any decoding step and leave at once.
+"""In-flight (continuous) batching: rows join a running batch at any decoding step and leave at once.
 
     batch = InflightBatch(engine, slots=32)            # an OrtEngine over a per-row static-cache decoder
     rows = batch.join([[5, 6, 7], [8, 9]], limits=[16, 64])   # the encoder runs for these rows only
+    rows += batch.join(*batch.request_rows(request))   # a validated request's rows, each with its options
     while batch.live:
         for row in batch.step():                       # one decoder step for every live row
             print(row.key, row.hypothesis())           # rows that finished (EOS, their limit, or stopped)
@@ -24,6 +25,12 @@ leave moves only as many rows as left. Each row's tokens, finished flag and scor
 runtime.search.greedy computes them for that row alone (fp32: the same tokens; the score within float rounding:
 tests/test_inflight.py).
 
+A row decodes greedily unless its request sets decoding controls (runtime/processors.py: penalties, n-gram and
+word bans, min_new_tokens, a prefix, logprobs, sampling with its own seeded generator per sample): such a row
+carries its request's Controls and its row index there, and gets the tokens runtime.search gives it alone. Rows
+of any requests whose controls have equal settings are processed in one call; plain greedy rows take the plain
+path (no processing). Beam search keeps request-level batching.
+
 CPU only: the buffers are numpy arrays bound without a copy (runtime/feed.py's bind_static).
 
 With a vocabulary shortlist (the engine's, runtime/shortlist.py) each row holds its own candidates; a step
@@ -42,8 +49,9 @@ import numpy as np
 from runtime.errors import InputError
 from runtime.feed import Feed
 from runtime.generate import pad_batch
+from runtime.processors import Controls
 from runtime.request import check_sources
-from runtime.search import Hypothesis, SearchOptions, chosen_logprob, greedy_pick, suppress
+from runtime.search import Hypothesis, SearchOptions, chosen_logprob, greedy_pick, rows_per_input
 from runtime.shortlist import widen
 from runtime.spec import DYNAMIC, STATIC_PER_ROW
 
@@ -67,10 +75,10 @@ def check_engine(engine) -> None:
 
 @dataclass(eq=False)
 class Row:
-    """One input decoding in the batch (greedy)."""
+    """One input (or one sample of an input) decoding in the batch."""
 
-    key: Any                        # the caller's handle (e.g. (job, input index))
-    limit: int                      # most new tokens
+    key: Any                        # the caller's handle (e.g. (job, row index))
+    limit: int                      # most steps: its prefix's, then its max new tokens
     length: int = 0                 # filled slots of its buffer row (= the position of the token it feeds next)
     src_len: int = 0
     tokens: list[int] = field(default_factory=list)
@@ -80,15 +88,18 @@ class Row:
     left: bool = False              # no longer in the batch (its hypothesis is final)
     ignore_eos: bool = False        # never stop at EOS (the batch's opts.ignore_eos applies to every row)
     last: int = 0                   # the token it feeds next
-    sampler: Any = None             # a runtime.processors.RowSampler: the row samples instead of taking the best
+    controls: Controls | None = None    # its request's decoding controls (None: plain greedy search)
+    index: int = 0                  # its row in them (input b's sample j: b * n + j)
+    logprobs: list[float] | None = None   # return_logprobs: each token's log-probability
     candidates: Any = None          # its shortlist candidates (sorted vocabulary ids), None: the whole vocabulary
 
     def hypothesis(self) -> Hypothesis:
-        return Hypothesis(list(self.tokens), float(self.score), self.finished)
+        lps = None if self.logprobs is None else list(self.logprobs)
+        return Hypothesis(list(self.tokens), float(self.score), self.finished, lps)
 
 
 class InflightBatch:
-    """Greedy decoding of up to `slots` rows that join and leave at any step (one thread drives it)."""
+    """Greedy (or controlled) decoding of up to `slots` rows that join and leave at any step (one thread drives it)."""
 
     def __init__(self, engine, slots: int = 32, opts: SearchOptions | None = None, capacity: int | None = None):
         check_engine(engine)
@@ -120,27 +131,47 @@ class InflightBatch:
 
     # --- rows in ---
 
-    def join(self, sequences: Sequence[Sequence[int]], limits: Sequence[int], keys: Sequence | None = None,
-             samplers: Sequence | None = None, shortlist: Sequence[bool] | None = None) -> list[Row]:
+    def request_rows(self, request) -> tuple[list, list[int], list]:
+        """join's sequences, limits and controls for a validated greedy or sampling request (runtime.request): each
+        input once per sample (row b * n + j: input b's j-th, as runtime.search numbers them), with its limit and
+        (its request's Controls, b * n + j), or None for plain greedy search. `answer` gathers the result."""
+        opts, n, inputs = request.opts, rows_per_input(request.opts), len(request.sequences)
+        if opts.beam != 1:
+            raise ValueError("in-flight rows decode greedy search or sampling; beam search batches request-level")
+        controls = Controls.of(opts, inputs, n, self.e.eos_id)
+        if controls is None and set(opts.suppress) != set(self.suppress):   # plain, but its own suppressed ids
+            controls = Controls(opts, inputs, n, self.e.eos_id)
+        rows = range(inputs * n)
+        return ([request.sequences[r // n] for r in rows], [request.limits[r // n] for r in rows],
+                [None if controls is None else (controls, r) for r in rows])
+
+    def join(self, sequences: Sequence[Sequence[int]], limits: Sequence[int], controls: Sequence | None = None,
+             keys: Sequence | None = None, shortlist: Sequence[bool] | None = None) -> list[Row]:
         """Add rows (at most `free`): the encoder runs for them only; they decode from the next step on. Rows
-        with limit 0 are returned finished-empty and never join (as greedy gives them). samplers: per row, a
-        runtime.processors.RowSampler for a row that samples, None for a greedy one. shortlist: per row, whether
-        it decodes on the engine's shortlist (default: the batch options' shortlist), where the engine has one."""
+        with limit 0 are returned finished-empty and never join (as greedy gives them). controls: per row, None
+        for plain greedy search or (Controls, its row there) (request_rows); a row's limit counts the tokens after
+        its prefix. shortlist: per row, whether it decodes on the engine's shortlist (default: the batch options'
+        shortlist), where the engine has one."""
         keys = list(range(len(sequences))) if keys is None else list(keys)
         if len(sequences) > self.free:
             raise ValueError(f"{len(sequences)} rows do not fit: {self.free} of {self.slots} slots are free")
-        limits = [int(n) for n in limits]
+        controls = [None] * len(sequences) if controls is None else list(controls)
+        limits = [int(n) + (int(c[0].prefix_len[c[1]]) if c is not None and n > 0 else 0)
+                  for n, c in zip(limits, controls)]
         bad = [n for n in limits if not 0 <= n <= self.capacity]
         if bad:
-            raise InputError(f"max new tokens must be between 0 and the batch's cache of {self.capacity} positions, "
-                             f"got {bad[:5]}")
+            raise InputError(f"max new tokens (and prefixes) must be between 0 and the batch's cache of "
+                             f"{self.capacity} positions, got {bad[:5]}")
         check_sources(sequences, self.e)                              # a server checked them before: runtime.request
-        samplers = [None] * len(sequences) if samplers is None else list(samplers)
         on = [self.opts.shortlist] * len(sequences) if shortlist is None else list(shortlist)
         table = getattr(self.e, "shortlist", None)
-        rows = [Row(k, n, src_len=len(s), left=n == 0, last=self.e.bos_id, sampler=sampler,
+        rows = [Row(k, n, src_len=len(s), left=n == 0, last=self.e.bos_id,
                     candidates=table.of(s) if table is not None and use else None)
-                for k, s, n, sampler, use in zip(keys, sequences, limits, samplers, on)]
+                for k, s, n, use in zip(keys, sequences, limits, on)]
+        for row, c in zip(rows, controls):
+            if c is not None:
+                row.controls, row.index = c
+                row.logprobs = [] if c[0].opts.return_logprobs else None
         joining = [i for i, r in enumerate(rows) if r.limit > 0]
         if not joining:
             return rows
@@ -202,15 +233,16 @@ class InflightBatch:
         no_eos = [i for i, r in enumerate(self.rows) if r.ignore_eos] if not self.opts.ignore_eos else slice(None)
         logits[no_eos, self.e.eos_id] = -np.inf
         nxt, scores = greedy_pick(logits, self.suppress)
-        sampling = [i for i, r in enumerate(self.rows) if r.sampler is not None]
-        for i in sampling:                                            # sampling rows draw from their own generator
-            nxt[i] = self.rows[i].sampler.draw(suppress(logits[i].copy()[None], self.suppress)[0])
-        if sampling:
-            scores = chosen_logprob(logits, nxt)
-        for r, token, score in zip(self.rows, nxt, scores):
+        controlled = [i for i, r in enumerate(self.rows) if r.controls is not None]
+        gains = scores
+        if controlled:                                                # their own tokens; a forced one scores 0
+            gains = np.where(self._control(logits, nxt, scores, np.asarray(controlled)), scores, 0.0)
+        for r, token, score, gain in zip(self.rows, nxt, scores, gains):
             r.length += 1
             r.tokens.append(int(token))
-            r.score += float(score)
+            r.score += float(gain)
+            if r.logprobs is not None:
+                r.logprobs.append(float(score))
             r.finished = bool(token == self.e.eos_id)
             r.last = int(token)
             if r.finished or len(r.tokens) >= r.limit:
@@ -238,6 +270,41 @@ class InflightBatch:
         allowed = np.stack([np.ones(len(vocab), dtype=bool) if r.candidates is None else np.isin(vocab, r.candidates)
                             for r in self.rows])
         return widen(logits[:, -1:], vocab, allowed, self.e.vocab_size)[:, 0]
+
+    def _control(self, logits: np.ndarray, nxt: np.ndarray, scores: np.ndarray, idx: np.ndarray) -> np.ndarray:
+        """Rows idx's tokens and log-probabilities, in place in nxt and scores: the row's prefix token while one is
+        due, else chosen (or drawn, with its own generator) on its logits processed by its Controls, in one call
+        for the rows of equal settings. Returns whether each row chose its token (over all rows)."""
+        rows = [self.rows[i] for i in idx]
+        steps = np.array([len(r.tokens) for r in rows])
+        forced, generated = np.empty(len(rows), dtype=np.int64), np.empty(len(rows), dtype=np.int64)
+        for c, at in _groups(rows, lambda r: r.controls):             # one request's rows: its prefixes
+            own = np.array([rows[k].index for k in at])
+            forced[at], generated[at] = c.forced(steps[at], own), c.generated(steps[at], own)
+        chosen = np.ones(len(nxt), dtype=bool)
+        chosen[idx] = forced < 0
+        nxt[idx] = np.where(forced < 0, nxt[idx], forced)
+        free = np.flatnonzero(forced < 0)                             # the rows that choose (positions in rows)
+        for _, at in _groups([rows[k] for k in free], lambda r: r.controls.settings):
+            at = free[at]
+            group, c = idx[at], rows[at[0]].controls
+            history = self._history([rows[k] for k in at]) if c.needs_history else None
+            processed = c.process(logits[group], history, generated[at])
+            if c.opts.sample:                                         # each row's draw from its own generator
+                u = np.concatenate([rows[k].controls.uniforms([rows[k].index]) for k in at])
+                nxt[group] = c.draw(processed, u)
+            else:
+                nxt[group] = processed.argmax(axis=-1)
+        scores[idx] = chosen_logprob(logits[idx], nxt[idx])
+        return chosen
+
+    def _history(self, rows: list[Row]) -> np.ndarray:
+        """Each row's decoder input so far (start token, then its tokens), left-padded with -1 to the longest."""
+        width = 1 + max(len(r.tokens) for r in rows)
+        out = np.full((len(rows), width), -1, dtype=np.int64)
+        for j, r in enumerate(rows):
+            out[j, width - 1 - len(r.tokens):] = [self.e.bos_id, *r.tokens]
+        return out
 
     # --- rows out ---
 
@@ -274,4 +341,17 @@ def _same(a: np.ndarray | None, b: np.ndarray | None) -> bool:
     return (a is None and b is None) or (a is not None and b is not None and np.array_equal(a, b))
 
 
-__all__ = ["InflightBatch", "Row", "check_engine", "REOPTIMIZE"]
+def answer(rows: Sequence[Row], n: int) -> list[list[Hypothesis]]:
+    """A request's hypotheses from its rows in request_rows' order: per input, its n samples (n = 1: greedy)."""
+    return [[r.hypothesis() for r in rows[b:b + n]] for b in range(0, len(rows), n)]
+
+
+def _groups(items: list, key) -> list[tuple[Any, np.ndarray]]:
+    """(key, positions of the items with that key), in the order the keys first occur."""
+    out: dict = {}
+    for k, item in enumerate(items):
+        out.setdefault(key(item), []).append(k)
+    return [(k, np.asarray(at)) for k, at in out.items()]
+
+
+__all__ = ["InflightBatch", "Row", "answer", "check_engine", "REOPTIMIZE"]

@@ -3,13 +3,18 @@
     controls = Controls.of(opts, batch, n, eos)          # None when no control is set: the plain search runs
     forced = controls.forced(step, rows)                 # each row's prefix token at this step, -1 where it chooses
     processed = controls.process(logp, history, generated)      # transformers' logits processors, on a copy
-    tokens = controls.draw(processed, rows)              # sampling: one draw from each row's own generator
+    tokens = controls.draw(processed, controls.uniforms(rows))  # sampling: one draw from each row's own generator
 
 The processors are transformers' (generation/logits_process.py), vectorized over rows and applied in its order:
 RepetitionPenalty, NoRepeatNGram, NoBadWords, MinNewTokensLength, then the suppressed ids; sampling then applies
 Temperature, TopK and TopP. As in transformers, a row's history is the decoder's input so far: the start token,
 the forced prefix, the generated tokens. Greedy and sampling process the raw logits; beam search processes the
 log-softmax (as transformers' beam search does), so a repetition penalty scales log-probabilities there.
+
+Rows decoded together need not share their options (an in-flight batch, runtime.inflight): `settings` is what
+`process` and `draw` read of the options, so rows of several requests with equal settings are processed in one
+call, each keeping its own prefix, history and generator. Their histories may then differ in length: a history
+is left-padded with -1 (never a token), which no processor takes for one.
 
 Sampling is reproducible per request: row j of input b draws from its own numpy Generator seeded from
 (seed, b, j), so its tokens do not depend on its batch neighbours or on the engine that computed the logits. A part
@@ -20,6 +25,10 @@ from __future__ import annotations
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
+
+
+SETTINGS = ("repetition_penalty", "no_repeat_ngram_size", "bad_words_ids", "min_new_tokens", "suppress", "sample",
+            "temperature", "top_k", "top_p")          # the options process() and draw() read (not the per-row ones)
 
 
 class Controls:
@@ -34,6 +43,7 @@ class Controls:
             self.prefix[b * n:(b + 1) * n, :len(p)] = p
         self.needs_history = bool(opts.repetition_penalty != 1.0 or opts.no_repeat_ngram_size or opts.bad_words_ids)
         self.bans = [tuple(w) for w in opts.bad_words_ids]
+        self.settings = tuple(getattr(opts, name) for name in SETTINGS)   # rows of equal settings process together
         self.generators = None
         if opts.sample:
             seed = request_seed(opts)
@@ -46,14 +56,19 @@ class Controls:
                   or opts.bad_words_ids or opts.prefix_ids or opts.return_logprobs)
         return cls(opts, batch, n, eos) if active else None
 
-    def forced(self, step: int, rows: np.ndarray) -> np.ndarray:
-        """Each row's forced prefix token at `step` (its step-th target token), -1 where the row chooses."""
-        if step >= self.prefix.shape[1]:
-            return np.full(len(rows), -1, dtype=np.int64)
-        return self.prefix[rows, step]
+    def forced(self, step, rows: np.ndarray) -> np.ndarray:
+        """Each row's forced prefix token at `step` (its step-th target token; an int, or one per row), -1 where the
+        row chooses."""
+        width = self.prefix.shape[1]
+        if np.ndim(step) == 0:
+            return np.full(len(rows), -1, dtype=np.int64) if step >= width else self.prefix[rows, step]
+        inside = step < width
+        out = np.full(len(rows), -1, dtype=np.int64)
+        out[inside] = self.prefix[rows[inside], step[inside]]
+        return out
 
-    def generated(self, step: int, rows: np.ndarray) -> np.ndarray:
-        """How many tokens each row has chosen before `step` (its tokens after the prefix)."""
+    def generated(self, step, rows: np.ndarray) -> np.ndarray:
+        """How many tokens each row has chosen before `step` (an int, or one per row): its tokens after the prefix."""
         return np.maximum(step - self.prefix_len[rows], 0)
 
     def process(self, scores: np.ndarray, history: np.ndarray | None, generated: np.ndarray) -> np.ndarray:
@@ -70,9 +85,12 @@ class Controls:
             out[generated < o.min_new_tokens, self.eos] = -np.inf
         return suppress(out, o.suppress)
 
-    def draw(self, logits: np.ndarray, rows: np.ndarray) -> np.ndarray:
-        """A token per row, drawn from softmax(warp(logits)) with row r's own generator (rows: row ids)."""
-        u = np.array([self.generators[r].random() for r in rows])
+    def uniforms(self, rows) -> np.ndarray:
+        """The next uniform [0, 1) draw of each row's own generator (rows: row ids): one a row and step."""
+        return np.array([self.generators[r].random() for r in rows])
+
+    def draw(self, logits: np.ndarray, u: np.ndarray) -> np.ndarray:
+        """A token per row, drawn from softmax(warp(logits)) with its uniform u (Controls.uniforms)."""
         return draw(warp(logits, self.opts.temperature, self.opts.top_k, self.opts.top_p), u)
 
 
@@ -99,23 +117,11 @@ def row_generator(seed: int, index: int, ret: int) -> np.random.Generator:
     return np.random.default_rng([seed, index, ret])
 
 
-class RowSampler:
-    """Sampling for one row decoded outside runtime.search (an in-flight row, runtime.inflight): the draws the
-    search makes for sample `ret` of input `index` of a request with these options, so the row gets its tokens."""
-
-    def __init__(self, opts, index: int = 0, ret: int = 0, seed: int | None = None):
-        seed = request_seed(opts) if seed is None else seed
-        self.opts, self.generator = opts, row_generator(seed, seed_index(opts, index), ret)
-
-    def draw(self, logits: np.ndarray) -> int:
-        """The token drawn from one row's logits [V] (suppressed ids already at -inf)."""
-        warped = warp(logits[None], self.opts.temperature, self.opts.top_k, self.opts.top_p)
-        return int(draw(warped, np.array([self.generator.random()]))[0])
-
-
 def repetition_penalty(scores: np.ndarray, history: np.ndarray, penalty: float) -> None:
     """RepetitionPenaltyLogitsProcessor, in place: each token in a row's history has its score divided by the
-    penalty where positive, multiplied where negative (once, however often it occurred)."""
+    penalty where positive, multiplied where negative (once, however often it occurred). A -1 of a left-padded
+    history counts as the row's last token (already in it)."""
+    history = np.where(history < 0, history[:, -1:], history)
     seen = np.take_along_axis(scores, history, axis=1)
     np.put_along_axis(scores, history, np.where(seen < 0, seen * penalty, seen / penalty), axis=1)
 

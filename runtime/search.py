@@ -141,7 +141,7 @@ class GreedySearch:
             mine = np.flatnonzero(chosen)                              # never depend on its neighbours' prefixes
             past = None if history is None else history[mine]
             processed = c.process(logits[mine], past, c.generated(step, live[mine]))
-            nxt[mine] = c.draw(processed, live[mine]) if self.opts.sample else processed.argmax(axis=-1)
+            nxt[mine] = c.draw(processed, c.uniforms(live[mine])) if self.opts.sample else processed.argmax(axis=-1)
         return nxt, chosen_logprob(logits, nxt), chosen
 
     def hypotheses(self) -> list[list[Hypothesis]]:

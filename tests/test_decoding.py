@@ -241,27 +241,3 @@ def test_a_part_of_a_split_request_samples_as_the_whole_does(engines, inputs):
     plain = [[h.tokens for h in per] for per in generate_ids(engine, inputs[:3], opts)]
     assert plain == whole[:3]
 
-
-def test_an_in_flight_row_samples_what_the_search_samples(toy_exported, inputs, tmp_path):
-    """A row sampling in an in-flight batch (RowSampler: the search's generator of its input and sample) gets the
-    tokens generate_ids samples for it, beside greedy rows that keep their greedy tokens."""
-    from exporters.optimize import optimize_bundle
-    from runtime.inflight import InflightBatch
-    from runtime.processors import RowSampler
-
-    static, report = optimize_bundle(toy_exported[1], tmp_path / "static")
-    assert report.kv_cache == "static"
-    engine = load_bundle(static, "cpu").engine
-    opts = SearchOptions(max_new_tokens=12, sample=True, temperature=1.5, seed=4, num_return=2)
-    want = generate_ids(engine, inputs[:3], opts)
-    greedy = generate_ids(engine, inputs[:3], SearchOptions(max_new_tokens=12))
-    batch = InflightBatch(engine, slots=8)
-    rows = batch.join(inputs[:3] * 2 + inputs[:2], [12] * 8,
-                      samplers=[RowSampler(opts, i, j) for j in range(2) for i in range(3)] + [None, None])
-    while batch.live:
-        batch.step()
-    for k, row in enumerate(rows[:6]):
-        assert row.tokens == want[k % 3][k // 3].tokens
-        assert row.score == pytest.approx(want[k % 3][k // 3].score, abs=1e-4)
-    assert [r.tokens for r in rows[6:]] == [g[0].tokens for g in greedy[:2]]
-    assert sum(row.tokens != g[0].tokens for row, g in zip(rows[:3], greedy)) >= 2

@@ -1,9 +1,11 @@
 """In-flight batching (runtime/inflight.py): rows join a running batch and leave at once; every row's tokens,
-finished flag and score equal its unbatched greedy generate_ids result (fp32, varied outputs), across staggered
-joins, rows at different lengths in one step, rows leaving mid-batch, stopped rows and reused buffer rows."""
+finished flag and score equal its unbatched generate_ids result (fp32, varied outputs), across staggered
+joins, rows at different lengths in one step, rows leaving mid-batch, stopped rows and reused buffer rows, and
+rows that each keep their own request's decoding controls (penalties, bans, prefixes, logprobs, sampling)."""
 
 from __future__ import annotations
 
+from collections import Counter
 from types import SimpleNamespace
 
 import numpy as np
@@ -11,8 +13,9 @@ import pytest
 
 from runtime.bundle import load_bundle
 from runtime.errors import BundleError, InputError
-from runtime.generate import generate_ids
-from runtime.inflight import InflightBatch, check_engine
+from runtime.generate import generate, generate_ids
+from runtime.inflight import InflightBatch, answer, check_engine
+from runtime.request import Request
 from runtime.search import SearchOptions
 from runtime.spec import STATIC_PER_ROW, STATIC_SHARED
 from toolkit.testing.toy import toy_inputs
@@ -143,3 +146,84 @@ def test_bundles_before_the_declared_layout_are_refused(bundles, toy_model_facto
     without = GraphSpec("decoder", tuple(t for t in expected.inputs if t.name != POSITION_IDS), expected.outputs)
     with pytest.raises(BundleError, match="interface differs"):
         _check_recorded(tmp_path, "decoder", without, expected)
+
+
+def mixed_options(engine, seqs) -> list[dict]:
+    """Search options of requests that share one in-flight batch (request k: inputs 2k and 2k + 1, or 2k alone for
+    one prefix): every control a row keeps for itself; requests of equal settings side by side (they join two steps
+    apart, so rows of different lengths, forced and choosing, are processed in one call); plain greedy ones. Banned
+    words are tokens plain greedy search gives the request's inputs, so the bans change outputs."""
+    plain = [h[0].tokens for h in generate_ids(engine, seqs, SearchOptions(max_new_tokens=16))]
+    common = [t for t, _ in Counter(t for tokens in plain for t in tokens if t != engine.eos_id).most_common(3)]
+    word = Counter(t for t in plain[12] + plain[13] if t != engine.eos_id).most_common(1)[0][0]
+    pair = next(tuple(t[i:i + 2]) for t in plain[12:14] for i in range(len(t) - 1)
+                if not {engine.eos_id, word} & set(t[i:i + 2]))
+    sample = dict(sample=True, temperature=1.5, top_k=12, top_p=0.9)
+    return [{}, dict(repetition_penalty=2.0), dict(repetition_penalty=2.0), dict(no_repeat_ngram_size=2),
+            dict(no_repeat_ngram_size=2, prefix_ids=((common[1], common[2]), ())), dict(min_new_tokens=9),
+            dict(bad_words_ids=((word,), pair)), dict(return_logprobs=True), dict(**sample, seed=4, num_return=2),
+            dict(**sample, seed=5, prefix_ids=((), (common[2],))),
+            dict(sample=True, seed=7, repetition_penalty=1.5, min_new_tokens=3, return_logprobs=True),
+            dict(ignore_eos=True, no_repeat_ngram_size=3, prefix_ids=((common[0],),)), {}]
+
+
+def assert_answers(want, got, atol=1e-4):
+    """Hypotheses equal (tokens, finished; scores and logprobs within atol)."""
+    assert [[(h.tokens, h.finished) for h in per] for per in got] == [[(h.tokens, h.finished) for h in per]
+                                                                       for per in want]
+    for g, w in zip((h for per in got for h in per), (h for per in want for h in per)):
+        assert abs(g.score - w.score) <= atol and (g.logprobs is None) == (w.logprobs is None)
+        if w.logprobs is not None:
+            np.testing.assert_allclose(g.logprobs, w.logprobs, atol=atol, rtol=0)
+
+
+def test_rows_with_their_own_options_get_their_unbatched_outputs(engine, toy_model_factory):
+    """Requests with different decoding controls join one batch at different steps (a request with two prefixes,
+    one empty; two samples of an input; rows forced, choosing and sampling in one step): each request's answer is
+    what runtime.generate.generate gives it alone."""
+    config = toy_model_factory().config
+    seqs = toy_inputs(config, 26, min_len=2, max_len=12, seed=31)
+    options = mixed_options(engine, seqs)
+    requests = []
+    for k, opts in enumerate(options):
+        inputs = seqs[2 * k:2 * k + 1 + ("prefix_ids" not in opts or len(opts["prefix_ids"]) == 2)]
+        requests.append(Request.build(engine, inputs, None, SearchOptions(max_new_tokens=10 + k % 5, **opts)))
+    batch, waiting, rows, kinds = InflightBatch(engine, slots=7), list(range(len(requests))), {}, []
+    while waiting or batch.live:
+        parts = batch.request_rows(requests[waiting[0]]) if waiting and len(kinds) % 2 == 0 else [[None] * 99]
+        if len(parts[0]) <= batch.free:                              # one request joins every other step
+            k = waiting.pop(0)
+            rows[k] = batch.join(*parts, keys=[k] * len(parts[0]))
+            for row in rows[k]:
+                row.ignore_eos = requests[k].opts.ignore_eos
+        kinds.append(len({r.controls.settings if r.controls else None for r in batch.rows}))
+        batch.step()
+    assert max(kinds) >= 4, "rows of different options never shared a step"
+    plain = generate_ids(engine, seqs, SearchOptions(max_new_tokens=14))
+    changed = 0
+    for k, request in enumerate(requests):
+        want = generate(engine, request)
+        assert_answers(want, answer(rows[k], len(want[0])))
+        changed += any(per[0].tokens != plain[2 * k + b][0].tokens[:len(per[0].tokens)] for b, per in enumerate(want))
+    assert changed >= len(options) - 3, "the controls changed too few outputs: equality proves little"
+
+
+def test_processors_read_a_left_padded_history_as_each_row_alone():
+    """Rows of different lengths processed in one call (histories left-padded with -1) get what each row's own
+    history gives it: repetition penalty, n-gram bans, bad words."""
+    from runtime.processors import bad_words, no_repeat_ngram, repetition_penalty
+
+    rng = np.random.default_rng(0)
+    histories = [rng.integers(0, 6, size=n).tolist() for n in (1, 2, 3, 5, 9, 9)]   # few ids: repeats, matches
+    width = max(map(len, histories))
+    padded = np.array([[-1] * (width - len(h)) + h for h in histories])
+    scores = rng.normal(size=(len(histories), 16)).astype(np.float32)
+    for apply in (lambda s, h: repetition_penalty(s, h, 2.0), lambda s, h: no_repeat_ngram(s, h, 2),
+                  lambda s, h: no_repeat_ngram(s, h, 3), lambda s, h: bad_words(s, h, [(3,), (1, 2), (4, 5, 1)])):
+        together = scores.copy()
+        apply(together, padded)
+        assert (together != scores).any()
+        for r, history in enumerate(histories):
+            alone = scores[r:r + 1].copy()
+            apply(alone, np.array([history]))
+            np.testing.assert_array_equal(together[r], alone[0])

@@ -190,7 +190,7 @@ def test_server_answers_the_records_of_generate_json(bundle):
 def test_server_decoding_controls_equal_generate(bundles, kv, scheduler):
     """One request with several decoding controls answers what `onnxformer generate` prints for the same flags
     (fp32 bundle): sampling with a seed, penalties, bans, a per-input prefix file and logprobs; under either
-    scheduler (in-flight: the request decodes request-level, after the plain greedy one decodes in-flight)."""
+    scheduler (in-flight: both requests decode in the running batch, each row with its own options)."""
     from fastapi.testclient import TestClient
 
     from toolkit.apps.cli import main
@@ -213,9 +213,11 @@ def test_server_decoding_controls_equal_generate(bundles, kv, scheduler):
     assert service.scheduler.kind == scheduler
     with TestClient(create_app(service, start_in_background=False)) as client:
         plain = client.post("/v1/generate", json={"inputs": texts, "max_new_tokens": 8}).json()["outputs"]
+        before = getattr(service.scheduler, "steps", 0)
         answer = client.post("/v1/generate", json=body)
         assert answer.status_code == 200, answer.text
         got = answer.json()["outputs"]
+        assert getattr(service.scheduler, "steps", 0) > before or scheduler == "request-level"
     assert [r["ids"] for r in got] == [r["ids"] for r in expected]
     for g, e in zip(got, expected):
         assert len(g["logprobs"]) == len(g["ids"])

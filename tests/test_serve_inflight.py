@@ -1,7 +1,7 @@
-"""The server's in-flight batching (toolkit/apps/serve/inflight.py): greedy requests join the running batch at the next
-step and each gets its unbatched output; beam requests still batch request-level; a client that leaves frees its
-slots; SIGTERM answers every accepted request and exits 0; bundles that cannot run in-flight are refused or fall
-back as --batching says."""
+"""The server's in-flight batching (toolkit/apps/serve/inflight.py): greedy and sampling requests, with any decoding
+controls, join the running batch at the next step and each gets its unbatched output; beam requests still batch
+request-level; a client that leaves frees its slots; SIGTERM answers every accepted request and exits 0; bundles
+that cannot run in-flight are refused or fall back as --batching says."""
 
 from __future__ import annotations
 
@@ -55,6 +55,31 @@ def test_requests_joining_the_running_batch_get_their_unbatched_outputs(engine, 
     assert len(outputs) > 20, "the model's outputs do not vary: equality would prove nothing"
     assert scheduler.batch.joined > 0 and scheduler.steps < sum(j.opts.max_new_tokens * len(j.sequences)
                                                                 for j in jobs if j.opts.beam == 1)
+
+
+def test_requests_with_their_own_options_join_the_running_batch(engine, toy_model_factory):
+    """Greedy and sampling requests with every decoding control (test_inflight.mixed_options) join the running
+    batch as they arrive, a beam request batches request-level between them: each answer equals generate_ids'."""
+    from test_inflight import assert_answers, mixed_options
+
+    seqs = toy_inputs(toy_model_factory().config, 26, min_len=2, max_len=12, seed=31)
+    requests = list(enumerate(mixed_options(engine, seqs)))          # (k, options): request k has inputs 2k, 2k + 1
+    requests.insert(6, (0, dict(beam=3, num_return=2)))
+    rng = np.random.default_rng(9)
+    scheduler = InflightScheduler(engine, max_batch=6, max_queue=64)
+    scheduler.start()
+    jobs = []
+    for k, opts in requests:
+        inputs = seqs[2 * k:2 * k + 1 + ("prefix_ids" not in opts or len(opts["prefix_ids"]) == 2)]
+        jobs.append(queued(engine, inputs, SearchOptions(max_new_tokens=10 + k % 5, **opts)))
+        scheduler.submit(jobs[-1])
+        time.sleep(float(rng.uniform(0, 0.01)))     # arrivals spread over the batch's steps
+    results = [job.future.result(timeout=120) for job in jobs]
+    scheduler.stop()
+    for job, got in zip(jobs, results):
+        assert_answers(generate_ids(engine, job.sequences, job.opts), got)
+    in_flight = [job for job in jobs if job.opts.beam == 1]
+    assert scheduler.batch.joined == sum(len(job.sequences) * job.opts.num_return for job in in_flight)
 
 
 class Slow:

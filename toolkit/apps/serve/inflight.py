@@ -1,15 +1,14 @@
-"""In-flight (continuous) batching for the server: greedy requests join the running batch at the next step.
+"""In-flight (continuous) batching for the server: greedy and sampling requests join the running batch at the next step.
 
     scheduler = InflightScheduler(engine, max_batch=32, max_queue=256)   # same interface as Scheduler
     scheduler.start(); future = scheduler.submit(Job(request)); scheduler.stop()
 
 One decoding thread drives a runtime.inflight.InflightBatch of max_batch slots. Before every step it admits
-waiting greedy jobs (whose options differ from plain greedy search's only in ROW_OPTIONS, which each row keeps, and
-in SAMPLE_OPTIONS for a job that samples one sample an input: its rows draw as runtime.search would draw them),
-oldest first, while their inputs fit in the free slots (the encoder runs for the joiners only); after the step,
-rows that finished leave at once and a job whose rows are all done gets its answer, so a short request never
-waits for a long one. Every other job (beam search, or any other option) keeps
-request-level batching: when the oldest waiting job is one, admission stops until the running rows are done,
+waiting greedy and sampling jobs, whatever their options (each row keeps its request's: InflightBatch.request_rows;
+a sample takes a row), oldest first, while their rows fit in the free slots (the encoder runs for the joiners
+only); after the step, rows that finished leave at once and a job whose rows are all done gets its answer, so a
+short request never waits for a long one. Beam search jobs (and a job with more rows than the batch has slots)
+keep request-level batching: when the oldest waiting job is one, admission stops until the running rows are done,
 then its batch (equal batch keys) decodes as in Scheduler.
 
 The guarantees are Scheduler's: the queue (waiting + decoding jobs) is bounded by max_queue, every accepted
@@ -25,18 +24,13 @@ from __future__ import annotations
 import time
 
 from runtime.errors import NumericsError
-from runtime.inflight import InflightBatch, check_engine
-from runtime.processors import RowSampler, request_seed
-from runtime.request import differing
-from runtime.search import SearchOptions
+from runtime.inflight import InflightBatch, answer, check_engine
+from runtime.search import SearchOptions, rows_per_input
 from toolkit.apps.serve.scheduler import Job, Scheduler, fail, warm_up_request
-
-ROW_OPTIONS = ("max_new_tokens", "ignore_eos", "shortlist")   # what an in-flight row keeps for itself
-SAMPLE_OPTIONS = ("sample", "temperature", "top_k", "top_p", "seed")   # ... and a sampling row (one sample an input)
 
 
 class InflightScheduler(Scheduler):
-    """Scheduler whose greedy jobs decode in one in-flight batch (runtime/inflight.py)."""
+    """Scheduler whose greedy and sampling jobs decode in one in-flight batch (runtime/inflight.py)."""
 
     kind = "in-flight"
 
@@ -44,14 +38,17 @@ class InflightScheduler(Scheduler):
         check_engine(engine)                                     # InputError (one line) where it cannot run
         super().__init__(engine, max_batch, max_wait_ms, max_queue, metrics)
         self.batch = InflightBatch(engine, slots=max_batch)
-        self._rows: dict[Job, list] = {}                         # decoding greedy jobs -> their rows
-        self.plain = warm_up_request(engine, 1).opts             # plain greedy search's options (built as any)
+        self._rows: dict[Job, list] = {}                         # decoding in-flight jobs -> their rows
         self.steps = 0
 
     def in_flight(self, job: Job) -> bool:
-        """Whether the job's rows can decode in the in-flight batch (else: request-level, as a beam job): plain
-        greedy search, or sampling one sample an input (each row draws from its own RowSampler)."""
-        return not differing(job.opts, self.plain, ROW_OPTIONS + (SAMPLE_OPTIONS if job.opts.sample else ()))
+        """Whether the job's rows decode in the in-flight batch (else: request-level): greedy search or sampling,
+        with any decoding controls (each row keeps its own), in at most max_batch rows (a sample takes one)."""
+        return job.opts.beam == 1 and self.rows_of(job) <= self.max_batch
+
+    @staticmethod
+    def rows_of(job: Job) -> int:
+        return len(job.sequences) * rows_per_input(job.opts)
 
     def warm_up(self) -> None:
         """Request-level warm-up, then a few steps with every slot in use."""
@@ -82,10 +79,10 @@ class InflightScheduler(Scheduler):
             for job in list(self._pending):
                 if not self.in_flight(job):
                     break                                        # a request-level job waits its turn: none passes it
-                if len(job.sequences) > free:
+                if self.rows_of(job) > free:
                     break                                        # oldest first: later jobs wait behind it
                 joining.append(job)
-                free -= len(job.sequences)
+                free -= self.rows_of(job)
                 self._pending.remove(job)
             beam = None
             if not joining and not self._rows and self._pending and not self.in_flight(self._pending[0]):
@@ -130,15 +127,13 @@ class InflightScheduler(Scheduler):
         if not jobs:
             return
         now = time.monotonic()
-        sequences = [seq for job in jobs for seq in job.sequences]
-        limits = [n for job in jobs for n in job.request.limits]
-        keys = [(job, i) for job in jobs for i in range(len(job.sequences))]
-        seeds = {job: request_seed(job.opts) for job in jobs if job.opts.sample}       # one seed a request
-        samplers = [RowSampler(job.opts, i, 0, seeds[job]) if job in seeds else None for job, i in keys]
-        rows = iter(self.batch.join(sequences, limits, keys, samplers, [job.opts.shortlist for job, _ in keys]))
-        for job in jobs:
+        parts = [self.batch.request_rows(job.request) for job in jobs]     # each row with its request's options
+        sequences, limits, controls = ([x for part in parts for x in part[i]] for i in range(3))
+        keys = [(job, r) for job, part in zip(jobs, parts) for r in range(len(part[0]))]
+        rows = iter(self.batch.join(sequences, limits, controls, keys, [job.opts.shortlist for job, _ in keys]))
+        for job, part in zip(jobs, parts):
             job.started = now
-            self._rows[job] = [next(rows) for _ in job.sequences]
+            self._rows[job] = [next(rows) for _ in part[0]]
             for row in self._rows[job]:
                 row.ignore_eos = job.opts.ignore_eos
                 if job.cancelled:
@@ -175,7 +170,7 @@ class InflightScheduler(Scheduler):
             del self._rows[job]
             self._running = list(self._rows)
         if not job.future.done():
-            job.future.set_result([[row.hypothesis()] for row in rows])
+            job.future.set_result(answer(rows, rows_per_input(job.opts)))
 
     def _failed_step(self, exc: Exception) -> None:
         """A step raised before any row moved on: fail the jobs of the rows that caused it (a NumericsError names

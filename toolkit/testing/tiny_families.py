@@ -96,4 +96,37 @@ def tiny_tokenizer(name: str):
     raise ValueError(f"unknown tokenizer {name!r}; choose one of {', '.join(TOKENIZERS)}")
 
 
-__all__ = ["CONDITIONED", "FAMILIES", "SIZES", "TOKENIZERS", "tiny_original", "tiny_tokenizer"]
+SHAPES = {   # real models' shapes, for benchmarks: (family, tokenizer, config beside the family's defaults)
+    "nllb-600m": ("m2m100", "nllb", dict(vocab_size=256206, d_model=1024, encoder_layers=12, decoder_layers=12,
+                                         encoder_attention_heads=16, decoder_attention_heads=16, encoder_ffn_dim=4096,
+                                         decoder_ffn_dim=4096, max_position_embeddings=1024, scale_embedding=True,
+                                         activation_function="relu", decoder_start_token_id=2)),
+    "bart-base": ("bart", "bart", dict(vocab_size=50265, d_model=768, encoder_layers=6, decoder_layers=6,
+                                       encoder_attention_heads=12, decoder_attention_heads=12, encoder_ffn_dim=3072,
+                                       decoder_ffn_dim=3072, max_position_embeddings=1024)),
+}
+
+
+def random_original(shape: str, directory: str | Path, seed: int = 0) -> Path:
+    """A save_pretrained directory of a real model's shape (one of SHAPES) with transformers' own random
+    initialization and the family's tokenizer over the small vocabulary: for speed and memory benchmarks (the
+    model's ids past the tokenizer's are never produced by encoding, only by generating)."""
+    import torch
+    import transformers
+
+    name, tokenizer, config = SHAPES[shape]
+    config_cls, model_cls, _ = FAMILIES[name]
+    torch.manual_seed(seed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cfg = getattr(transformers, config_cls)(dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, **config)
+        cfg.forced_eos_token_id = None
+        model = getattr(transformers, model_cls)(cfg).eval()
+    model.generation_config.forced_eos_token_id = None
+    model.save_pretrained(directory)
+    tiny_tokenizer(tokenizer).save_pretrained(directory)
+    return Path(directory)
+
+
+__all__ = ["CONDITIONED", "FAMILIES", "SHAPES", "SIZES", "TOKENIZERS", "random_original", "tiny_original",
+           "tiny_tokenizer"]

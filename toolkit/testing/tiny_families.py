@@ -63,23 +63,27 @@ def tiny_original(name: str, directory: str | Path, seed: int = 0, matrix: float
     return model
 
 
-def bpe_vocab(space: str) -> tuple[dict[str, int], list[tuple[str, str]]]:
-    """A small BPE vocabulary (<s> <pad> </s> <unk> first, <mask> last) and its merges."""
+def bpe_vocab(space: str, size: int | None = None) -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """A small BPE vocabulary (<s> <pad> </s> <unk> first, <mask> last) and its merges; `size`: padded with
+    made-up pieces to that many entries (a real model's vocabulary size, for converters that want one token per
+    embedding row)."""
     vocab = {"<s>": 0, "<pad>": 1, "</s>": 2, "<unk>": 3}
     for ch in sorted(set("".join(WORDS)) | {space}):
         vocab.setdefault(ch, len(vocab))
     merges = [("t", "h"), ("th", "e"), (space, "t"), ("o", "x"), ("q", "u"), ("e", "r"), ("j", "o")]
     for a, b in merges:
         vocab.setdefault(a + b, len(vocab))
+    while len(vocab) < (size or 0) - 1:
+        vocab[f"{space}w{len(vocab)}"] = len(vocab)
     vocab["<mask>"] = len(vocab)
     return vocab, merges
 
 
-def tiny_tokenizer(name: str):
-    """transformers' tokenizer of the family (one of TOKENIZERS) over a small vocabulary."""
+def tiny_tokenizer(name: str, size: int | None = None):
+    """transformers' tokenizer of the family (one of TOKENIZERS) over a small vocabulary (BART's padded to `size`)."""
     import transformers
 
-    bpe, merges = bpe_vocab("\u0120" if name == "bart" else "\u2581")
+    bpe, merges = bpe_vocab("\u0120" if name == "bart" else "\u2581", size if name == "bart" else None)
     scored = [(piece, -float(i)) for piece, i in bpe.items()]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -109,8 +113,9 @@ SHAPES = {   # real models' shapes, for benchmarks: (family, tokenizer, config b
 
 def random_original(shape: str, directory: str | Path, seed: int = 0) -> Path:
     """A save_pretrained directory of a real model's shape (one of SHAPES) with transformers' own random
-    initialization and the family's tokenizer over the small vocabulary: for speed and memory benchmarks (the
-    model's ids past the tokenizer's are never produced by encoding, only by generating)."""
+    initialization and the family's tokenizer over the small vocabulary (BART's padded with made-up pieces to the
+    model's size, as CTranslate2's converter wants; NLLB's padded by that converter itself): for speed and memory
+    benchmarks."""
     import torch
     import transformers
 
@@ -124,7 +129,7 @@ def random_original(shape: str, directory: str | Path, seed: int = 0) -> Path:
         model = getattr(transformers, model_cls)(cfg).eval()
     model.generation_config.forced_eos_token_id = None
     model.save_pretrained(directory)
-    tiny_tokenizer(tokenizer).save_pretrained(directory)
+    tiny_tokenizer(tokenizer, config["vocab_size"]).save_pretrained(directory)
     return Path(directory)
 
 

@@ -16,6 +16,10 @@ read-only mapping (runtime.bundle.shared_initializers, SessionOptions.add_initia
 once and not once per session's mapping; they must stay page-aligned views of the file: OrtValues of tensors read
 into memory raise the peak instead.
 
+Models past protobuf's 2 GB: export and optimize save every graph with save_graph, its weights in GRAPH.onnx.data
+beside it (never inside one protobuf message), and share_weights reads them from there a tensor at a time, so no
+step holds a graph's weights in one message.
+
 ORT-format (.ort) graphs cannot reference external data: the converter embeds the tensors in each .ort file.
 """
 

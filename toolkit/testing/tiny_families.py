@@ -107,7 +107,8 @@ SHAPES = {   # real models' shapes, for benchmarks: (family, tokenizer, config b
                                          activation_function="relu", decoder_start_token_id=2)),
     "bart-base": ("bart", "bart", dict(vocab_size=50265, d_model=768, encoder_layers=6, decoder_layers=6,
                                        encoder_attention_heads=12, decoder_attention_heads=12, encoder_ffn_dim=3072,
-                                       decoder_ffn_dim=3072, max_position_embeddings=1024)),
+                                       decoder_ffn_dim=3072, max_position_embeddings=1024,
+                                       normalize_before=False)),    # BART is post-norm: CTranslate2 reads this key
 }
 
 

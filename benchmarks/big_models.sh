@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # A real shape with random weights through the whole path, each step's peak resident memory measured
 # (/usr/bin/time -v): build the save_pretrained directory (toolkit.testing.tiny_families.SHAPES), import, export,
-# optimize fp32 and int8 (random weights pass no token gate: --allow-unverified), then generate.
+# optimize fp32 and int8 (random weights pass no token gate: --allow-unverified), then generate 16 tokens (a random
+# model with tied embeddings ends at once: --min-new-tokens).
 #
-#   SHAPE=nllb-600m WORK=/tmp/big bash benchmarks/big_models.sh      # writes $WORK/models/$SHAPE/{hf,checkpoint,...}
+#   SHAPE=nllb-600m WORK=/tmp/big bash benchmarks/big_models.sh   # $WORK/models/$SHAPE/{hf,checkpoint,onnxformer-*}
+#
+# The folder names are race_peers.py's: `race_peers.py --model $SHAPE` with ONNXFORMER_PEERS=$WORK reuses them.
 #
 # Prints one line per step: seconds, peak RSS, and the sizes of what it wrote.
 set -euo pipefail
@@ -26,10 +29,12 @@ step() {   # step NAME OUTPUT COMMAND...: run it under /usr/bin/time -v, report 
 [ -f "$D/hf/config.json" ] || step build "$D" $PY -c \
   "from toolkit.testing.tiny_families import random_original; random_original('$SHAPE', '$D/hf')"
 step import "$D/checkpoint" $OX import "$D/hf" --out "$D/checkpoint" --force
-step export "$D/export" $OX export "$D/checkpoint" --out "$D/export" --force
-step optimize-fp32 "$D/fp32" $OX optimize "$D/export" --out "$D/fp32" --force --samples 8 --allow-unverified
-step optimize-int8 "$D/int8" $OX optimize "$D/export" --out "$D/int8" --precision int8 --force --samples 8 \
-  --allow-unverified
+step export "$D/onnxformer-export" $OX export "$D/checkpoint" --out "$D/onnxformer-export" --force
+step optimize-fp32 "$D/onnxformer-fp32" $OX optimize "$D/onnxformer-export" --out "$D/onnxformer-fp32" --force \
+  --samples 8 --allow-unverified
+step optimize-int8 "$D/onnxformer-int8" $OX optimize "$D/onnxformer-export" --out "$D/onnxformer-int8" --precision int8 \
+  --force --samples 8 --allow-unverified
 for b in fp32 int8; do
-  step "generate-$b" "$D/$b" $OX generate "$D/$b" --ids "5 17 29 41 3 2" --max-new-tokens 16
+  step "generate-$b" "$D/onnxformer-$b" $OX generate "$D/onnxformer-$b" --ids "5 17 29 41 3 2" --max-new-tokens 16 \
+    --min-new-tokens 16
 done

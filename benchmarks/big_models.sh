@@ -32,8 +32,8 @@ step import "$D/checkpoint" $OX import "$D/hf" --out "$D/checkpoint" --force
 step export "$D/onnxformer-export" $OX export "$D/checkpoint" --out "$D/onnxformer-export" --force
 step optimize-fp32 "$D/onnxformer-fp32" $OX optimize "$D/onnxformer-export" --out "$D/onnxformer-fp32" --force \
   --samples 8 --allow-unverified
-step optimize-int8 "$D/onnxformer-int8" $OX optimize "$D/onnxformer-export" --out "$D/onnxformer-int8" --precision int8 \
-  --force --samples 8 --allow-unverified
+step optimize-int8 "$D/onnxformer-int8" $OX optimize "$D/onnxformer-export" --out "$D/onnxformer-int8" \
+  --precision int8 --force --samples 8 --allow-unverified
 for b in fp32 int8; do
   step "generate-$b" "$D/onnxformer-$b" $OX generate "$D/onnxformer-$b" --ids "5 17 29 41 3 2" --max-new-tokens 16 \
     --min-new-tokens 16

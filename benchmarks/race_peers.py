@@ -119,7 +119,9 @@ def inputs(marian: Path, n: int, src_len: int | None) -> list[list[int]]:
 
 def folder_bytes(folder: Path) -> int:
     """The bytes of a model folder's files (the model file itself for a file)."""
-    return folder.stat().st_size if folder.is_file() else sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+    if folder.is_file():
+        return folder.stat().st_size
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
 
 
 def main() -> None:
@@ -184,7 +186,8 @@ def main() -> None:
         line = f"{row['engine']:<28} " + " ".join(f"{row[f'batch {b} ms']:>10.1f}" for b in sizes)
         if speed:
             line += " " + " ".join(f"{row[f'batch {b} tokens/s']:>11.0f}" for b in sizes)
-        print(line + f" {row['sequences_equal_to_transformers']:>7.1%} {row['model_mb']:>9.1f} {row['peak_rss_mb']:>8.0f}")
+        print(line + f" {row['sequences_equal_to_transformers']:>7.1%} {row['model_mb']:>9.1f} "
+              f"{row['peak_rss_mb']:>8.0f}")
     print(f"reference outputs: {rows[0]['distinct_reference_outputs']} distinct of {len(ref)}; "
           f"load average after: {os.getloadavg()[0]:.2f}")
     if args.json:

@@ -3,15 +3,17 @@
     python benchmarks/peer_worker.py ENGINE MODEL INPUTS.json OUT.json
 
 ENGINE is onnxformer (MODEL: a bundle), ctranslate2 (MODEL: a converted directory; --compute-type),
-optimum (MODEL: an optimum-cli export directory) or transformers (MODEL: the Marian directory; the reference).
-INPUTS.json: {"marian": DIR, "inputs": [[ids]], "batch_sizes": [1, 8], "beam": 1, "max_new_tokens": N,
-"min_new_tokens": M, "threads": T, "repeat": R, "warmup": W}. Writes {"tokens": [[ids] per input, EOS dropped],
-"times": {batch: [seconds per round]}}: every round generates for the first `batch` inputs.
+optimum (MODEL: an optimum-cli export directory) or transformers (MODEL: the original directory; the reference).
+INPUTS.json: {"marian": DIR (the original save_pretrained directory: Marian, or any family with a config.json),
+"inputs": [[ids]], "batch_sizes": [1, 8], "beam": 1, "max_new_tokens": N, "min_new_tokens": M, "threads": T,
+"repeat": R, "warmup": W}. Writes {"tokens": [[ids] per input, EOS dropped], "times": {batch: [seconds per
+round]}, "peak_rss_mb": the process's peak resident memory}: every round generates for the first `batch` inputs.
 """
 
 from __future__ import annotations
 
 import json
+import resource
 import sys
 import time
 from pathlib import Path
@@ -21,10 +23,31 @@ def batches(inputs, size):
     return [inputs[i:i + size] for i in range(0, len(inputs), size)]
 
 
+def special_ids(original: Path) -> tuple[int, int, int]:
+    """(eos, pad, decoder start) of the original model: Marian's from its vocab.json (decoding starts at <pad>),
+    other families' from config.json."""
+    if (original / "vocab.json").exists():
+        vocab = json.loads((original / "vocab.json").read_text())
+        return vocab["</s>"], vocab["<pad>"], vocab["<pad>"]
+    config = json.loads((original / "config.json").read_text())
+    return config["eos_token_id"], config["pad_token_id"], config["decoder_start_token_id"]
+
+
+def ct2_vocabulary(original: Path, model: Path) -> dict[str, int]:
+    """piece -> id: Marian's vocab.json (its converter drops <pad>, so the converted list is shifted), else the
+    converted model's own vocabulary, one token per embedding row."""
+    if (original / "vocab.json").exists():
+        return json.loads((original / "vocab.json").read_text())
+    if (model / "shared_vocabulary.json").exists():
+        tokens = json.loads((model / "shared_vocabulary.json").read_text())
+    else:
+        tokens = (model / "shared_vocabulary.txt").read_text(encoding="utf-8").split("\n")[:-1]
+    return {p: i for i, p in enumerate(tokens)}
+
+
 def engine_fn(engine: str, model: str, spec: dict):
     marian = Path(spec["marian"])
-    vocab = json.loads((marian / "vocab.json").read_text())
-    eos, pad = vocab["</s>"], vocab["<pad>"]
+    eos, pad, start = special_ids(marian)
     beam, new, low, threads = spec["beam"], spec["max_new_tokens"], spec["min_new_tokens"], spec["threads"]
     if engine == "onnxformer":
         from runtime.bundle import load_bundle
@@ -40,6 +63,7 @@ def engine_fn(engine: str, model: str, spec: dict):
     if engine == "ctranslate2":
         import ctranslate2
 
+        vocab = ct2_vocabulary(marian, Path(model))
         pieces = {i: p for p, i in vocab.items()}
         translator = ctranslate2.Translator(model, device="cpu", intra_threads=threads, inter_threads=1,
                                             compute_type=spec.get("compute_type", "default"))
@@ -63,9 +87,9 @@ def engine_fn(engine: str, model: str, spec: dict):
         so.intra_op_num_threads = threads
         hf = ORTModelForSeq2SeqLM.from_pretrained(model, session_options=so, provider="CPUExecutionProvider")
     else:
-        from transformers import MarianMTModel
+        from transformers import AutoModelForSeq2SeqLM
 
-        hf = MarianMTModel.from_pretrained(model).eval()
+        hf = AutoModelForSeq2SeqLM.from_pretrained(model).eval()
 
     from transformers import GenerationConfig
 
@@ -73,7 +97,7 @@ def engine_fn(engine: str, model: str, spec: dict):
     # (num_beams, max_length, ...) must not leak in
     gc = GenerationConfig(num_beams=beam, max_new_tokens=new, min_new_tokens=low or None, do_sample=False, early_stopping="never",
                           length_penalty=1.0, bad_words_ids=[[pad]], forced_eos_token_id=None, forced_bos_token_id=None,
-                          decoder_start_token_id=pad, eos_token_id=eos, pad_token_id=pad, num_return_sequences=1,
+                          decoder_start_token_id=start, eos_token_id=eos, pad_token_id=pad, num_return_sequences=1,
                           no_repeat_ngram_size=0, repetition_penalty=1.0, use_cache=True)
 
     def run(seqs):
@@ -106,7 +130,9 @@ def main() -> None:
             run(inputs[:b])
             rounds.append(time.perf_counter() - start)
         times[str(b)] = rounds
-    Path(out_file).write_text(json.dumps({"engine": engine, "model": model, "tokens": tokens, "times": times}))
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    Path(out_file).write_text(json.dumps({"engine": engine, "model": model, "tokens": tokens, "times": times,
+                                          "peak_rss_mb": peak}))
 
 
 if __name__ == "__main__":

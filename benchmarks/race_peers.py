@@ -2,14 +2,17 @@
 feeds our importer, CTranslate2's converter and Optimum's exporter; every engine then generates for the same
 inputs in its own environment, under the bench lock, and the tokens are compared with MarianMTModel's.
 
-    .venv/bin/python benchmarks/race_peers.py [--model tiny|opus|DIR] [--batch-sizes 1,8] [--new-tokens 64]
+    .venv/bin/python benchmarks/race_peers.py [--model tiny|opus|nllb-600m|bart-base|DIR] [--batch-sizes 1,8]
 
 Environments are built under out/peers/ (or $ONNXFORMER_PEERS; Optimum pins an older transformers than ours): ct2
 (ctranslate2, transformers 5, torch) and optimum (optimum-onnx 0.1, transformers 4.57, torch); they are called
 as `python -m`, so a copied folder works too. Models: "tiny" is the trained test model (toolkit.testing.tiny_marian
 TRAINED: outputs vary, so token agreement means something, and its int8 bundle passes the gate on held-out
 texts); "opus" the opus-mt-en-de shape with random weights (speed; every engine generates exactly --new-tokens
-tokens, EOS ignored; its int8 bundle is written unverified, as random weights cannot pass a token gate).
+tokens, EOS ignored; its int8 bundle is written unverified, as random weights cannot pass a token gate);
+"nllb-600m" and "bart-base" those shapes with random weights (toolkit.testing.tiny_families.SHAPES: an M2M100 and a
+BART directory, speed as for opus). Each row also gives the size of the engine's model folder and the worker
+process's peak resident memory.
 """
 
 from __future__ import annotations
@@ -49,8 +52,16 @@ def env_python(name: str) -> Path:
 
 
 def build(model: str, new_tokens: int) -> tuple[Path, Path]:
-    """The Marian directory, and the folder holding every engine's model converted from it."""
-    if model in ("tiny", "opus"):
+    """The original directory, and the folder holding every engine's model converted from it."""
+    from toolkit.testing.tiny_families import SHAPES
+
+    if model in SHAPES:
+        marian = WORK / "models" / model / "hf"
+        if not (marian / "config.json").exists():
+            log(f"building the {model} directory")
+            sh(PY, "-c", f"from toolkit.testing.tiny_families import random_original; "
+                         f"random_original({model!r}, {str(marian)!r})", cwd=ROOT)
+    elif model in ("tiny", "opus"):
         marian = WORK / "models" / ("tiny-trained" if model == "tiny" else model) / "marian"
         if not (marian / "config.json").exists():
             log(f"building the {model} Marian directory")
@@ -88,9 +99,14 @@ def build(model: str, new_tokens: int) -> tuple[Path, Path]:
 
 
 def inputs(marian: Path, n: int, src_len: int | None) -> list[list[int]]:
-    """Source ids: the test corpus through MarianTokenizer's rules (tiny), or random pieces + EOS (opus)."""
+    """Source ids: the test corpus through MarianTokenizer's rules (tiny), or random pieces + EOS (opus), or
+    random ids of the tokenizer's own pieces + EOS (the other families)."""
     import numpy as np
 
+    if not (marian / "vocab.json").exists():
+        config = json.loads((marian / "config.json").read_text())
+        rng = np.random.default_rng(0)
+        return [rng.integers(4, 30, size=src_len - 1).tolist() + [config["eos_token_id"]] for _ in range(n)]
     vocab = json.loads((marian / "vocab.json").read_text())
     if src_len is None:
         from runtime.tokenizer import load_tokenizer
@@ -99,6 +115,13 @@ def inputs(marian: Path, n: int, src_len: int | None) -> list[list[int]]:
         return [tok.encode(t) for t in held_out(n)]
     rng = np.random.default_rng(0)
     return [rng.integers(2, vocab["<pad>"], size=src_len - 1).tolist() + [vocab["</s>"]] for _ in range(n)]
+
+
+def folder_bytes(folder: Path) -> int:
+    """The bytes of a model folder's files (the model file itself for a file)."""
+    if folder.is_file():
+        return folder.stat().st_size
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
 
 
 def main() -> None:
@@ -145,7 +168,8 @@ def main() -> None:
     for label, r in results.items():
         same = sum(a == b for a, b in zip(ref, r["tokens"]))
         row = {"engine": label, "sequences_equal_to_transformers": same / len(ref),
-               "distinct_reference_outputs": len({tuple(t) for t in ref})}
+               "distinct_reference_outputs": len({tuple(t) for t in ref}), "peak_rss_mb": r.get("peak_rss_mb"),
+               "model_mb": folder_bytes(Path(r["model"])) / 1e6}
         for b, times in r["times"].items():
             p50 = statistics.median(times)
             row[f"batch {b} ms"] = p50 * 1000
@@ -155,13 +179,15 @@ def main() -> None:
           f"{args.threads} threads, {args.repeat} rounds; load average before: {load[0]:.2f})")
     sizes = spec["batch_sizes"]
     head = f"{'engine':<28} " + " ".join(f"{'b' + str(b) + ' ms':>10}" for b in sizes) + \
-        (" " + " ".join(f"{'b' + str(b) + ' tok/s':>11}" for b in sizes) if speed else "") + f" {'= HF':>7}"
+        (" " + " ".join(f"{'b' + str(b) + ' tok/s':>11}" for b in sizes) if speed else "") + f" {'= HF':>7}" + \
+        f" {'model MB':>9} {'peak MB':>8}"
     print(head)
     for row in rows:
         line = f"{row['engine']:<28} " + " ".join(f"{row[f'batch {b} ms']:>10.1f}" for b in sizes)
         if speed:
             line += " " + " ".join(f"{row[f'batch {b} tokens/s']:>11.0f}" for b in sizes)
-        print(line + f" {row['sequences_equal_to_transformers']:>7.1%}")
+        print(line + f" {row['sequences_equal_to_transformers']:>7.1%} {row['model_mb']:>9.1f} "
+              f"{row['peak_rss_mb']:>8.0f}")
     print(f"reference outputs: {rows[0]['distinct_reference_outputs']} distinct of {len(ref)}; "
           f"load average after: {os.getloadavg()[0]:.2f}")
     if args.json:

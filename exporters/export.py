@@ -24,7 +24,7 @@ from torch.export import Dim
 import runtime.spec as S
 from exporters.bundle import build_manifest, check_destination, copy_tokenizer, graph_entry, stage_bundle, write_manifest
 from exporters.logs import quiet_loggers
-from exporters.shared_weights import share_weights, shared_bytes
+from exporters.shared_weights import graph_data, save_graph, share_weights, shared_bytes
 from exporters.validate import check_finite, check_graph, proto_weights
 from toolkit.reference.errors import ConfigError
 from toolkit.parity import ParityError
@@ -37,7 +37,6 @@ DEFAULT_OPSET = 20
 SUPPORTED_OPSETS = range(18, 24)            # 18..23: what the dynamo exporter and onnxruntime 1.32 both handle
 MAX_DIM = 65536                             # upper bound for every dynamic axis
 TRACE_SIZES = {S.BATCH: 3, S.SRC_LEN: 7, S.NEW_LEN: 2, S.PAST_LEN: 5}   # never 0 or 1: torch.export would specialize
-MAX_PROTO_BYTES = 2_000_000_000            # one protobuf file holds at most 2 GB
 N_DECODER_FIXED = 4                         # decoder inputs before the caches: ids, encoder mask, positions, key mask
 
 
@@ -106,8 +105,9 @@ def example_input(t: S.TensorSpec, config, gen: torch.Generator) -> torch.Tensor
     return torch.randn(shape, generator=gen)
 
 
-def _export(module: torch.nn.Module, spec: GraphSpec, config, path: Path, opset: int) -> onnx.ModelProto:
-    """Trace one wrapper with the dynamo exporter, name its output dims after the spec, save it to path."""
+def _export(module: torch.nn.Module, spec: GraphSpec, config, path: Path, opset: int) -> None:
+    """Trace one wrapper with the dynamo exporter, name its output dims after the spec, save it to path (its
+    weights in path's data file, exporters/shared_weights.save_graph)."""
     device = next(module.parameters()).device
     gen = torch.Generator().manual_seed(0)
     args = tuple(example_input(t, config, gen).to(device) for t in spec.inputs)
@@ -123,7 +123,9 @@ def _export(module: torch.nn.Module, spec: GraphSpec, config, path: Path, opset:
         warnings.simplefilter("ignore")
         program = torch.onnx.export(module, args, None, input_names=spec.input_names, output_names=spec.output_names,
                                     dynamic_shapes=dyn, opset_version=opset, dynamo=True, verbose=False)
-    proto = program.model_proto
+    save_graph(program.model, path)          # the weights beside the graph, never one protobuf message over 2 GB
+    del program
+    proto = onnx.load(str(path), load_external_data=False)
     name_output_dims(proto, spec)
     proto.doc_string = f"onnxformer {spec.name} graph"
     onnx.save_model(proto, str(path))
@@ -148,10 +150,6 @@ def export_graphs(model: Transformer, out_dir: Path, opset: int = DEFAULT_OPSET,
     {name: (path, the checked model)}. The caller checks the opset (export_model)."""
     progress = progress or (lambda msg: None)
     config = model.config
-    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    if nbytes > MAX_PROTO_BYTES * 0.9:
-        raise ConfigError(f"the model has {nbytes / 1e9:.1f} GB of weights; a graph file holds at most 2 GB, "
-                          f"so export a smaller model")
     specs = graph_specs(config.to_dict())
     was_training = model.training
     model.eval()
@@ -162,8 +160,9 @@ def export_graphs(model: Transformer, out_dir: Path, opset: int = DEFAULT_OPSET,
             path = Path(out_dir) / f"{name}.onnx"
             _export(wrapper(model, specs[name]), specs[name], config, path, opset)
             checked = check_graph(path, specs[name])
-            check_finite(proto_weights(checked), f"{name}.onnx")
-            progress(f"exported {name}.onnx ({path.stat().st_size / 1e6:.1f} MB, opset {opset}) "
+            check_finite(proto_weights(checked, path.parent), f"{name}.onnx")
+            size = path.stat().st_size + graph_data(path).stat().st_size
+            progress(f"exported {name}.onnx ({size / 1e6:.1f} MB, opset {opset}) "
                      f"in {time.perf_counter() - start:.1f} s; onnx checker and spec check passed")
             paths[name] = (path, checked)
     finally:

@@ -32,7 +32,7 @@ from exporters.ort_format import add_ort_format, check_convertible
 from exporters.passes import explain_misses, run_passes
 from exporters.precision import precision_pass
 from exporters.row_activations import RowActivationsPass
-from exporters.shared_weights import inline_external, share_weights, shared_bytes
+from exporters.shared_weights import graph_data, inline_external, save_graph, share_weights, shared_bytes
 from exporters.static_cache import StaticCachePass, StaticCacheError, per_row_for
 from exporters.validate import check_finite, ir_weights
 from runtime.manifest import GRAPHS, PRECISIONS, decoder_layout, read_manifest, verify_hashes
@@ -263,7 +263,7 @@ def convert(job: _Job, models: dict[str, ir.Model], tmp: Path) -> bool | None:
                 converted = step(models[g]).model if step is not None else models[g]
             drop_stack_traces(converted)
             check_finite(ir_weights(converted), f"the {precision} {files[g]}")
-            ir.save(converted, folder / files[g])
+            save_graph(converted, folder / files[g])
         parity = _parity(job, {g: folder / files[g] for g in GRAPHS})
         tried.append((choice, folder, parity))
         if parity.get("verified") or len(choices) == 1:
@@ -275,7 +275,8 @@ def convert(job: _Job, models: dict[str, ir.Model], tmp: Path) -> bool | None:
             report.passes.append(RowActivationsPass.name)
     if folder != tmp:
         for g in GRAPHS:
-            (folder / files[g]).replace(tmp / files[g])
+            for path in (folder / files[g], graph_data(folder / files[g])):
+                path.replace(tmp / path.name)
         for _, other, _ in tried:
             shutil.rmtree(other, ignore_errors=True)
     if not report.parity["verified"] and report.parity.get("verdict") != "not run":

@@ -32,6 +32,7 @@ import onnx_ir as ir
 
 from exporters.passes import ConvertPass
 from exporters.row_activations import per_row_activations
+from exporters.shared_weights import inline_external, save_graph
 
 
 def to_fp16(model: ir.Model) -> ir.Model:
@@ -62,18 +63,20 @@ def to_int8(model: ir.Model, per_channel: bool = True, reduce_range: bool = Fals
             node.name = f"MatMul_{i}"
     packed = [n.name for n in model.graph if n.op_type == "MatMul" and n.inputs[1] is not None
               and (n.inputs[1].name or "").endswith(PACKED)] if packed_per_channel else []
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp:                   # weights in data files: models past 2 GB
         src, dst = Path(tmp) / "float.onnx", Path(tmp) / "int8.onnx"
-        ir.save(model, src)
+        save_graph(model, src)
         common = dict(op_types_to_quantize=["MatMul"], reduce_range=reduce_range, weight_type=QuantType.QInt8,
-                      extra_options={"MatMulConstBOnly": True})
+                      extra_options={"MatMulConstBOnly": True}, use_external_data_format=True)
         if per_channel or not packed:
             quantize_dynamic(src, dst, per_channel=per_channel, **common)
         else:
             mid = Path(tmp) / "packed.onnx"
             quantize_dynamic(src, mid, per_channel=True, nodes_to_quantize=packed, **common)
             quantize_dynamic(mid, dst, per_channel=False, nodes_to_exclude=packed, **common)
-        return ir.from_proto(onnx.load(str(dst)))
+        quantized = ir.load(dst)
+        inline_external(quantized, copy=True)
+        return quantized
 
 
 INT4_BLOCK = 32          # weights per scale along K (the quantizer's default)

@@ -16,12 +16,17 @@ read-only mapping (runtime.bundle.shared_initializers, SessionOptions.add_initia
 once and not once per session's mapping; they must stay page-aligned views of the file: OrtValues of tensors read
 into memory raise the peak instead.
 
+Models past protobuf's 2 GB: export and optimize save every graph with save_graph, its weights in GRAPH.onnx.data
+beside it (never inside one protobuf message), and share_weights reads them from there a tensor at a time, so no
+step holds a graph's weights in one message.
+
 ORT-format (.ort) graphs cannot reference external data: the converter embeds the tensors in each .ort file.
 """
 
 from __future__ import annotations
 
 import hashlib
+import mmap
 from pathlib import Path
 
 import numpy as np
@@ -37,8 +42,10 @@ PAGE = 4096                  # large tensors start on a page: ONNX Runtime then 
 EXTERNAL_BYTES = 64 * 1024   # tensors at least this large go to the weights file even when only one graph reads them
 
 
-def _digest(tensor: onnx.TensorProto) -> str:
-    return hashlib.sha256(tensor.raw_data + bytes(tensor.data_type) + str(list(tensor.dims)).encode()).hexdigest()
+def _digest(tensor: onnx.TensorProto, data: bytes) -> str:
+    h = hashlib.sha256(data)
+    h.update(bytes(tensor.data_type) + str(list(tensor.dims)).encode())
+    return h.hexdigest()
 
 
 def _rename_inputs(graph: onnx.GraphProto, old: str, new: str) -> None:
@@ -67,32 +74,92 @@ def share_weights(paths: dict[str, Path], min_bytes: int = MIN_BYTES, external_b
     Tensors found in both graphs (>= min_bytes) are stored once and referenced by both under one name; every other
     tensor of >= external_bytes is stored there too, so that ONNX Runtime maps it from the file (page-aligned
     offsets) instead of parsing it out of the graph's protobuf: no transient copy, no heap left fragmented after
-    loading. Smaller tensors stay inside the graphs."""
-    models = {g: _load_raw(paths[g]) for g in GRAPHS}
-    out = paths["encoder"].parent / SHARED_FILE
-    with open(out, "wb") as f:
+    loading. Smaller tensors go inside the graphs. The graphs may come with their weights inside or in external
+    data files beside them (save_graph: a model past protobuf's 2 GB never is one message); tensors are read one
+    at a time, and the graphs' own data files are removed once weights.data holds everything."""
+    models = {g: onnx.load(str(paths[g]), load_external_data=False) for g in GRAPHS}
+    folder = paths["encoder"].parent
+    out, part = folder / SHARED_FILE, folder / (SHARED_FILE + ".partial")
+    with _Sources(folder) as sources, open(part, "wb") as f:
         weights = _WeightsFile(f, external_bytes)
-        tensors = _store_common(models, min_bytes, weights)
+        tensors = _store_common(models, min_bytes, weights, sources)
+        shared = {t["name"] for t in tensors}
         for g in GRAPHS:                                                      # the rest of the large weights
             for tensor in models[g].graph.initializer:
-                if tensor.data_location != onnx.TensorProto.EXTERNAL and len(tensor.raw_data) >= external_bytes:
-                    data = tensor.raw_data
+                if tensor.name in shared:
+                    continue
+                data = sources.read(tensor)
+                if len(data) >= external_bytes:
                     _point(tensor, weights.place(data), len(data))
+                elif tensor.data_location == onnx.TensorProto.EXTERNAL:       # small: back inside the graph
+                    _inline(tensor, data)
+        stale = sources.files() - {out}
     if weights.offset == 0:                                                   # nothing large, nothing common
-        out.unlink()
-        return None
+        part.unlink()
+        out.unlink(missing_ok=True)
+    else:
+        part.replace(out)
     for g in GRAPHS:
         onnx.save(models[g], str(paths[g]))
+    for path in stale:
+        path.unlink()
+    if weights.offset == 0:
+        return None
     return {"file": SHARED_FILE, "sha256": sha256_file(out), "bytes": out.stat().st_size, "tensors": tensors}
 
 
-def _load_raw(path: Path) -> onnx.ModelProto:
-    """A graph with raw_data for every tensor, to compare bytes."""
-    model = onnx.load(str(path))
-    for tensor in model.graph.initializer:
-        if not tensor.HasField("raw_data") and tensor.data_type != onnx.TensorProto.STRING:
-            tensor.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(tensor), tensor.name))
-    return model
+def save_graph(model, path: Path) -> None:
+    """Save an onnx_ir model with its weights in a data file beside it (GRAPH.onnx.data), never inside one protobuf
+    message (which holds at most 2 GB); share_weights then gathers them into weights.data."""
+    import onnx_ir as ir
+
+    data = graph_data(path)
+    data.unlink(missing_ok=True)                                  # ir.save appends to an existing file
+    ir.save(model, path, external_data=data.name, size_threshold_bytes=MIN_BYTES)
+
+
+def graph_data(path: Path) -> Path:
+    """The data file save_graph writes beside a graph."""
+    return path.with_name(path.name + ".data")
+
+
+class _Sources:
+    """A tensor's bytes wherever its graph keeps them: inside the protobuf, or in an external data file of the
+    folder (mapped, read a tensor at a time)."""
+
+    def __init__(self, folder: Path):
+        self.folder, self.maps = folder, {}
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        for f, m in self.maps.values():
+            m.close()
+            f.close()
+
+    def files(self) -> set[Path]:
+        return set(self.maps)
+
+    def read(self, tensor: onnx.TensorProto) -> bytes:
+        if tensor.data_location != onnx.TensorProto.EXTERNAL:
+            if not tensor.HasField("raw_data") and tensor.data_type != onnx.TensorProto.STRING:
+                tensor.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(tensor), tensor.name))
+            return tensor.raw_data
+        info = {e.key: e.value for e in tensor.external_data}
+        path = self.folder / info["location"]
+        if path not in self.maps:
+            f = open(path, "rb")
+            self.maps[path] = (f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
+        start = int(info.get("offset", 0))
+        end = start + int(info["length"]) if "length" in info else len(self.maps[path][1])
+        return self.maps[path][1][start:end]
+
+
+def _inline(tensor: onnx.TensorProto, data: bytes) -> None:
+    del tensor.external_data[:]
+    tensor.data_location = onnx.TensorProto.DEFAULT
+    tensor.raw_data = data
 
 
 class _WeightsFile:
@@ -104,7 +171,8 @@ class _WeightsFile:
     def place(self, data: bytes) -> int:
         """Append `data`; returns the offset it starts at."""
         pad = -self.offset % (PAGE if len(data) >= self.external_bytes else ALIGN)
-        self.f.write(b"\0" * pad + data)
+        self.f.write(b"\0" * pad)
+        self.f.write(data)
         start, self.offset = self.offset + pad, self.offset + pad + len(data)
         return start
 
@@ -119,21 +187,22 @@ def _point(tensor: onnx.TensorProto, start: int, length: int) -> None:
         entry.key, entry.value = key, value
 
 
-def _store_common(models: dict, min_bytes: int, weights: _WeightsFile) -> list[dict]:
+def _store_common(models: dict, min_bytes: int, weights: _WeightsFile, sources: _Sources) -> list[dict]:
     """Write each tensor found in both graphs (>= min_bytes) once, both graphs reading it under one name; returns
     the manifest's records of them."""
     index = {g: {} for g in GRAPHS}
     for g, model in models.items():
         for tensor in model.graph.initializer:
-            if len(tensor.raw_data) >= min_bytes:
-                index[g].setdefault(_digest(tensor), tensor)
+            data = sources.read(tensor)
+            if len(data) >= min_bytes:
+                index[g].setdefault(_digest(tensor, data), tensor)
     common = [d for d in index["encoder"] if d in index["decoder"]]
     taken = {g: _names(models[g].graph) for g in GRAPHS}
     tensors = []
     for digest in common:
         first = index["encoder"][digest]
         name = _shared_name(digest, index, taken)
-        data = first.raw_data
+        data = sources.read(first)
         start = weights.place(data)
         for g in GRAPHS:
             tensor = index[g][digest]
@@ -160,14 +229,16 @@ def _shared_name(digest: str, index: dict, taken: dict) -> str:
     return name
 
 
-def inline_external(model) -> None:
+def inline_external(model, copy: bool = False) -> None:
     """Give every initializer of an onnx_ir model read from external data (a bundle's weights.data) its values
-    in memory, so that saving the model elsewhere writes them into the new file instead of a dangling reference."""
+    in memory, so that saving the model elsewhere writes them into the new file instead of a dangling reference.
+    The values stay mapped from the file unless `copy` (a file about to be removed)."""
     import onnx_ir as ir
 
     for value in model.graph.initializers.values():
         if isinstance(value.const_value, ir.ExternalTensor):
-            value.const_value = ir.tensor(value.const_value.numpy(), name=value.name)
+            values = value.const_value.numpy()
+            value.const_value = ir.tensor(np.array(values) if copy else values, name=value.name)
 
 
 def shared_bytes(record: dict | None) -> int:
@@ -175,4 +246,4 @@ def shared_bytes(record: dict | None) -> int:
     return sum(t["length"] for t in (record or {}).get("tensors", []))
 
 
-__all__ = ["share_weights", "shared_bytes", "inline_external", "SHARED_FILE"]
+__all__ = ["share_weights", "shared_bytes", "inline_external", "save_graph", "graph_data", "SHARED_FILE"]

@@ -36,9 +36,9 @@ def check_finite(weights: Iterable[tuple[str, np.ndarray]], graph: str) -> None:
                                         f"holds them) and run again; nothing was written")
 
 
-def proto_weights(model: onnx.ModelProto) -> Iterable[tuple[str, np.ndarray]]:
-    """(name, values) of an onnx graph's initializers."""
-    return ((t.name, numpy_helper.to_array(t)) for t in model.graph.initializer)
+def proto_weights(model: onnx.ModelProto, base_dir: str | Path = "") -> Iterable[tuple[str, np.ndarray]]:
+    """(name, values) of an onnx graph's initializers, one at a time (external data read from base_dir)."""
+    return ((t.name, numpy_helper.to_array(t, str(base_dir))) for t in model.graph.initializer)
 
 
 def ir_weights(model: ir.Model) -> Iterable[tuple[str, np.ndarray]]:
@@ -67,11 +67,11 @@ def interface_problems(model: onnx.ModelProto, spec: GraphSpec) -> list[str]:
 
 def check_graph(path: str | Path, spec: GraphSpec | None = None) -> onnx.ModelProto:
     """Run onnx.checker (full check: includes strict, type-checked shape inference) on a saved graph, then compare
-    it with its spec."""
+    it with its spec. The weights are not loaded: read them with proto_weights(model, path.parent)."""
     path = Path(path)
     try:
         onnx.checker.check_model(str(path), full_check=True)
-        model = onnx.load(str(path))
+        model = onnx.load(str(path), load_external_data=False)
     except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise GraphCheckError(f"{path.name} fails the onnx checker: {first}") from exc

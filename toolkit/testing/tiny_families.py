@@ -176,14 +176,18 @@ class ForcedState:
         return logits
 
 
-def bpe_vocab(space: str) -> tuple[dict[str, int], list[tuple[str, str]]]:
-    """A small BPE vocabulary (<s> <pad> </s> <unk> first, <mask> last) and its merges."""
+def bpe_vocab(space: str, size: int | None = None) -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """A small BPE vocabulary (<s> <pad> </s> <unk> first, <mask> last) and its merges; `size`: padded with
+    made-up pieces to that many entries (a real model's vocabulary size, for converters that want one token per
+    embedding row)."""
     vocab = {"<s>": 0, "<pad>": 1, "</s>": 2, "<unk>": 3}
     for ch in sorted(set("".join(WORDS)) | {space}):
         vocab.setdefault(ch, len(vocab))
     merges = [("t", "h"), ("th", "e"), (space, "t"), ("o", "x"), ("q", "u"), ("e", "r"), ("j", "o")]
     for a, b in merges:
         vocab.setdefault(a + b, len(vocab))
+    while len(vocab) < (size or 0) - 1:
+        vocab[f"{space}w{len(vocab)}"] = len(vocab)
     vocab["<mask>"] = len(vocab)
     return vocab, merges
 
@@ -216,14 +220,14 @@ def bpe_pieces(word: str, merges: list[tuple[str, str]]) -> list[str]:
         pieces[i:i + 2] = [pieces[i] + pieces[i + 1]]
 
 
-def tiny_tokenizer(name: str, words: bool = False, src_lang: str | None = None):
+def tiny_tokenizer(name: str, words: bool = False, src_lang: str | None = None, size: int | None = None):
     """transformers' tokenizer of the family (one of TOKENIZERS) over a small vocabulary; `words`: each of WORDS is
     one piece (short sequences a tiny model learns a task on in seconds), else they split into letters and pairs;
-    src_lang: the source language of NLLB and mBART (default fra_Latn, de_DE)."""
+    src_lang: the source language of NLLB and mBART (default fra_Latn, de_DE); size: BART's vocabulary padded to it."""
     import transformers
 
     space = "\u0120" if name == "bart" else "\u2581"
-    bpe, merges = bpe_vocab(space)
+    bpe, merges = bpe_vocab(space, size if name == "bart" else None)
     if words:
         merges = whole_words(bpe, merges, space)
     scored = [(piece, 0.0 if words and piece.strip(space) in WORDS else -float(i)) for piece, i in bpe.items()]
@@ -255,6 +259,42 @@ def tiny_multilingual(name: str, directory: str | Path, seed: int = 3, matrix: f
     return model, tokenizer
 
 
-__all__ = ["CONDITIONED", "FAMILIES", "SIZES", "ForcedFirst", "LANGS", "MULTILINGUAL", "TOKENIZERS", "TRAINED_TOKENIZER",
-           "family_model", "held_out", "sentences", "tiny_multilingual", "tiny_original", "tiny_tokenizer",
-           "trained_original", "translate"]
+
+SHAPES = {   # real models' shapes, for benchmarks: (family, tokenizer, config beside the family's defaults)
+    "nllb-600m": ("m2m100", "nllb", dict(vocab_size=256206, d_model=1024, encoder_layers=12, decoder_layers=12,
+                                         encoder_attention_heads=16, decoder_attention_heads=16, encoder_ffn_dim=4096,
+                                         decoder_ffn_dim=4096, max_position_embeddings=1024, scale_embedding=True,
+                                         activation_function="relu", decoder_start_token_id=2)),
+    "bart-base": ("bart", "bart", dict(vocab_size=50265, d_model=768, encoder_layers=6, decoder_layers=6,
+                                       encoder_attention_heads=12, decoder_attention_heads=12, encoder_ffn_dim=3072,
+                                       decoder_ffn_dim=3072, max_position_embeddings=1024,
+                                       normalize_before=False)),    # BART is post-norm: CTranslate2 reads this key
+}
+
+
+def random_original(shape: str, directory: str | Path, seed: int = 0) -> Path:
+    """A save_pretrained directory of a real model's shape (one of SHAPES) with transformers' own random
+    initialization and the family's tokenizer over the small vocabulary (BART's padded with made-up pieces to the
+    model's size, as CTranslate2's converter wants; NLLB's padded by that converter itself): for speed and memory
+    benchmarks."""
+    import torch
+    import transformers
+
+    name, tokenizer, config = SHAPES[shape]
+    config_cls, model_cls, _ = FAMILIES[name]
+    torch.manual_seed(seed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cfg = getattr(transformers, config_cls)(dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, **config)
+        cfg.forced_eos_token_id = None
+        model = getattr(transformers, model_cls)(cfg).eval()
+    model.generation_config.forced_eos_token_id = None
+    model.save_pretrained(directory)
+    tiny_tokenizer(tokenizer, size=config["vocab_size"]).save_pretrained(directory)
+    return Path(directory)
+
+
+
+__all__ = ["CONDITIONED", "FAMILIES", "SHAPES", "SIZES", "ForcedFirst", "LANGS", "MULTILINGUAL", "TOKENIZERS",
+           "TRAINED_TOKENIZER", "family_model", "held_out", "random_original", "sentences", "tiny_multilingual",
+           "tiny_original", "tiny_tokenizer", "trained_original", "translate"]

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# A real shape with random weights through the whole path, each step's peak resident memory measured
+# (/usr/bin/time -v): build the save_pretrained directory (toolkit.testing.tiny_families.SHAPES), import, export,
+# optimize fp32 and int8 (random weights pass no token gate: --allow-unverified), then generate 16 tokens (a random
+# model with tied embeddings ends at once: --min-new-tokens).
+#
+#   SHAPE=nllb-600m WORK=/tmp/big bash benchmarks/big_models.sh   # $WORK/models/$SHAPE/{hf,checkpoint,onnxformer-*}
+#
+# The folder names are race_peers.py's: `race_peers.py --model $SHAPE` with ONNXFORMER_PEERS=$WORK reuses them.
+#
+# Prints one line per step: seconds, peak RSS, and the sizes of what it wrote.
+set -euo pipefail
+SHAPE=${SHAPE:-nllb-600m}
+WORK=${WORK:-out/peers}
+PY=${PY:-.venv/bin/python}
+D=$WORK/models/$SHAPE
+OX="$PY -m toolkit.apps.cli"
+mkdir -p "$D"
+
+step() {   # step NAME OUTPUT COMMAND...: run it under /usr/bin/time -v, report wall time, peak RSS and output size
+  local name=$1 out=$2; shift 2
+  /usr/bin/time -v "$@" > "$D/$name.log" 2>&1 || { tail -20 "$D/$name.log"; exit 1; }
+  local rss wall
+  rss=$(awk -F': ' '/Maximum resident/ {printf "%.2f", $2 / 1048576}' "$D/$name.log")
+  wall=$(awk -F': ' '/Elapsed \(wall/ {print $2}' "$D/$name.log")
+  echo "$name: wall $wall, peak RSS $rss GiB, $(du -sh --apparent-size "$out" | cut -f1) written"
+}
+
+[ -f "$D/hf/config.json" ] || step build "$D" $PY -c \
+  "from toolkit.testing.tiny_families import random_original; random_original('$SHAPE', '$D/hf')"
+step import "$D/checkpoint" $OX import "$D/hf" --out "$D/checkpoint" --force
+step export "$D/onnxformer-export" $OX export "$D/checkpoint" --out "$D/onnxformer-export" --force
+step optimize-fp32 "$D/onnxformer-fp32" $OX optimize "$D/onnxformer-export" --out "$D/onnxformer-fp32" --force \
+  --samples 8 --allow-unverified
+step optimize-int8 "$D/onnxformer-int8" $OX optimize "$D/onnxformer-export" --out "$D/onnxformer-int8" \
+  --precision int8 --force --samples 8 --allow-unverified
+for b in fp32 int8; do
+  step "generate-$b" "$D/onnxformer-$b" $OX generate "$D/onnxformer-$b" --ids "5 17 29 41 3 2" --max-new-tokens 16 \
+    --min-new-tokens 16
+done

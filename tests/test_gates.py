@@ -206,9 +206,9 @@ def test_a_key_channel_outlier_costs_per_tensor_int8_its_tokens_but_not_packed_p
     for name, source, packed in (("plain", bundle, True), ("outlier", tmp_path / "fp32", True),
                                  ("outlier, one scale", tmp_path / "fp32", False)):
         real = P.to_int8
-        P.to_int8 = lambda m, pc=True, rr=False, pp=True, packed=packed: real(m, pc, rr, packed)
+        P.to_int8 = lambda m, pc=True, rr=False, pp=True, packed=packed, **kw: real(m, pc, rr, packed, **kw)
         try:
-            _, report = optimize_bundle(source, tmp_path / name, precision="int8", per_channel=False,
+            _, report = optimize_bundle(source, tmp_path / name, precision="int8", recipe="default",
                                         allow_unverified=True)
         finally:
             P.to_int8 = real

@@ -61,9 +61,9 @@ def bundles(toy_exported, tmp_path_factory):
     root = tmp_path_factory.mktemp("edge")
     fp32 = toy_exported[1]
     int8, _ = optimize_bundle(fp32, root / "int8", target="cpu", precision="int8", samples=8,  # toy: below the
-                              recipe="default", allow_unverified=True)                        # int8 token row
+                              recipe="per-channel", allow_unverified=True)                    # int8 token row
     int8_ort, _ = optimize_bundle(fp32, root / "int8-ort", target="cpu", precision="int8", samples=8, ort_format=True,
-                                  recipe="default", allow_unverified=True)
+                                  recipe="per-channel", allow_unverified=True)
     return {"fp32": fp32, "int8": int8, "fp32-ort": with_ort_graphs(fp32, root / "fp32-ort"), "int8-ort": int8_ort}
 
 

@@ -25,6 +25,7 @@ import onnxruntime as ort
 
 from exporters.bundle import build_manifest, copy_tokenizer, graph_entry, op_counts, stage_bundle, write_manifest
 from exporters.fusions import attention_rules, fusion_passes, quantization_prepasses
+from exporters.int8_recipes import AUTO, Recipe, account, figures, pick, prepare, recipes_for
 from exporters.logs import quiet_loggers
 from exporters.optimize_options import (ATTENTION_OPS, STATIC_ATTENTION_OPS, TARGETS, OptimizeError, check_options,
                                         check_source, resolve_kv_cache)
@@ -58,6 +59,7 @@ class OptimizeReport:
     before: dict[str, dict] = field(default_factory=dict)                # graph -> {nodes, op_counts, bytes}
     after: dict[str, dict] = field(default_factory=dict)
     parity: dict = field(default_factory=dict)
+    recipe: dict | None = None                                            # int8: the recipe kept, those tried
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
 
@@ -74,7 +76,7 @@ class OptimizeReport:
                 "attention": self.attention, "kv_cache": self.kv_cache,
                 "decoder_layout": self.decoder_layout, "fusions": self.fusions, "fusion_totals": self.totals,
                 "passes": self.passes, "before": self.before, "after": self.after, "parity": self.parity,
-                "notes": self.notes, "seconds": self.seconds}
+                "recipe": self.recipe, "notes": self.notes, "seconds": self.seconds}
 
     def format(self) -> str:
         """The command's report: rewrites, node and op counts, file sizes, parity."""
@@ -147,13 +149,12 @@ class _Job:
     fuse: bool
     attention: str
     kv_cache: str
-    per_channel: bool | None
+    recipes: list[Recipe]
     samples: int
     ort_format: bool
     report: OptimizeReport
     progress: Callable[[str], None]
     allow_unverified: bool = False
-    activation_scales: str = "per-tensor"
     texts: list[str] | None = None
 
     def source(self, graph: str) -> Path:
@@ -164,8 +165,8 @@ def optimize_bundle(bundle_dir: str | Path, out_dir: str | Path, target: str = "
                     fuse: bool = True, attention: str = "ort", force: bool = False, per_channel: bool | None = None,
                     samples: int = DEFAULT_SAMPLES, progress: Callable[[str], None] | None = None,
                     ort_format: bool = False, kv_cache: str = "auto",
-                    allow_unverified: bool = False, activation_scales: str = "per-tensor",
-                    texts: list[str] | None = None) -> tuple[Path, OptimizeReport]:
+                    allow_unverified: bool = False, activation_scales: str | None = None,
+                    texts: list[str] | None = None, recipe: str = AUTO) -> tuple[Path, OptimizeReport]:
     """Fuse and/or convert a bundle into out_dir; returns (out_dir, report). Bad input: OptimizeError/BundleError.
 
     Three steps, inside a staging folder renamed into place only when all succeed: transform (fusions, static
@@ -178,12 +179,10 @@ def optimize_bundle(bundle_dir: str | Path, out_dir: str | Path, target: str = "
     (GroupQueryAttention: each row at its own length, as in-flight batching needs); --target cuda --kv-cache static
     gets the shared-slot layout (DecoderMaskedMultiHeadAttention).
 
-    per_channel (int8): None chooses per tensor, which is faster, unless its greedy tokens miss the tolerance
-    table's int8 row and per-channel scales do better; True/False force one.
-
-    activation_scales (int8): "per-tensor" (one activation range per MatMul input tensor, onnxruntime's dynamic
-    quantization) or "per-row" (one per token row, exporters/row_activations: a row's result then does not depend
-    on the other rows of its batch). Judged by the same int8 gate.
+    recipe (int8): "auto" tries the int8 recipes cheapest first (exporters/int8_recipes: weight scales per tensor
+    or per channel, activation ranges per tensor or per token row, the output projection kept float32) and keeps
+    the first the gate passes; a name uses that recipe only. per_channel and activation_scales (None: not given)
+    narrow "auto" to the recipes that agree; with a named recipe they must agree with it (else OptimizeError).
 
     The gate (toolkit.parity.gate, the tolerance table's row for the precision): a verdict other than "ok"
     (failed, or inconclusive because the outputs do not vary) raises ParityError and writes nothing, unless
@@ -194,7 +193,7 @@ def optimize_bundle(bundle_dir: str | Path, out_dir: str | Path, target: str = "
     """
     start = time.perf_counter()
     bundle_dir, out_dir = Path(bundle_dir), Path(out_dir)
-    check_options(target, precision, attention, fuse, activation_scales)
+    check_options(target, precision, attention, fuse, activation_scales, recipe)
     if ort_format:                                        # .ort graphs are for the CPU provider's minimal builds
         check_convertible({"precision": precision, "target": target})
     manifest = read_manifest(bundle_dir)
@@ -205,15 +204,16 @@ def optimize_bundle(bundle_dir: str | Path, out_dir: str | Path, target: str = "
     if texts is not None and not manifest.get("tokenizer"):
         raise OptimizeError(f"{bundle_dir} has no tokenizer (it takes token ids), so gate input texts cannot be "
                             f"encoded; leave --input out and the gate uses random ids")
-    job = _Job(bundle_dir, out_dir, manifest, target, precision, fuse, attention, kv_cache, per_channel, samples,
-               ort_format, report, progress or (lambda msg: None), allow_unverified, activation_scales, texts)
+    recipes = recipes_for(recipe, per_channel, activation_scales) if precision == "int8" else []
+    job = _Job(bundle_dir, out_dir, manifest, target, precision, fuse, attention, kv_cache, recipes, samples,
+               ort_format, report, progress or (lambda msg: None), allow_unverified, texts)
     job.progress(f"optimizing {bundle_dir} -> {out_dir}")
     if manifest.get("ort_graphs"):
         report.notes.append("the source's ORT-format (.ort) graphs are not carried over; convert the new graphs again")
     with stage_bundle(out_dir, force) as tmp:
         models = transform(job)
-        per_channel = convert(job, models, tmp)
-        write(job, tmp, per_channel)
+        kept = convert(job, models, tmp)
+        write(job, tmp, kept)
     report.seconds = time.perf_counter() - start
     return out_dir, report
 
@@ -248,47 +248,70 @@ def transform(job: _Job) -> dict[str, ir.Model]:
     return models
 
 
-def convert(job: _Job, models: dict[str, ir.Model], tmp: Path) -> bool | None:
-    """Convert to the precision and save into tmp, judged by parity (int8: per-tensor, then per-channel scales if
-    per-tensor misses the token row); returns the per_channel choice kept. Out of tolerance: ParityError."""
-    report, precision, files = job.report, job.precision, {g: job.manifest["graphs"][g]["file"] for g in GRAPHS}
-    choices = [job.per_channel] if precision != "int8" or job.per_channel is not None else [False, True]
+def convert(job: _Job, models: dict[str, ir.Model], tmp: Path) -> Recipe | None:
+    """Convert to the precision and save into tmp, judged by parity; int8 tries its recipes in order
+    (exporters/int8_recipes) and keeps the first that passes. Returns the int8 recipe kept. Out of tolerance:
+    ParityError, listing each recipe's figure."""
+    report, files = job.report, {g: job.manifest["graphs"][g]["file"] for g in GRAPHS}
+    candidates = job.recipes if job.precision == "int8" else [None]
     tried = []
-    for choice in choices:
-        step = precision_pass(precision, bool(choice), job.activation_scales)
-        folder = tmp if len(choices) == 1 else tmp / f".per_channel_{choice}"
+    for recipe in candidates:
+        folder = tmp if len(candidates) == 1 else tmp / f".recipe_{recipe.name}"
         folder.mkdir(exist_ok=True)
-        for g in GRAPHS:
-            with quiet_loggers("root", "onnxruntime", "onnxruntime.quantization"):
-                converted = step(models[g]).model if step is not None else models[g]
-            drop_stack_traces(converted)
-            check_finite(ir_weights(converted), f"the {precision} {files[g]}")
-            save_graph(converted, folder / files[g])
+        applied, counts = _convert_graphs(job, models, recipe, folder, files, clone=len(candidates) > 1)
         parity = _parity(job, {g: folder / files[g] for g in GRAPHS})
-        tried.append((choice, folder, parity))
-        if parity.get("verified") or len(choices) == 1:
-            break
-    choice, folder, report.parity = _choose(tried, report)
-    if step is not None:
-        report.passes.append(step.name)
-        if precision == "int8" and job.activation_scales == "per-row":
-            report.passes.append(RowActivationsPass.name)
+        tried.append((recipe, folder, parity, applied, counts))
+        if parity.get("verified") or parity.get("verdict") in ("inconclusive", "not run"):
+            break                                   # outputs that do not vary: no recipe can be judged
+    kept = pick([(t[0], t[2]) for t in tried]) if job.precision == "int8" else 0
+    recipe, folder, report.parity, applied, counts = tried[kept]
+    report.passes = sorted(set(report.passes) | set(applied), key=_pass_rank)
+    for g in GRAPHS:
+        for rule, n in counts.get(g, {}).items():
+            report.fusions[g][rule] = report.fusions[g].get(rule, 0) + n
+    if recipe is not None:
+        sizes = [sum((t[1] / files[g]).stat().st_size for g in GRAPHS) for t in tried]
+        report.recipe, notes = account([(t[0], t[2], size) for t, size in zip(tried, sizes)], kept)
+        report.notes += notes
     if folder != tmp:
         for g in GRAPHS:
             for path in (folder / files[g], graph_data(folder / files[g])):
                 path.replace(tmp / path.name)
-        for _, other, _ in tried:
-            shutil.rmtree(other, ignore_errors=True)
+        for other in tried:
+            shutil.rmtree(other[1], ignore_errors=True)
     if not report.parity["verified"] and report.parity.get("verdict") != "not run":
         if not job.allow_unverified:
-            raise ParityError(f"the {precision} graphs did not pass the gate: {report.parity['summary']}; nothing "
-                              f"was written to {job.out_dir} (pass --allow-unverified to write it marked "
+            tries = f" (int8 recipes tried: {figures([(t[0], t[2]) for t in tried])})" if len(tried) > 1 else ""
+            raise ParityError(f"the {job.precision} graphs did not pass the gate: {report.parity['summary']}{tries}; "
+                              f"nothing was written to {job.out_dir} (pass --allow-unverified to write it marked "
                               f"unverified)", report.parity)
         report.parity["allowed_unverified"] = True
-    return choice
+    return recipe
 
 
-def write(job: _Job, tmp: Path, per_channel: bool | None) -> None:
+def _convert_graphs(job: _Job, models: dict[str, ir.Model], recipe: Recipe | None, folder: Path, files: dict,
+                    clone: bool) -> tuple[list[str], dict[str, dict[str, int]]]:
+    """Convert each graph (an int8 recipe: its pre-passes first, on a copy when other recipes follow) into folder;
+    returns (the passes applied, the pre-passes' rewrites by graph)."""
+    applied, counts = [], {}
+    for g in GRAPHS:
+        model, step = models[g], precision_pass(job.precision)
+        if recipe is not None:
+            model, step, counts[g], prepasses = prepare(model.clone() if clone else model, recipe)
+            applied += prepasses
+        with quiet_loggers("root", "onnxruntime", "onnxruntime.quantization"):
+            converted = step(model).model if step is not None else model
+        drop_stack_traces(converted)
+        check_finite(ir_weights(converted), f"the {job.precision} {files[g]}")
+        save_graph(converted, folder / files[g])
+    if step is not None:
+        applied.append(step.name)
+    if recipe is not None and recipe.activation_scales == "per-row":
+        applied.append(RowActivationsPass.name)
+    return applied, counts
+
+
+def write(job: _Job, tmp: Path, recipe: Recipe | None) -> None:
     """The new bundle's manifest (graph entries, fusions, passes, parity, where it came from), its tokenizer and,
     when asked, its ORT-format graphs."""
     report, manifest = job.report, job.manifest
@@ -310,8 +333,8 @@ def write(job: _Job, tmp: Path, per_channel: bool | None) -> None:
               "graphs": {g: {"sha256": manifest["graphs"][g]["sha256"], **report.before[g]} for g in GRAPHS},
               "options": {"target": job.target, "precision": job.precision, "fuse": job.fuse,
                           "attention": job.attention, "kv_cache": job.kv_cache,
-                          "per_channel": per_channel if job.precision == "int8" else None,
-                          "activation_scales": job.activation_scales if job.precision == "int8" else None},
+                          **(recipe.options() if recipe is not None else
+                             {"recipe": None, "per_channel": None, "activation_scales": None})},
               "fusions_by_graph": report.fusions}
     new = build_manifest(manifest["model"], entries, precision=job.precision, target=job.target,
                          fusions=fusions, passes=(manifest.get("passes") or []) + report.passes,
@@ -330,18 +353,6 @@ def _counts(entry: dict, path: Path) -> dict:
         counts = op_counts(onnx.load(str(path), load_external_data=False).graph)
         return {"nodes": sum(counts.values()), "op_counts": dict(counts), "bytes": path.stat().st_size}
     return {"nodes": entry["nodes"], "op_counts": entry["op_counts"], "bytes": entry.get("bytes", path.stat().st_size)}
-
-
-def _choose(tried: list, report: OptimizeReport) -> tuple:
-    """The int8 weight scales to keep: the first that meets the token row, else the best; say why."""
-    if len(tried) == 1:
-        return tried[0]
-    best = max(tried, key=lambda t: t[2]["generation"]["tokens_equal"])
-    names = {False: "per-tensor", True: "per-channel"}
-    tokens = ", ".join(f"{names[c]} {p['generation']['tokens_equal']:.2%}" for c, _, p in tried)
-    report.notes.append(f"int8 weight scales: per-tensor missed the int8 token row, so both were tried "
-                        f"(greedy tokens equal: {tokens}); kept {names[best[0]]}")
-    return best
 
 
 def _fuse_graph(path: Path, fuse: bool, attention: str, precision: str, opset: int | None,
@@ -365,7 +376,7 @@ def _fuse_graph(path: Path, fuse: bool, attention: str, precision: str, opset: i
         applied += [static.name] if static.changed else []
         if static.note and notes is not None:
             notes.append(static.note)
-    if precision in ("int8", "int4"):
+    if precision == "int4":                         # int8: each recipe runs its own (exporters/int8_recipes)
         run = run_passes(quantization_prepasses(), model, steps=2)
         model = run.model
         counts.update(run.counts)

@@ -21,15 +21,18 @@ class OptimizeError(OnnxformerError):
 
 
 def check_options(target: str, precision: str, attention: str, fuse: bool,
-                  activation_scales: str = "per-tensor") -> None:
-    """Refuse option combinations that cannot work, before touching anything."""
-    if activation_scales not in ACTIVATION_SCALES:
+                  activation_scales: str | None = None, recipe: str = "auto") -> None:
+    """Refuse option combinations that cannot work, before touching anything (the int8 recipe's own checks:
+    exporters/int8_recipes.recipes_for)."""
+    if activation_scales is not None and activation_scales not in ACTIVATION_SCALES:
         raise OptimizeError(f"unknown activation scales {activation_scales!r}; choose one of: "
                             f"{', '.join(ACTIVATION_SCALES)}")
-    if activation_scales != "per-tensor" and precision != "int8":
+    if activation_scales not in (None, "per-tensor") and precision != "int8":
         raise OptimizeError(f"--activation-scales {activation_scales} is for --precision int8 (dynamically quantized "
                             f"activations); {precision} has none to scale" + (
                                 " (int4's kernel already quantizes each row on its own)" if precision == "int4" else ""))
+    if recipe != "auto" and precision != "int8":
+        raise OptimizeError(f"--recipe {recipe} is for --precision int8 (the int8 recipes); drop it for {precision}")
     if target not in TARGETS:
         raise OptimizeError(f"unknown target {target!r}; choose one of: {', '.join(TARGETS)}")
     if precision not in PRECISIONS:

@@ -49,13 +49,14 @@ PACKED = ".packed.weight"           # the joined weights of exporters/fusions/pa
 
 
 def to_int8(model: ir.Model, per_channel: bool = True, reduce_range: bool = False,
-            packed_per_channel: bool = True) -> ir.Model:
+            packed_per_channel: bool = True, keep_float: tuple[str, ...] = ()) -> ir.Model:
     """A copy with MatMul weights quantized to int8 (dynamic quantization of activations).
 
     per_channel False still gives packed weights one scale per output channel (packed_per_channel): Q, K and V
     of a layer, and the cross-attention K/V of every decoder layer, joined into one matrix have different
     ranges, and one scale for all of them rounds the narrow ones away. The other weights keep one scale per
-    tensor (faster). reduce_range: 7-bit weights (see the module docstring for why it is off)."""
+    tensor (faster). reduce_range: 7-bit weights (see the module docstring for why it is off). keep_float: names
+    of MatMuls left in float32."""
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
     for i, node in enumerate(model.graph):                       # the quantizer selects nodes by name
@@ -69,11 +70,11 @@ def to_int8(model: ir.Model, per_channel: bool = True, reduce_range: bool = Fals
         common = dict(op_types_to_quantize=["MatMul"], reduce_range=reduce_range, weight_type=QuantType.QInt8,
                       extra_options={"MatMulConstBOnly": True}, use_external_data_format=True)
         if per_channel or not packed:
-            quantize_dynamic(src, dst, per_channel=per_channel, **common)
+            quantize_dynamic(src, dst, per_channel=per_channel, nodes_to_exclude=list(keep_float), **common)
         else:
             mid = Path(tmp) / "packed.onnx"
             quantize_dynamic(src, mid, per_channel=True, nodes_to_quantize=packed, **common)
-            quantize_dynamic(mid, dst, per_channel=False, nodes_to_exclude=packed, **common)
+            quantize_dynamic(mid, dst, per_channel=False, nodes_to_exclude=packed + list(keep_float), **common)
         quantized = ir.load(dst)
         inline_external(quantized, copy=True)
         return quantized
@@ -96,15 +97,18 @@ def to_int4(model: ir.Model, block_size: int = INT4_BLOCK) -> ir.Model:
     return ir.from_proto(quantizer.model.model)
 
 
-def precision_pass(precision: str, per_channel: bool = True, activation_scales: str = "per-tensor") -> ConvertPass | None:
+def precision_pass(precision: str, per_channel: bool = True, activation_scales: str = "per-tensor",
+                   keep_float: tuple[str, ...] = ()) -> ConvertPass | None:
     """The pass for a precision (None for fp32). int8 activation_scales "per-row": each token row gets its own
-    activation range (exporters/row_activations), so a row's result does not depend on its batch neighbours."""
+    activation range (exporters/row_activations), so a row's result does not depend on its batch neighbours;
+    keep_float: MatMuls (by name) left in float32."""
     if precision == "fp16":
         return ConvertPass("float16", to_fp16)
     if precision == "int8" and activation_scales == "per-row":
-        return ConvertPass("quantize_int8", lambda model: per_row_activations(to_int8(model, per_channel)))
+        return ConvertPass("quantize_int8",
+                           lambda model: per_row_activations(to_int8(model, per_channel, keep_float=keep_float)))
     if precision == "int8":
-        return ConvertPass("quantize_int8", lambda model: to_int8(model, per_channel))
+        return ConvertPass("quantize_int8", lambda model: to_int8(model, per_channel, keep_float=keep_float))
     if precision == "int4":
         return ConvertPass("quantize_int4", to_int4)
     if precision == "fp32":

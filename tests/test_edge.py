@@ -61,9 +61,9 @@ def bundles(toy_exported, tmp_path_factory):
     root = tmp_path_factory.mktemp("edge")
     fp32 = toy_exported[1]
     int8, _ = optimize_bundle(fp32, root / "int8", target="cpu", precision="int8", samples=8,  # toy: below the
-                              allow_unverified=True)                                          # int8 token row
+                              recipe="per-channel", allow_unverified=True)                    # int8 token row
     int8_ort, _ = optimize_bundle(fp32, root / "int8-ort", target="cpu", precision="int8", samples=8, ort_format=True,
-                                  allow_unverified=True)
+                                  recipe="per-channel", allow_unverified=True)
     return {"fp32": fp32, "int8": int8, "fp32-ort": with_ort_graphs(fp32, root / "fp32-ort"), "int8-ort": int8_ort}
 
 
@@ -380,7 +380,7 @@ def test_optimize_replaces_a_bundle_with_weights_and_reoptimizes_from_one(bundle
     assert (out / "weights.data").is_file()
     optimize_bundle(toy_exported[1], out, precision="fp32", samples=4, force=True)       # replaced, not refused
     again, report = optimize_bundle(out, tmp_path / "int8", precision="int8", fuse=False, samples=8,
-                                      allow_unverified=True)          # toy: below the int8 token row
+                                      recipe="default", allow_unverified=True)          # toy: below the int8 token row
     shutil.rmtree(out)                                                # nothing may still point into the source
     manifest = json.loads((again / "manifest.json").read_text())
     assert manifest["shared_weights"]["file"] == "weights.data" and report.totals["int8_embedding"] == 2

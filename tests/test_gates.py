@@ -5,6 +5,7 @@ logits), and optimize refuses a bundle whose gate is not "ok" (exit 1, nothing a
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from exporters.int8_recipes import NAMES
 from runtime.manifest import read_manifest
 from toolkit.reference.checkpoint import load_checkpoint, save_checkpoint
 from toolkit.apps.cli import main
@@ -142,6 +144,8 @@ def test_optimize_int8_below_the_token_row_exits_1_and_writes_nothing(toy_export
     assert result.exit_code == 1, result.output
     assert "did not pass the gate" in result.stderr and "greedy tokens failed" in result.stderr
     assert "(needed 98%)" in result.stderr and "Traceback" not in result.output
+    tried = re.findall(r"([\w-]+) [\d.]+% tokens \((\w+)\)", result.stderr)     # each recipe's figure, in order
+    assert tried == [(name, "failed") for name in NAMES], result.stderr
     assert not out.exists() and not [p for p in tmp_path.iterdir() if ".onnxformer-" in p.name]
     allowed = run("optimize", bundle, "--out", out, "--precision", "int8", "--allow-unverified", "--json")
     assert allowed.exit_code == 0, allowed.output
@@ -202,9 +206,9 @@ def test_a_key_channel_outlier_costs_per_tensor_int8_its_tokens_but_not_packed_p
     for name, source, packed in (("plain", bundle, True), ("outlier", tmp_path / "fp32", True),
                                  ("outlier, one scale", tmp_path / "fp32", False)):
         real = P.to_int8
-        P.to_int8 = lambda m, pc=True, rr=False, pp=True, packed=packed: real(m, pc, rr, packed)
+        P.to_int8 = lambda m, pc=True, rr=False, pp=True, packed=packed, **kw: real(m, pc, rr, packed, **kw)
         try:
-            _, report = optimize_bundle(source, tmp_path / name, precision="int8", per_channel=False,
+            _, report = optimize_bundle(source, tmp_path / name, precision="int8", recipe="default",
                                         allow_unverified=True)
         finally:
             P.to_int8 = real

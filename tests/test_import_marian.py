@@ -261,3 +261,31 @@ def test_hub_name_without_network_and_destinations(marian, tmp_path, monkeypatch
     result = CliRunner().invoke(main, ["import", str(directory), "--out", str(tmp_path / "new")])
     assert result.exit_code == 0 and "imported" in result.output
     assert json.loads((tmp_path / "new" / "import.json").read_text())["format"] == "marian"
+
+
+BRIEF = {**TRAINED, "steps": 700, "separate_vocabs": True}   # brief: the default int8 recipe misses the token row
+
+
+@pytest.mark.slow
+def test_briefly_trained_marian_int8_keeps_the_first_recipe_that_passes(tmp_path):
+    """A briefly trained Marian: the default int8 recipe (per-tensor scales) misses the gate's token row on held-out
+    texts; optimize tries the recipes in order and keeps the first that passes, verified, recorded in the manifest,
+    with only its graphs in the bundle."""
+    from exporters.export import export_checkpoint
+    from exporters.int8_recipes import NAMES
+    from exporters.optimize import optimize_bundle
+    from runtime.manifest import read_manifest
+
+    ckpt = import_model(build_tiny_marian(tmp_path / "marian", **BRIEF), tmp_path / "ckpt")
+    fused, _ = optimize_bundle(export_checkpoint(ckpt, tmp_path / "bundle"), tmp_path / "fused")
+    out, report = optimize_bundle(fused, tmp_path / "int8", precision="int8", texts=held_out(64), samples=64)
+    tried = report.recipe["tried"]
+    print(report.notes)
+    assert tried[0]["recipe"] == "default" and tried[0]["verdict"] == "failed" and tried[0]["tokens_equal"] < 0.98
+    assert [t["recipe"] for t in tried] == list(NAMES[:len(tried)]) and len(tried) > 1
+    assert all(t["verdict"] == "failed" for t in tried[:-1]) and tried[-1]["verdict"] == "ok"
+    assert report.parity["verified"] and report.parity["generation"]["distinct_outputs"] >= 32
+    manifest = read_manifest(out)
+    assert manifest["parity"]["verified"] and manifest["source"]["options"]["recipe"] == tried[-1]["recipe"]
+    assert any(n.startswith(f"int8 recipe {tried[-1]['recipe']} against the default: graphs ") for n in report.notes)
+    assert not [p.name for p in out.iterdir() if p.name.startswith(".")]

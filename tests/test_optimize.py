@@ -164,7 +164,8 @@ def test_onnx_attention_target(toy, tmp_path):
 
 def test_int8_on_fused_bundle_is_allowed_and_reports_token_agreement(toy, tmp_path):
     model, _, fused, _ = toy                         # the toy model misses the int8 token row: written only if allowed
-    out, report = optimize_bundle(fused, tmp_path / "int8", precision="int8", allow_unverified=True)
+    out, report = optimize_bundle(fused, tmp_path / "int8", precision="int8", recipe="default",
+                                  allow_unverified=True)
     embedding = {"int8_embedding": 2, "int8_tied_projection": 1}       # the lookups of both graphs, the tied logits
     assert {k: v for k, v in report.totals.items() if v} == embedding
     assert report.passes == ["cleanup", "int8_embedding", "quantize_int8"]
@@ -324,7 +325,8 @@ def test_config_grid(overrides, tmp_path):
             assert_fused(out, config, report.totals)
         record = graph_parity(model, out, provider="cpu", precision="fp32")
         assert record.ok, f"{attention}: {record.summary()}"
-    out, report = optimize_bundle(tmp_path / "ort", tmp_path / "int8", precision="int8", allow_unverified=True)
+    out, report = optimize_bundle(tmp_path / "ort", tmp_path / "int8", precision="int8", recipe="default",
+                                  allow_unverified=True)
     assert report.parity["generation"]["samples"] > 0
 
 

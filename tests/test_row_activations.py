@@ -118,7 +118,8 @@ def test_optimize_per_row_records_the_option_and_rows_ignore_neighbours(toy_expo
     for g in ("encoder", "decoder"):
         counts = manifest["graphs"][g]["op_counts"]
         assert "DynamicQuantizeLinear" not in counts and counts.get("com.microsoft.DynamicQuantizeMatMul", 0) > 0
-    tensor, _ = optimize_bundle(bundle, tmp_path / "tensor", precision="int8", allow_unverified=True)
+    tensor, _ = optimize_bundle(bundle, tmp_path / "tensor", precision="int8", recipe="default",
+                                allow_unverified=True)
     assert read_manifest(tensor)["source"]["options"]["activation_scales"] == "per-tensor"
 
     rng = np.random.default_rng(3)

@@ -153,5 +153,6 @@ def test_variant_int8(name, tmp_path):
     if name == "plain-gelu":
         record = graph_parity(model, fused, provider="cpu", precision="fp32")
         assert record.ok, record.summary()
-    out, report = optimize_bundle(fused, tmp_path / "int8", precision="int8", allow_unverified=True)
+    out, report = optimize_bundle(fused, tmp_path / "int8", precision="int8", recipe="default",
+                                  allow_unverified=True)
     assert report.parity["generation"]["samples"] > 0

@@ -36,19 +36,20 @@ def variant_pass(per_channel: bool, packed: bool, reduce_range: bool):
 
 
 def study(name: str, fused: Path, work: Path, samples: int) -> list[dict]:
+    import exporters.int8_recipes as R
     import exporters.optimize as O
 
-    rows, real = [], O.precision_pass
+    rows, real = [], R.precision_pass
     for variant, opts in VARIANTS.items():
         for rr in (False, True):
-            O.precision_pass = lambda precision, per_channel=True, reduce_range=False, o=opts, r=rr: \
-                variant_pass(o["per_channel"], o["packed"], r)
+            R.precision_pass = lambda precision, per_channel=True, activation_scales="per-tensor", keep_float=(), \
+                o=opts, r=rr: variant_pass(o["per_channel"], o["packed"], r)
             try:
                 out, report = O.optimize_bundle(fused, work / f"{name}-{variant}{'-rr' if rr else ''}", precision="int8",
-                                                per_channel=opts["per_channel"], samples=samples, force=True,
-                                                allow_unverified=True)
+                                                recipe="per-channel" if opts["per_channel"] else "default",
+                                                samples=samples, force=True, allow_unverified=True)
             finally:
-                O.precision_pass = real
+                R.precision_pass = real
             p = report.parity
             gen, acc = p["generation"], p.get("accuracy") or {}
             rows.append({"model": name, "scales": variant, "reduce_range": rr, "logits_max_abs": p["max_abs"],

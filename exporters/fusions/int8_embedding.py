@@ -48,6 +48,10 @@ class Int8EmbeddingPass(Reporting, ir.passes.InPlacePass):
 
     name = "int8_embedding"
 
+    def __init__(self, tied_projection: bool = True):
+        super().__init__()
+        self.tied_projection = tied_projection          # False: the projection stays float (an int8 recipe)
+
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
         ids = next((v for v in graph.inputs if v.name == INPUT_IDS), None)
@@ -75,7 +79,7 @@ class Int8EmbeddingPass(Reporting, ir.passes.InPlacePass):
             if after is not None:
                 graph.remove(node, safe=True)
             lookups += 1
-            projections += self._tied_projections(graph, table, qt, s)
+            projections += self._tied_projections(graph, table, qt, s) if self.tied_projection else 0
         self.counts.update({"int8_embedding": lookups, "int8_tied_projection": projections})
         return ir.passes.PassResult(model, lookups > 0)
 

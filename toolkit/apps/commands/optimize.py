@@ -21,12 +21,15 @@ from toolkit.parity.inputs import DEFAULT_SAMPLES
               type=click.Choice(["auto", "static", "dynamic"]),
               help="static: a preallocated decoder cache updated in place (no per-step copy); dynamic: the exported "
                    "concat cache; auto: static for --target cpu with fused attention")
+@click.option("--recipe", default="auto", show_default=True,
+              help="int8 recipe: auto (try default, per-channel, per-row, per-channel-per-row, fp32-projection in "
+                   "that order, cheapest first, and keep the first that passes the gate) | one of those names")
 @click.option("--per-channel/--per-tensor", default=None,
-              help="int8 weight scales [default: per tensor (faster) unless per channel is needed to keep tokens]")
-@click.option("--activation-scales", default="per-tensor", show_default=True,
-              type=click.Choice(["per-tensor", "per-row"]),
+              help="int8 weight scales: only recipes with these [default: as the recipe says]")
+@click.option("--activation-scales", default=None, type=click.Choice(["per-tensor", "per-row"]),
               help="int8 activation ranges: per-tensor (one per MatMul input, over the whole batch) | per-row (one "
-                   "per token row: a row's output no longer depends on its batch neighbours)")
+                   "per token row: a row's output no longer depends on its batch neighbours); only recipes with "
+                   "these [default: as the recipe says]")
 @click.option("--ort-format", is_flag=True,
               help="also write ORT-format (.ort) graphs and required_operators.config (CPU minimal/mobile builds)")
 @click.option("--force", is_flag=True, help="replace an existing bundle at --out")
@@ -41,8 +44,8 @@ from toolkit.parity.inputs import DEFAULT_SAMPLES
               help="inputs of the parity gate's token check (the same inputs `onnxformer parity` judges)")
 @click.option("--json", "as_json", is_flag=True, help="print the report as JSON")
 @friendly
-def command(bundle, out, target, precision, fuse, attention, kv_cache, per_channel, activation_scales, ort_format,
-            force, allow_unverified, input_file, samples, as_json):
+def command(bundle, out, target, precision, fuse, attention, kv_cache, recipe, per_channel, activation_scales,
+            ort_format, force, allow_unverified, input_file, samples, as_json):
     """Optimize a bundle for ONNX Runtime: attention/LayerNorm/GELU fusion, fp16 or int8, checked for parity."""
     require("export")
     from exporters.optimize import optimize_bundle
@@ -57,7 +60,8 @@ def command(bundle, out, target, precision, fuse, attention, kv_cache, per_chann
         _, report = optimize_bundle(bundle, out, target=target, precision=precision, fuse=fuse, attention=attention,
                                     force=force, per_channel=per_channel, progress=progress,
                                     ort_format=ort_format, kv_cache=kv_cache, allow_unverified=allow_unverified,
-                                    activation_scales=activation_scales, texts=texts, samples=samples)
+                                    activation_scales=activation_scales, texts=texts, samples=samples,
+                                    recipe=recipe)
     except ParityError as exc:
         if isinstance(exc.report, dict) and not as_json:
             from toolkit.parity.graphs import record_table

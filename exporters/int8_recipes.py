@@ -1,0 +1,150 @@
+"""int8 recipes: the ways optimize can quantize a bundle to int8, cheapest first, and how one is chosen.
+
+    optimize --precision int8                 tries RECIPES in order through the gate, keeps the first that passes
+    optimize --precision int8 --recipe NAME   that recipe only (still gated)
+
+A recipe fixes three choices: weight scales (per tensor, or per output channel; packed weights always get per
+channel, exporters/precision), activation ranges (per MatMul input tensor, or per token row:
+exporters/row_activations) and whether the output projection (the MatMul that makes the logits, tied to the 8-bit
+embedding or not) stays float32. --per-channel/--per-tensor and --activation-scales narrow the list to the recipes
+that agree with them; with --recipe they must agree with it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import onnx_ir as ir
+
+from exporters.fusions import quantization_prepasses
+from exporters.optimize_options import OptimizeError
+from exporters.passes import ConvertPass, run_passes
+from exporters.precision import precision_pass
+
+LOGITS = "logits"
+PROJECTION = "output_projection"
+AUTO = "auto"
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str
+    per_channel: bool                 # weight scales per output channel (else one per tensor)
+    activation_scales: str            # "per-tensor" | "per-row"
+    float_projection: bool            # the output projection stays float32 (the 8-bit lookup table stays)
+    step_cost: str                    # its decode-step cost against "default", where it was measured
+
+    def options(self) -> dict:
+        return {"recipe": self.name, "per_channel": self.per_channel, "activation_scales": self.activation_scales,
+                "float_projection": self.float_projection}
+
+
+# Cheapest first, by decode-step cost (benchmarks/RESULTS.md, "int8 activation scales"): per-channel weight scales
+# cost a few percent of CPU time per token; per-row activations add about ten nodes per quantized MatMul, which costs
+# more; a float32 projection multiplies the bytes of the largest matrix (vocab x d_model) read every step by four
+# and grows the bundle by three times that matrix, so it comes last.
+RECIPES = (
+    Recipe("default", False, "per-tensor", False, "the baseline"),
+    Recipe("per-channel", True, "per-tensor", False,
+           "+5% CPU time per token at batch 1 (benchmarks/RESULTS.md, \"int8 activation scales\")"),
+    Recipe("per-row", False, "per-row", False,
+           "+14% CPU time per token at batch 1 (benchmarks/RESULTS.md, \"int8 activation scales\")"),
+    Recipe("per-channel-per-row", True, "per-row", False,
+           "+19% CPU time per token at batch 1 (benchmarks/RESULTS.md, \"int8 activation scales\")"),
+    Recipe("fp32-projection", False, "per-tensor", True,
+           "not measured: the logits MatMul reads float32 weights (4x the bytes of the 8-bit one) every step"),
+)
+NAMES = tuple(r.name for r in RECIPES)
+
+
+def recipes_for(recipe: str, per_channel: bool | None, activation_scales: str | None) -> list[Recipe]:
+    """The recipes to try, in order: one for a name, the ones agreeing with the flags for "auto". A flag that
+    contradicts --recipe, or flags no recipe has: OptimizeError naming both."""
+    flags = {"per_channel": (per_channel, "--per-channel" if per_channel else "--per-tensor"),
+             "activation_scales": (activation_scales, f"--activation-scales {activation_scales}")}
+    given = {k: v for k, v in flags.items() if v[0] is not None}
+    if recipe == AUTO:
+        chosen = [r for r in RECIPES if all(getattr(r, k) == v for k, (v, _) in given.items())]
+        if not chosen:
+            raise OptimizeError(f"no int8 recipe has {' with '.join(f for _, f in given.values())}; choose one of: "
+                                f"{', '.join(NAMES)}")
+        return chosen
+    if recipe not in NAMES:
+        raise OptimizeError(f"unknown int8 recipe {recipe!r}; choose auto or one of: {', '.join(NAMES)}")
+    chosen = RECIPES[NAMES.index(recipe)]
+    for key, (value, flag) in given.items():
+        if getattr(chosen, key) != value:
+            raise OptimizeError(f"--recipe {recipe} conflicts with {flag} (the recipe uses "
+                                f"{key.replace('_', ' ')} {getattr(chosen, key)}); pass one of them")
+    return [chosen]
+
+
+def output_projections(model: ir.Model) -> list[ir.Node]:
+    """The MatMuls that make the logits output: walked back from it through its bias Add (and reshapes, casts)."""
+    found = []
+    for out in model.graph.outputs:
+        node = out.producer() if out.name == LOGITS else None
+        while node is not None and node.op_type in ("Add", "Mul", "Reshape", "Cast", "Identity"):
+            moving = [v for v in node.inputs if v is not None and v.producer() is not None
+                      and ir.convenience.get_const_tensor(v) is None]
+            node = moving[0].producer() if len(moving) == 1 else None
+        if node is not None and node.op_type == "MatMul":
+            found.append(node)
+    return found
+
+
+def prepare(model: ir.Model, recipe: Recipe) -> tuple[ir.Model, ConvertPass, dict[str, int], list[str]]:
+    """Run the int8 pre-passes on `model` (in place) for a recipe; returns (model, its quantization pass, rewrites
+    by rule, the pre-passes that changed it)."""
+    run = run_passes(quantization_prepasses(tied_projection=not recipe.float_projection), model, steps=2)
+    keep = []
+    if recipe.float_projection:
+        for i, node in enumerate(output_projections(run.model)):
+            node.name = node.name or f"{PROJECTION}_{i}"
+            keep.append(node.name)
+    step = precision_pass("int8", recipe.per_channel, recipe.activation_scales, keep_float=tuple(keep))
+    return run.model, step, dict(run.counts), list(run.applied)
+
+
+def tokens(parity: dict) -> float | None:
+    gen = parity.get("generation")
+    return None if not gen else gen["tokens_equal"]
+
+
+def figures(tried: list[tuple[Recipe, dict]]) -> str:
+    """'default 96.90% tokens (failed), per-row 98.96% (ok)': each recipe tried and its gate figure."""
+    parts = []
+    for recipe, parity in tried:
+        t = tokens(parity)
+        parts.append(f"{recipe.name} {'no token figure' if t is None else f'{t:.2%} tokens'} "
+                     f"({parity.get('verdict', 'not run')})")
+    return ", ".join(parts)
+
+
+def pick(tried: list[tuple[Recipe, dict]]) -> int:
+    """The index of the recipe to keep: the first verified, else the one with the most equal tokens."""
+    for i, (_, parity) in enumerate(tried):
+        if parity.get("verified"):
+            return i
+    return max(range(len(tried)), key=lambda i: tokens(tried[i][1]) or 0.0)
+
+
+def account(tried: list[tuple[Recipe, dict, int]], kept: int) -> tuple[dict, list[str]]:
+    """The report's record of the int8 recipe kept (its options, size, cost, the figures of those tried) and its
+    notes, from (recipe, parity record, graph bytes) of each recipe tried."""
+    recipe, _, size = tried[kept]
+    default = next((b for r, _, b in tried if r.name == "default"), None)
+    record = {**recipe.options(), "graph_bytes": size, "default_graph_bytes": default, "step_cost": recipe.step_cost,
+              "tried": [{"recipe": r.name, "tokens_equal": tokens(p), "verdict": p.get("verdict")}
+                        for r, p, _ in tried]}
+    notes = [f"int8 recipe: {recipe.name} ({figures([(r, p) for r, p, _ in tried])})"] if len(tried) > 1 else []
+    if recipe.name != "default":
+        compared = ("size not compared (the default was not built)" if default is None else
+                    f"graphs {size / 1e6:.2f} MB vs {default / 1e6:.2f} MB for the default "
+                    f"({(size - default) / default:+.1%})")
+        notes.append(f"int8 recipe {recipe.name} against the default: {compared}; step time {recipe.step_cost}")
+    return record, notes
+
+
+__all__ = ["Recipe", "RECIPES", "NAMES", "AUTO", "recipes_for", "output_projections", "prepare", "figures", "pick",
+           "account"]

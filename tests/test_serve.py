@@ -149,8 +149,8 @@ def test_batched_requests_equal_their_unbatched_outputs(bundles, config, kv):
         opts = SearchOptions(max_new_tokens=int(rng.integers(1, 20)) if beam == 1 else 12, beam=beam,
                              num_return=1 if beam == 1 else 2)
         jobs.append(queued(engine, inputs, opts))
-    scheduler = Scheduler(engine, max_batch=16, max_wait_ms=10_000, max_queue=64)
-    for job in jobs:                                # all queued before the thread starts: they batch together
+    scheduler = Scheduler(engine, max_batch=16, max_wait_ms=500, max_queue=64)   # a short window: nothing else
+    for job in jobs:                                # comes; all queued before the thread starts: they batch together
         scheduler.submit(job)
     scheduler.start()
     results = [job.future.result(timeout=120) for job in jobs]

@@ -113,13 +113,12 @@ def layer_norms(*modules: torch.nn.Module) -> int:
     return sum(isinstance(m, torch.nn.LayerNorm) for module in modules for m in module.modules())
 
 
-# bart in the fast suite (a stored position table, the embedding LayerNorm, decoding from EOS); the other variants
-# combine the same parts with pre-norm (fused and gated in tests/test_optimize.py's pre-norm variant), and Marian's
-# and the tutorial's are exported and fused by their import tests (tests/test_import_marian.py,
-# tests/test_import_nn_transformer.py), so they run with the slow tests
-# (each family's import and token parity stays fast: tests/test_families.py)
-@pytest.mark.parametrize("name", ["bart", *(pytest.param(name, marks=pytest.mark.slow)
-                                            for name in ("marian", "tutorial", "mbart", "m2m100", "pegasus"))])
+# tutorial and bart in the fast suite (bart: a stored position table, the embedding LayerNorm, decoding from EOS);
+# the other families' variants combine the same parts with pre-norm (fused and gated in tests/test_optimize.py's
+# pre-norm variant), and Marian's is exported and fused by its fast import tests (tests/test_import_marian.py), so
+# they run with the slow tests (each family's import and token parity stays fast: tests/test_families.py)
+@pytest.mark.parametrize("name", ["tutorial", "bart", *(pytest.param(name, marks=pytest.mark.slow)
+                                                        for name in ("marian", "mbart", "m2m100", "pegasus"))])
 def test_variant_exports_fuses_and_passes_the_fp32_gate(name, tmp_path):
     model = variant_model(name)
     c = model.config

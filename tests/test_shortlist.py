@@ -177,7 +177,8 @@ def test_in_flight_rows_on_the_shortlist_get_their_unbatched_outputs(shortlisted
 def test_an_int8_bundle_gets_a_shortlist_equal_to_its_full_vocabulary_when_it_covers_it(toy_exported, texts,
                                                                                           tmp_path):
     _, exported = toy_exported
-    int8, _ = optimize_bundle(exported, tmp_path / "int8", precision="int8", allow_unverified=True)
+    int8, made = optimize_bundle(exported, tmp_path / "int8", precision="int8", allow_unverified=True,
+                                 recipe="default")     # its projection: DynamicQuantizeMatMul (see exporters/shortlist)
     corpus, held = texts
     out, report = shortlist_bundle(int8, corpus, tmp_path / "int8_sl", sizes=(16,), always=4, texts=held,
                                    allow_unverified=True)

@@ -61,8 +61,8 @@ def _tail(graph: onnx.GraphProto) -> tuple[onnx.NodeProto, list[onnx.NodeProto]]
         found = "nothing" if node is None else f"{node.op_type} {node.name!r}"
         raise ShortlistGraphError(f"the decoder's logits come from {found}, not a MatMul (fp32) or "
                                   f"DynamicQuantizeMatMul (int8) by a constant weight; build the shortlist on an "
-                                  f"fp32 bundle, or an int8 one made with `optimize --recipe default` (the per-row "
-                                  f"and fp32-projection recipes' projections are not supported yet)")
+                                  f"fp32 bundle, or an int8 one made with `optimize --precision int8 --recipe "
+                                  f"default`")
     return node, tail
 
 

@@ -499,3 +499,30 @@ def test_client_codes_map_to_each_familys_codes():
         {"en": "eng_Latn", "zh": "zho_Hans", "zh-hant": "zho_Hant", "ar": "arb_Arab"}
     assert iso_codes(["en_XX", "pt_XX", "zh_CN"]) == {"en": "en_XX", "pt": "pt_XX", "zh": "zh_CN"}
     assert iso_codes(["en", "de"]) == {"en": "en", "de": "de"}                  # M2M100
+
+
+def test_v1_generate_splits_texts_when_asked(dates_bundle):
+    """POST /v1/generate with "split": true answers the records `onnxformer generate --json` prints (which splits
+    by default): a long text decodes as its sentences and comes back as one record; without it an over-long text
+    is refused, and split with stream is a 422 that says why."""
+    import json
+
+    from fastapi.testclient import TestClient
+
+    from toolkit.apps.serve.app import ServeSettings, Service, create_app
+
+    texts = [TEXT, LONG, "Nov 3rd 1999."]
+    cli = generate_cli(dates_bundle, *texts, "--json", "--return-logprobs")
+    want = [json.loads(line) for line in cli.stdout.splitlines()]
+    assert cli.exit_code == 0 and len(want) == 3 and len({r["text"] for r in want}) == 3
+    service = Service.load(dates_bundle, ServeSettings(provider="cpu"))
+    with TestClient(create_app(service, start_in_background=False)) as client:
+        got = client.post("/v1/generate", json={"inputs": texts, "split": True, "return_logprobs": True})
+        assert got.status_code == 200, got.text
+        for ours, theirs in zip(got.json()["outputs"], want):
+            assert {k: v for k, v in ours.items() if k != "score"} == {k: v for k, v in theirs.items() if k != "score"}
+            assert ours["score"] == pytest.approx(theirs["score"], abs=1e-5)
+        whole = client.post("/v1/generate", json={"inputs": texts})
+        assert whole.status_code == 422 and "maximum source length" in whole.text
+        both = client.post("/v1/generate", json={"inputs": texts, "split": True, "stream": True})
+        assert both.status_code == 422 and both.json()["error"].startswith('"split" decodes')

@@ -290,7 +290,8 @@ def answer(service: Service, job: Job, arrived: float) -> dict:
     metrics.requests.labels("ok").inc()
     metrics.latency.observe(finished - arrived)
     metrics.tokens.inc(sum(len(o.ids) for o in outputs))
-    return {"outputs": records(job.request.inputs, outputs),
+    recs = records(job.request.inputs, outputs)
+    return {"outputs": recs if job.plan is None else job.plan.join_records(recs, job.texts),
             "queue_ms": round(((job.started or finished) - arrived) * 1000, 3),
             "total_ms": round((finished - arrived) * 1000, 3)}
 
@@ -341,7 +342,8 @@ async def _accept(models: ModelSet, limits: Limits, request: Request, arrived: f
     A streamed one ("stream": true) gets its Tokens before it is queued."""
     parsed, service = await read_request(models, limits, request, GenerateRequest, picked)
     try:
-        job = Job(limits.request(parsed, service.engine, service.tokenizer), arrived)
+        request, plan = limits.request(parsed, service.engine, service.tokenizer)
+        job = Job(request, arrived, plan=plan, texts=parsed.inputs)
     except OnnxformerError as exc:
         kind = "too_many_inputs" if str(exc).startswith("too many inputs") else "validation"
         raise RequestError(422, kind, str(exc)) from None

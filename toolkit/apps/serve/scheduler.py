@@ -34,6 +34,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -70,6 +71,8 @@ class Job:
     started: float | None = None                    # when its batch began decoding
     cancelled: bool = False
     on_tokens: Callable[[int, int, int], None] | None = None   # streamed: (input, position, token), each as chosen
+    plan: Any = None                                # "split": the toolkit.apps.segment Plan joining its rows' records
+    texts: list | None = None                       # ... into one per text of these
     _stop: tuple | None = None                      # (the running batch's stop array, this job's slice of it)
 
     @property

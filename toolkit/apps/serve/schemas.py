@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from runtime.errors import InputError
 from runtime.request import Request, languages, search_options, target_options
 from runtime.stream import check_streamable
+from toolkit.apps.segment import Plan, plan_texts
 
 TARGET = ("prefix", "prefix_ids", "bad_words", "bad_words_ids")   # fields given to runtime.request.target_options
 
@@ -56,6 +57,10 @@ class GenerateRequest(BaseModel):
                                                    "[default: the one it was imported with]")
     tgt_lang: str | None = Field(None, description="a multilingual model's target language code, e.g. deu_Latn "
                                                    "(required by NLLB and mBART-50 bundles)")
+    split: bool = Field(False, description="cut each text into sentences (and those into pieces that fit the "
+                                           "model), decode them in one batch and join their outputs with the "
+                                           "text's whitespace, as /translate, /v2/translate and `onnxformer "
+                                           "generate` do (not with stream)")
     stream: bool = Field(False, description="answer text/event-stream: an event per step with each input's new ids "
                                             "and text, then a final one with the outputs (greedy or sample, "
                                             "num_return 1)")
@@ -63,7 +68,7 @@ class GenerateRequest(BaseModel):
     def options(self) -> dict:
         """The search options it names (SearchOptions' fields), for runtime.request.search_options; the TARGET
         fields go to runtime.request.target_options."""
-        return self.model_dump(exclude={"model", "inputs", "ids", "stream", "src_lang", "tgt_lang", *TARGET})
+        return self.model_dump(exclude={"model", "inputs", "ids", "stream", "split", "src_lang", "tgt_lang", *TARGET})
 
     def check(self) -> None:
         if (self.inputs is None) == (self.ids is None):
@@ -140,20 +145,34 @@ class Limits:
     max_beam: int = 8
     max_body_bytes: int = 1 << 20   # request body size (413 above it)
 
-    def request(self, body: GenerateRequest, model, tokenizer) -> Request:
-        """The validated request, or an InputError naming the bad value and the allowed range."""
+    def request(self, body: GenerateRequest, model, tokenizer) -> tuple[Request, Plan | None]:
+        """The validated request and, with "split", the Plan that joins its rows' records back into one per input
+        (toolkit.apps.segment, as `onnxformer generate` plans them); an InputError naming the bad value and the
+        allowed range."""
         inputs = body.inputs if body.inputs is not None else body.ids
         if len(inputs) > self.max_inputs:
             raise InputError(f"too many inputs: {len(inputs)}, this server takes at most {self.max_inputs} "
                              f"in one request; split the request")
         if not 1 <= body.beam <= self.max_beam:
             raise InputError(f"beam must be between 1 and {self.max_beam}, got {body.beam}")
+        if body.split and body.stream:
+            raise InputError('"split" decodes a text\'s sentences as separate rows, which "stream" does not send; '
+                             'stream without split (one sentence an input), or split without stream')
         tokenizer, lead = languages(tokenizer, body.src_lang, body.tgt_lang)
         targets = target_options(tokenizer, len(inputs), lead=lead, **{name: getattr(body, name) for name in TARGET})
+        plan = None
+        if body.split and body.inputs is not None and tokenizer is not None:
+            plan = plan_texts(list(inputs), tokenizer, model.max_len)
+            inputs = plan.rows
+            if len(inputs) > self.max_inputs:
+                raise InputError(f"too many sentences: the texts split into {len(inputs)} pieces, this server "
+                                 f"decodes at most {self.max_inputs} in one request; send fewer texts at once")
+            if "prefix_ids" in targets:         # a text's prefix starts its first piece only; each gets the language
+                targets["prefix_ids"] = tuple(plan.first_rows(list(targets["prefix_ids"]), tuple(lead)))
         request = Request.build(model, inputs, tokenizer, search_options(model, **body.options(), **targets))
         if body.stream:
             check_streamable(request.opts)
-        return request
+        return request, plan
 
 
 def parse_request(body: bytes, schema=GenerateRequest):

@@ -33,6 +33,13 @@ class Plan:
     rows: list[list[int]]
     templates: list[list[str | int]]        # literal text, or the index of a row whose translation goes there
 
+    def per_row(self, options: dict, lead=()) -> None:
+        """Turn per-input target options into per-row ones, in place: an input's prefix (`prefix_ids`, which starts
+        with the forced `lead`, a target-language token) starts its first piece only; every later piece still
+        starts with `lead`."""
+        if "prefix_ids" in options:
+            options["prefix_ids"] = tuple(self.first_rows(list(options["prefix_ids"]), tuple(lead)))
+
     def join(self, translations: list[str]) -> list[str]:
         """One text per input: its template with every row index replaced by that row's translation."""
         return ["".join(part if isinstance(part, str) else translations[part] for part in template)

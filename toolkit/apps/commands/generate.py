@@ -148,8 +148,8 @@ def build_request(engine, tokenizer, inputs: list, split: bool, options: dict, t
     framed, lead = languages(tokenizer, *langs)
     rows, plan = split_inputs(inputs, framed, engine.max_len, split)
     options.update(target_flags(framed, len(inputs), *targets, lead=lead))
-    if plan is not None and "prefix_ids" in options:   # a text's prefix starts its first piece only; every piece
-        options["prefix_ids"] = tuple(plan.first_rows(list(options["prefix_ids"]), tuple(lead)))   # gets the language
+    if plan is not None:
+        plan.per_row(options, lead)
     return Request.build(engine, rows, framed, search_options(engine, **options)), plan
 
 

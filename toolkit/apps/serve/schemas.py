@@ -167,8 +167,7 @@ class Limits:
             if len(inputs) > self.max_inputs:
                 raise InputError(f"too many sentences: the texts split into {len(inputs)} pieces, this server "
                                  f"decodes at most {self.max_inputs} in one request; send fewer texts at once")
-            if "prefix_ids" in targets:         # a text's prefix starts its first piece only; each gets the language
-                targets["prefix_ids"] = tuple(plan.first_rows(list(targets["prefix_ids"]), tuple(lead)))
+            plan.per_row(targets, lead)
         request = Request.build(model, inputs, tokenizer, search_options(model, **body.options(), **targets))
         if body.stream:
             check_streamable(request.opts)

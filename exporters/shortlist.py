@@ -5,7 +5,8 @@
 1. The bundle translates the corpus (greedy, full vocabulary). Each source token's candidates are the target
    tokens that most often appear in the translations of the lines holding it (co-occurrence counts; no external
    aligner), beyond the always-included set: the specials and the `always` most frequent target tokens.
-2. The decoder's shortlist variant is written beside it (exporters/shortlist_graph.py).
+2. The decoder's shortlist variant is written beside it (exporters/shortlist_graph.py), with the projection table
+   its rows are gathered from per request where the bundle does not hold it already (shortlist.weight.bin).
 3. The gate, per candidate size from the smallest: greedy tokens with the shortlist against the full vocabulary on
    held-out inputs (toolkit.parity.inputs: --input texts, else the task's, else random ids) must agree on at
    least SHORTLIST_TOKEN_MATCH of the tokens, on reference outputs that vary. The smallest size that passes is
@@ -25,14 +26,14 @@ from typing import Callable, Sequence
 import numpy as np
 
 from exporters.bundle import graph_entry, stage_bundle, write_manifest
-from exporters.shortlist_graph import ShortlistGraphError, write_shortlist_decoder
+from exporters.shortlist_graph import WEIGHT_FILE, ShortlistGraphError, write_shortlist_decoder
 from runtime.bundle import load_bundle
 from runtime.errors import InputError
 from runtime.generate import generate_ids
 from runtime.manifest import listed_files, read_manifest, sha256_file
 from runtime.request import encode_inputs, search_options
 from runtime.session import SessionConfig, make_session
-from runtime.shortlist import Shortlist
+from runtime.shortlist import Shortlist, ShortlistWeight
 from runtime.spec import source_vocab_size
 from toolkit.parity import ParityError
 from toolkit.parity.generation import compare_tokens
@@ -142,21 +143,27 @@ def shortlist_bundle(bundle_dir: str | Path, corpus: list, out_dir: str | Path, 
     chosen = choose_inputs(ModelConfig.from_dict(config), bundle.tokenizer, samples, texts)
     old = manifest.pop("shortlist", None)
     skip = {old["file"], old["decoder"]["file"]} if old else set()
+    if old and (old.get("weight") or {}).get("file") == WEIGHT_FILE:   # its own table (not weights.data)
+        skip.add(WEIGHT_FILE)
     with stage_bundle(out_dir, force) as tmp:
         for name in sorted(listed_files(manifest) - skip):
             shutil.copyfile(bundle_dir / name, tmp / name)
         try:
-            decoder = write_shortlist_decoder(tmp / manifest["graphs"]["decoder"]["file"], tmp / DECODER_FILE, tmp)
+            decoder, weight = write_shortlist_decoder(tmp / manifest["graphs"]["decoder"]["file"], tmp / DECODER_FILE,
+                                                      tmp)
         except ShortlistGraphError as exc:
             raise InputError(f"{bundle_dir}: {exc}") from None
         session = make_session(decoder, "cpu", SessionConfig())
+        table = ShortlistWeight(np.fromfile(tmp / weight["file"], dtype=weight["dtype"], offset=weight["offset"],
+                                            count=int(np.prod(weight["shape"]))).reshape(weight["shape"]),
+                                weight["feed"])
         say(f"translating {len(sources)} corpus lines")
         targets = translate(engine, sources, steps, shortlist=False)
         reference = translate(engine, chosen.seqs, steps, shortlist=False)
         report = ShortlistReport(len(sources), chosen.source)
         kept = None
         for size in sizes:
-            engine.use_shortlist(build_map(sources, targets, config, size, always), session)
+            engine.use_shortlist(build_map(sources, targets, config, size, always), session, table)
             check = gate_check(engine, chosen.seqs, reference, steps, size)
             say(f"size {size}: {check['agreement']:.2%} of tokens equal ({check['verdict']})")
             report.tried.append(check)
@@ -172,7 +179,7 @@ def shortlist_bundle(bundle_dir: str | Path, corpus: list, out_dir: str | Path, 
                               + f"; nothing was written to {out_dir} (try larger --size or --always, or pass "
                                 f"--allow-unverified to write it marked unverified)", report.to_dict())
         save_map(kept[0], tmp / MAP_FILE)
-        manifest["shortlist"] = _record(tmp, kept[1], always, report, allow_unverified)
+        manifest["shortlist"] = _record(tmp, kept[1], always, report, allow_unverified) | {"weight": weight}
         write_manifest(tmp, manifest)
     return Path(out_dir), report
 

@@ -1,44 +1,69 @@
 """The shortlist decoder: the bundle's decoder graph projecting onto a request's candidate tokens only.
 
-    write_shortlist_decoder(bundle / "decoder.onnx", tmp / "decoder.shortlist.onnx", bundle)
+    path, weight = write_shortlist_decoder(bundle / "decoder.onnx", tmp / "decoder.shortlist.onnx", bundle)
 
 The output projection of the decoder (its last MatMul, then elementwise Mul/Add by constants: the logits bias, an
 int8 bundle's column scales)
 
     hidden [B,T,D] --> MatMul(., W [D,V]) --> (+ bias [V]) --> logits [B,T,V]
 
-becomes, with one more graph input `vocab_ids` int64 [V'] (runtime/spec.py's shortlist_decoder_spec) and each
-constant of one value per vocabulary id gathered for vocab_ids (fp32):
+becomes, with two more graph inputs (runtime/spec.py's shortlist_decoder_spec) `vocab_ids` int64 [V'] and
+`shortlist_weight`, the projection's weights for those ids, and each constant of one value per vocabulary id
+gathered for vocab_ids (fp32):
 
-    table [V,D] --> Gather(., vocab_ids) --> [V',D] -----------------------+
+    shortlist_weight [V',D] -------------------------------------------------------+
     hidden [B,T,D] --> Reshape [B*T,D] --> Concat(a zero row) [B*T+1,D] --> Gemm(transB) --> Slice [B*T,V']
         --> Reshape [B,T,V'] --> (+ Gather(bias, vocab_ids)) --> logits [B,T,V']
 
-`table` is W's transpose, rows contiguous, so the gather reads V' rows of D values each step (a gather of W's
-columns would touch a cache line per value). A tied model's embedding table is that transpose already and is
-reused by name (no copy); otherwise W^T is stored in the new graph. Every other tensor stays where it was
-(external data in weights.data keeps its references), so the file adds only the new nodes and, untied, W^T.
+int8 (DynamicQuantizeMatMul by W [D,V] int8): shortlist_weight is [D,V'] int8, its scale and zero point gathered
+where they are per column; integer sums need no padding.
 
-int8 (DynamicQuantizeMatMul by W [D,V] int8): Transpose(Gather(W^T, vocab_ids)) [D,V'] is its weight, its scale
-and zero point gathered where they are per column; integer sums need no padding.
+shortlist_weight is gathered by the runtime once per request (runtime/shortlist.py ShortlistWeight) from the table
+W^T [V,D], rows contiguous, that `weight` describes for the manifest (file, offset, length, shape, dtype, feed): a
+tied fp32 model's embedding table where it already lies in the bundle's weights file (no copy), else a new file
+(WEIGHT_FILE) holding W^T. A gather inside the graph each step cost more than the product at batch 1 (RESULTS.md).
+Every other tensor stays where it was (external data in weights.data keeps its references), so the graph file
+adds only the new nodes.
 
 The zero row: ONNX Runtime multiplies a single row by a non-constant matrix with another kernel than two or more
 rows, whose sums round differently, so a request alone (batch 1, one row) would get other logits than the same
 row in a batch. With the row added the product always has two rows or more: a row's logits do not depend on its
-batch (it costs one more row of a product that is bound by reading the gathered rows).
+batch (it costs one more row of a product that is bound by reading the weight rows).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from runtime.spec import SHORTLIST, VOCAB_IDS
+from runtime.spec import SHORTLIST, SHORTLIST_WEIGHT, VOCAB_IDS
 
-TABLE = "shortlist.table"
+WEIGHT_FILE = "shortlist.weight.bin"
+
+
+@dataclass
+class ShortlistTable:
+    """The table [V, D] shortlist_weight is gathered from: an initializer's external data in the bundle (`source`:
+    file, offset, length) or an array to write (`array`), fed as rows (fp32) or columns (int8)."""
+
+    shape: tuple[int, int]
+    dtype: str
+    feed: str
+    source: dict | None = None
+    array: np.ndarray | None = None
+
+    def record(self, folder: Path) -> dict:
+        """The manifest's shortlist "weight" record, writing WEIGHT_FILE into `folder` where the table is new."""
+        where = self.source
+        if where is None:
+            data = np.ascontiguousarray(self.array)
+            (folder / WEIGHT_FILE).write_bytes(data.tobytes())
+            where = {"file": WEIGHT_FILE, "offset": 0, "length": data.nbytes}
+        return {**where, "shape": list(self.shape), "dtype": self.dtype, "feed": self.feed}
 
 
 class ShortlistGraphError(ValueError):
@@ -82,15 +107,26 @@ def _array(graph: onnx.GraphProto, name: str, base: Path) -> np.ndarray:
     return numpy_helper.to_array(tensor, base_dir=str(base))
 
 
-def _table(graph: onnx.GraphProto, weight: np.ndarray, base: Path) -> str:
-    """The name of an initializer equal to weight^T ([V, D]: a tied embedding table), else of a new one."""
+def _external(graph: onnx.GraphProto, name: str) -> dict | None:
+    """Where initializer `name` lies in an external data file ({file, offset, length}), or None (inline)."""
+    tensor = next(t for t in graph.initializer if t.name == name)
+    if tensor.data_location != onnx.TensorProto.EXTERNAL:
+        return None
+    info = {e.key: e.value for e in tensor.external_data}
+    if "location" not in info or "length" not in info:
+        return None
+    return {"file": info["location"], "offset": int(info.get("offset", 0)), "length": int(info["length"])}
+
+
+def _table(graph: onnx.GraphProto, weight: np.ndarray, base: Path) -> dict | None:
+    """The external data location of an initializer equal to weight^T ([V, D]: a tied embedding table), or None."""
     shape = [weight.shape[1], weight.shape[0]]
     for t in graph.initializer:
         if list(t.dims) == shape and helper.tensor_dtype_to_np_dtype(t.data_type) == weight.dtype:
-            if np.array_equal(numpy_helper.to_array(t, base_dir=str(base)), weight.T):
-                return t.name
-    graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(weight.T), TABLE))
-    return TABLE
+            where = _external(graph, t.name)
+            if where and np.array_equal(numpy_helper.to_array(t, base_dir=str(base)), weight.T):
+                return where
+    return None
 
 
 def _per_column(graph: onnx.GraphProto, name: str, vocab: int) -> str:
@@ -103,18 +139,17 @@ def _per_column(graph: onnx.GraphProto, name: str, vocab: int) -> str:
     return f"shortlist.{name}"
 
 
-def _fp32_product(graph: onnx.GraphProto, table: str, hidden: str, width: int, out: str) -> list:
-    """hidden [B,T,D] @ Gather(table, vocab_ids)^T -> out [B,T,V'], padded to two rows (module docstring)."""
+def _fp32_product(graph: onnx.GraphProto, hidden: str, width: int, out: str) -> list:
+    """hidden [B,T,D] @ shortlist_weight^T -> out [B,T,V'], padded to two rows (module docstring)."""
     consts = {"shortlist.flat": np.array([-1, width], np.int64), "shortlist.zero_row": np.zeros((1, width), np.float32),
               "shortlist.start": np.array([0], np.int64), "shortlist.stop": np.array([-1], np.int64)}
     graph.initializer.extend(numpy_helper.from_array(v, k) for k, v in consts.items())
     node = helper.make_node
-    return [node("Gather", [table, VOCAB_IDS], ["shortlist.rows"], "shortlist.gather", axis=0),
-            node("Reshape", [hidden, "shortlist.flat"], ["shortlist.hidden"], "shortlist.flatten"),
+    return [node("Reshape", [hidden, "shortlist.flat"], ["shortlist.hidden"], "shortlist.flatten"),
             node("Concat", ["shortlist.hidden", "shortlist.zero_row"], ["shortlist.padded"], "shortlist.pad", axis=0),
-            node("Gemm", ["shortlist.padded", "shortlist.rows"], ["shortlist.product"], "shortlist.projection",
+            node("Gemm", ["shortlist.padded", SHORTLIST_WEIGHT], ["shortlist.gemm"], "shortlist.projection",
                  transB=1),
-            node("Slice", ["shortlist.product", "shortlist.start", "shortlist.stop", "shortlist.start"],
+            node("Slice", ["shortlist.gemm", "shortlist.start", "shortlist.stop", "shortlist.start"],
                  ["shortlist.sliced"], "shortlist.unpad"),
             node("Shape", [hidden], ["shortlist.lead"], "shortlist.lead_shape", end=2),
             node("Shape", [VOCAB_IDS], ["shortlist.count"], "shortlist.count_shape"),
@@ -122,47 +157,45 @@ def _fp32_product(graph: onnx.GraphProto, table: str, hidden: str, width: int, o
             node("Reshape", ["shortlist.sliced", "shortlist.shape"], [out], "shortlist.unflatten")]
 
 
-def _int8_product(graph: onnx.GraphProto, product: onnx.NodeProto, table: str, vocab: int, out: str) -> list:
-    """DynamicQuantizeMatMul(hidden, Transpose(Gather(table, vocab_ids)), its scale, zero point and bias, each
-    gathered where it is per column): integer sums, the same whatever the rows."""
-    inputs = [product.input[0], "shortlist.columns"] + [_per_column(graph, name, vocab) if name else name
-                                                        for name in product.input[2:]]
-    node = helper.make_node
-    return [node("Gather", [table, VOCAB_IDS], ["shortlist.rows"], "shortlist.gather", axis=0),
-            node("Transpose", ["shortlist.rows"], ["shortlist.columns"], "shortlist.transpose", perm=[1, 0]),
-            node("DynamicQuantizeMatMul", inputs, [out], "shortlist.projection", domain=product.domain)]
+def _int8_product(graph: onnx.GraphProto, product: onnx.NodeProto, vocab: int, out: str) -> list:
+    """DynamicQuantizeMatMul(hidden, shortlist_weight [D,V'], its scale, zero point and bias, each gathered where it
+    is per column): integer sums, the same whatever the rows."""
+    inputs = [product.input[0], SHORTLIST_WEIGHT] + [_per_column(graph, name, vocab) if name else name
+                                                     for name in product.input[2:]]
+    return [helper.make_node("DynamicQuantizeMatMul", inputs, [out], "shortlist.projection", domain=product.domain)]
 
 
-def shortlist_decoder(model: onnx.ModelProto, base: Path) -> onnx.ModelProto:
-    """The decoder model rewritten in place as its shortlist variant (module docstring); `base`: the folder its
-    external data lives in."""
+def shortlist_decoder(model: onnx.ModelProto, base: Path) -> tuple[onnx.ModelProto, ShortlistTable]:
+    """The decoder model rewritten in place as its shortlist variant, and the table its shortlist_weight input is
+    gathered from (module docstring); `base`: the folder its external data lives in."""
     graph = model.graph
     product, tail = _tail(graph)
-    hidden, weight_name = product.input[:2]
+    weight_name = product.input[1]
     transpose = _transposed(graph, product) if weight_name not in {t.name for t in graph.initializer} else None
     if transpose is not None:                                         # the table itself: no copy, nothing to compare
         if sum(weight_name in n.input for n in graph.node) == 1:
             graph.node.remove(transpose)
-        return _rewrite(model, product, tail, transpose.input[0], _array(graph, transpose.input[0], base).T, base,
-                        weight_name)
-    return _rewrite(model, product, tail, None, _array(graph, weight_name, base), base, weight_name)
+        table = transpose.input[0]
+        return _rewrite(model, product, tail, _array(graph, table, base).T, weight_name, _external(graph, table))
+    weight = _array(graph, weight_name, base)
+    where = _table(graph, weight, base) if product.op_type == "MatMul" and weight.ndim == 2 else None
+    return _rewrite(model, product, tail, weight, weight_name, where)
 
 
-def _rewrite(model: onnx.ModelProto, product: onnx.NodeProto, tail: list, table: str | None, weight: np.ndarray,
-             base: Path, weight_name: str) -> onnx.ModelProto:
-    """shortlist_decoder's rewrite, the weight [D, V] given (and its [V, D] table's name where one is known)."""
+def _rewrite(model: onnx.ModelProto, product: onnx.NodeProto, tail: list, weight: np.ndarray, weight_name: str,
+             where: dict | None) -> tuple[onnx.ModelProto, ShortlistTable]:
+    """shortlist_decoder's rewrite, the weight [D, V] given (and where its [V, D] table lies, where it does)."""
     graph, hidden = model.graph, product.input[0]
     fp32 = product.op_type == "MatMul"
     if weight.ndim != 2 or weight.dtype != (np.float32 if fp32 else weight.dtype) or weight.dtype.kind not in "fiu":
         raise ShortlistGraphError(f"the output projection's weight is {weight.dtype} {list(weight.shape)}, not a "
                                   f"matrix; build the shortlist on an fp32 or int8 bundle")
-    vocab, at = weight.shape[1], list(graph.node).index(product)
+    width, vocab = weight.shape
+    at = list(graph.node).index(product)
     kept = [n for n in graph.node if n is not product and not any(n is t for t in tail)]
     del graph.node[:]
-    table = table or _table(graph, weight, base)
     out = "shortlist.product"
-    nodes = (_fp32_product(graph, table, hidden, weight.shape[0], out) if fp32
-             else _int8_product(graph, product, table, vocab, out))
+    nodes = _fp32_product(graph, hidden, width, out) if fp32 else _int8_product(graph, product, vocab, out)
     inits = {t.name for t in graph.initializer}
     for i, t in enumerate(tail):                                      # the scales and bias, on the gathered columns
         const = _per_column(graph, next(n for n in t.input if n in inits), vocab)
@@ -172,23 +205,29 @@ def _rewrite(model: onnx.ModelProto, product: onnx.NodeProto, tail: list, table:
     gathers = list(graph.node)                                        # the per-column Gathers _per_column added
     del graph.node[:]
     graph.node.extend(kept[:at] + gathers + nodes + kept[at:])
-    unused = [t for t in graph.initializer if t.name == weight_name and not any(weight_name in n.input
-                                                                                for n in graph.node)]
-    for t in unused:                                                  # W itself is no longer read
-        graph.initializer.remove(t)
+    used = {i for n in graph.node for i in n.input}
+    for t in [t for t in graph.initializer if t.name == weight_name and t.name not in used]:
+        graph.initializer.remove(t)                                   # W itself is no longer read
+    elem = helper.np_dtype_to_tensor_dtype(np.dtype(weight.dtype))
+    shape = [SHORTLIST, width] if fp32 else [width, SHORTLIST]
     graph.input.append(helper.make_tensor_value_info(VOCAB_IDS, onnx.TensorProto.INT64, [SHORTLIST]))
+    graph.input.append(helper.make_tensor_value_info(SHORTLIST_WEIGHT, elem, shape))
     logits = next(o for o in graph.output if o.name == "logits")
     logits.type.tensor_type.shape.dim[-1].Clear()
     logits.type.tensor_type.shape.dim[-1].dim_param = SHORTLIST
-    return model
+    table = ShortlistTable((vocab, width), np.dtype(weight.dtype).name, "rows" if fp32 else "columns", where,
+                           None if where else np.ascontiguousarray(weight.T))
+    return model, table
 
 
-def write_shortlist_decoder(decoder: Path, out: Path, base: Path) -> Path:
+def write_shortlist_decoder(decoder: Path, out: Path, base: Path) -> tuple[Path, dict]:
     """Write the shortlist variant of the decoder graph file `decoder` (its external data in `base`) to `out`,
-    which must sit in a folder holding the same external data files."""
+    which must sit in a folder holding the same external data files, and its weight table where needed (beside
+    it): (out, the manifest's shortlist "weight" record)."""
     model = onnx.load(str(decoder), load_external_data=False)
-    onnx.save(shortlist_decoder(model, base), str(out))
-    return out
+    model, table = shortlist_decoder(model, base)
+    onnx.save(model, str(out))
+    return out, table.record(out.parent)
 
 
-__all__ = ["shortlist_decoder", "write_shortlist_decoder", "ShortlistGraphError"]
+__all__ = ["shortlist_decoder", "write_shortlist_decoder", "ShortlistGraphError", "ShortlistTable", "WEIGHT_FILE"]

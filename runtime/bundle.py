@@ -26,7 +26,7 @@ from runtime.manifest import GRAPHS, decoder_layout, manifest_specs, read_manife
 from runtime.ort_engine import OrtEngine
 from runtime.session import (Arg, OnDemandSession, SessionConfig, choose_provider, installed_onnxruntime,
                              make_session)
-from runtime.shortlist import Shortlist
+from runtime.shortlist import FEEDS, Shortlist, ShortlistWeight
 from runtime.spec import (GraphSpec, config_field_of, graph_specs, parse_cache_name, shortlist_decoder_spec,
                           source_vocab_size)
 from runtime.tokenizer import CharTokenizer, load_tokenizer
@@ -36,7 +36,7 @@ _LOAD_ERRORS = (ort_errors.Fail, ort_errors.InvalidGraph, ort_errors.InvalidProt
                 UnicodeDecodeError)          # onnxruntime's message quoting a corrupted external-data path
 _MODEL_KEYS = ("vocab_size", "d_model", "n_heads", "n_decoder_layers", "max_len", "pad_id", "bos_id", "eos_id")
 _ORT_TYPES = {"tensor(int64)": "int64", "tensor(int32)": "int32", "tensor(float)": "float32",
-              "tensor(float16)": "float16"}
+              "tensor(float16)": "float16", "tensor(int8)": "int8", "tensor(uint8)": "uint8"}
 _SPEC_TYPES = {dtype: ort_type for ort_type, dtype in _ORT_TYPES.items()}
 
 
@@ -112,17 +112,32 @@ def _sessions(path: Path, manifest: dict, provider: str, config: SessionConfig,
     return sessions, files
 
 
-def _shortlist(path: Path, manifest: dict, provider: str, config: SessionConfig) -> tuple[Shortlist, object]:
-    """The bundle's shortlist map and its decoder's session, checked against the manifest like the graphs."""
+def _shortlist(path: Path, manifest: dict, provider: str,
+               config: SessionConfig) -> tuple[Shortlist, object, ShortlistWeight | None]:
+    """The bundle's shortlist map, its decoder's session and the projection table its rows are gathered from, each
+    checked against the manifest like the graphs."""
     record, model = manifest["shortlist"], manifest["model"]
+    weight = record.get("weight")
+    if weight is not None and (not isinstance(weight, dict) or weight.get("feed") not in FEEDS
+                               or not isinstance(weight.get("shape"), list) or len(weight["shape"]) != 2):
+        raise BundleError(f"bundle {path}: the manifest's shortlist weight record is not a table with a feed "
+                          f"({' or '.join(FEEDS)}) and a 2-D shape; rebuild it with onnxformer shortlist")
     recorded = manifest_specs({"graphs": {"decoder": record["decoder"]}})["decoder"]
-    expected = shortlist_decoder_spec(graph_specs(model, layout=decoder_layout(manifest))["decoder"])
+    expected = shortlist_decoder_spec(graph_specs(model, layout=decoder_layout(manifest))["decoder"], weight)
     _check_recorded(path, "shortlist decoder", recorded, expected)
     file = path / record["decoder"]["file"]
     session = _session(file, provider, config.for_graph("decoder"),
                        shared_initializers(path, manifest) if provider == "cpu" else None)
     _check_session(file, session, recorded)
-    return Shortlist.load(path / record["file"], source_vocab_size(model), model["vocab_size"]), session
+    table = None
+    if weight is not None:
+        array = _mapped_tensors(path, weight["file"], [{**weight, "name": "shortlist weight"}], "shortlist",
+                                "rebuild the shortlist with onnxformer shortlist")
+        table = ShortlistWeight(array["shortlist weight"], weight["feed"])
+        if table.table.shape[0] != model["vocab_size"]:
+            raise BundleError(f"bundle {path}: the shortlist weight has {table.table.shape[0]} rows, the model's "
+                              f"vocabulary {model['vocab_size']}; rebuild it with onnxformer shortlist")
+    return Shortlist.load(path / record["file"], source_vocab_size(model), model["vocab_size"]), session, table
 
 
 def _interface(spec: GraphSpec) -> tuple[list[Arg], list[Arg]]:
@@ -150,18 +165,26 @@ def shared_initializers(path: Path, manifest: dict) -> dict[str, ort.OrtValue]:
     record = manifest.get("shared_weights")
     if not isinstance(record, dict) or not isinstance(record.get("tensors"), list) or not isinstance(record.get("file"), str):
         return {}                                   # (a named file is listed, hashed and verified by read_manifest)
-    file = path / record["file"]
     wanted = [t for t in record["tensors"] if isinstance(t, dict) and isinstance(t.get("graphs"), list)
               and len(t["graphs"]) > 1]
     if not wanted:
         return {}
+    arrays = _mapped_tensors(path, record["file"], wanted, "shared_weights")
+    return {name: ort.OrtValue.ortvalue_from_numpy(array) for name, array in arrays.items()}
+
+
+def _mapped_tensors(path: Path, name: str, tensors: list[dict], record: str,
+                    fix: str = "re-export or re-optimize the bundle") -> dict[str, np.ndarray]:
+    """Read-only arrays over one mapping of the bundle's file `name`, one per entry of `tensors` (name, dtype,
+    shape, offset, length: the manifest's `record` describes them; the file's hash was verified before); an entry
+    that does not fit the file is a BundleError."""
     try:
-        with open(file, "rb") as f:
+        with open(path / name, "rb") as f:
             mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     except (OSError, ValueError) as exc:
-        raise BundleError(f"bundle {path}: cannot map {record['file']} ({exc}); copy the bundle again") from None
+        raise BundleError(f"bundle {path}: cannot map {name} ({exc}); copy the bundle again") from None
     values = {}
-    for t in wanted:
+    for t in tensors:
         try:
             if not isinstance(t.get("name"), str) or not t["name"] or not isinstance(t.get("dtype"), str):
                 raise ValueError("no tensor name or dtype")
@@ -173,12 +196,11 @@ def shared_initializers(path: Path, manifest: dict) -> dict[str, ort.OrtValue]:
             count = int(np.prod(shape, dtype=np.int64))
             if t["length"] != count * dtype.itemsize or offset < 0 or offset + t["length"] > len(mapped):
                 raise ValueError("offset or length outside the file")
-            array = np.frombuffer(mapped, dtype=dtype, count=count, offset=offset).reshape(shape)
-            values[t["name"]] = ort.OrtValue.ortvalue_from_numpy(array)
+            values[t["name"]] = np.frombuffer(mapped, dtype=dtype, count=count, offset=offset).reshape(shape)
         except (KeyError, TypeError, ValueError, RuntimeError, OverflowError) as exc:
-            raise BundleError(f"bundle {path}: the manifest's shared_weights entry {t.get('name')!r} does not describe "
-                              f"a tensor of {record['file']} ({(str(exc).splitlines() or [type(exc).__name__])[0]}); "
-                              f"re-export or re-optimize the bundle") from None
+            raise BundleError(f"bundle {path}: the manifest's {record} entry {t.get('name')!r} does not describe "
+                              f"a tensor of {name} ({(str(exc).splitlines() or [type(exc).__name__])[0]}); "
+                              f"{fix}") from None
     return values
 
 

@@ -26,8 +26,9 @@ Three ways to feed, by where tensors live:
   without a copy on the CPU, OrtValues on the device); a step binds its token ids, filled lengths and positions
   only, and the graph writes the new key/value into the buffers in place.
 
-Every decoder call takes an optional `vocab` (int64 [V'], runtime/shortlist.py): the call then runs the bundle's
-shortlist decoder, which takes it as `vocab_ids` and gives logits [.., V'] for those ids only.
+Every decoder call takes an optional `vocab` (runtime/shortlist.py): the call then runs the bundle's shortlist
+decoder, which gives logits [.., V'] for those ids only. Pass the `Selection` that `feed.select(ids)` made once for
+the request (its vocab_ids and the projection rows gathered for them); plain ids [V'] work too, gathered each call.
 """
 
 from __future__ import annotations
@@ -39,8 +40,9 @@ import onnxruntime as ort
 
 from runtime.session import FLOAT, SessionConfig, device_of, gather_model, make_session
 from runtime.spec import (CROSS, DECODER_ATTENTION_MASK, DECODER_LAYOUTS, DYNAMIC, INPUT_IDS, PAST,
-                          PAST_SEQUENCE_LENGTH, POSITION_IDS, PRESENT, SELF, STATIC_PER_ROW, VOCAB_IDS, cache_names,
-                          default_row_inputs, takes_key_mask)
+                          PAST_SEQUENCE_LENGTH, POSITION_IDS, PRESENT, SELF, SHORTLIST_WEIGHT, STATIC_PER_ROW, VOCAB_IDS,
+                          cache_names, default_row_inputs, takes_key_mask)
+from runtime.shortlist import Selection
 
 ENCODER_MASK = "encoder_attention_mask"
 
@@ -54,11 +56,12 @@ class Feed:
     """How an encoder and a decoder session are fed: tensor names from runtime/spec.py, the decoder by its layout."""
 
     def __init__(self, encoder, decoder, config: dict, layout: str = DYNAMIC, provider: str = "cpu",
-                 shortlist_decoder=None):
+                 shortlist_decoder=None, shortlist_weight=None):
         if layout not in DECODER_LAYOUTS:
             raise ValueError(f"unknown decoder layout {layout!r}; one of {DECODER_LAYOUTS}")
         self.encoder, self.decoder, self.layout, self.provider = encoder, decoder, layout, provider
         self.shortlist_decoder = shortlist_decoder                     # the same graph taking vocab_ids, or None
+        self.shortlist_weight = shortlist_weight                       # its projection table (ShortlistWeight), or None
         self.device = device_of(provider)
         self.static, self.per_row, self.key_mask = layout != DYNAMIC, layout == STATIC_PER_ROW, takes_key_mask(layout)
         self.n_heads, self.head_dim = config["n_heads"], config["d_model"] // config["n_heads"]
@@ -96,9 +99,19 @@ class Feed:
             raise ValueError("a shortlist's vocab ids were given but the bundle has no shortlist decoder")
         return self.shortlist_decoder
 
-    @staticmethod
-    def _vocab_feed(vocab: np.ndarray | None) -> dict:
-        return {} if vocab is None else {VOCAB_IDS: vocab}
+    def select(self, ids: np.ndarray) -> Selection:
+        """The shortlist decoder's inputs for computing the logits of `ids` (sorted target ids): made once per
+        request (or per change of an in-flight batch's rows), bound by every step."""
+        ids = np.ascontiguousarray(ids, dtype=np.int64)
+        feeds = {VOCAB_IDS: ids}
+        if self.shortlist_weight is not None:
+            feeds[SHORTLIST_WEIGHT] = self.shortlist_weight.take(ids)
+        return Selection(ids, feeds)
+
+    def _vocab_feed(self, vocab) -> dict:
+        if vocab is None:
+            return {}
+        return (vocab if isinstance(vocab, Selection) else self.select(vocab)).feeds
 
     def decode(self, tokens: np.ndarray, mask: np.ndarray, past: list, cross: list,
                vocab: np.ndarray | None = None) -> tuple[np.ndarray, list]:
@@ -156,13 +169,13 @@ class Feed:
     def bind_static(self, mask, cross: list, buffers: list, vocab: np.ndarray | None = None) -> "StaticStep":
         """A binding of everything but a step's token ids, lengths and positions: the source mask, cross K/V, and
         each buffer as both past and present (numpy arrays or views, wrapped without a copy, or device OrtValues),
-        and a shortlist's vocab ids. Every tensor holds the same rows."""
+        and a shortlist's Selection. Every tensor holds the same rows."""
         session = self.session(vocab)
         binding = session.io_binding()
         kept = [_value(mask), *(_value(c) for c in cross)]            # the binding refers to their memory
-        if vocab is not None:
-            kept.append(_value(np.ascontiguousarray(vocab, dtype=np.int64)))
-            binding.bind_ortvalue_input(VOCAB_IDS, kept[-1])
+        for name, value in self._vocab_feed(vocab).items():
+            kept.append(_value(value))
+            binding.bind_ortvalue_input(name, kept[-1])
         binding.bind_ortvalue_input(ENCODER_MASK, kept[0])
         for name, value in zip(self.cross_in_names, kept[1:]):
             binding.bind_ortvalue_input(name, value)

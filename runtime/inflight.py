@@ -52,7 +52,7 @@ from runtime.generate import pad_batch
 from runtime.processors import Controls
 from runtime.request import check_sources
 from runtime.search import Hypothesis, SearchOptions, chosen_logprob, greedy_pick, rows_per_input
-from runtime.shortlist import widen
+from runtime.shortlist import Selection, widen
 from runtime.spec import DYNAMIC, STATIC_PER_ROW
 
 ROW_BUCKET = 2          # rows bound per step: the live rows rounded up to a multiple (few shapes, few rebinds)
@@ -107,8 +107,10 @@ class InflightBatch:
             raise ValueError("slots must be at least 1")
         self.e, self.slots = engine, slots
         self.feed = Feed(engine.encoder, engine.decoder, engine.config, engine.layout, engine.provider,
-                         engine.feed.shortlist_decoder)
-        self.vocab = None                                             # the bound shortlist ids (None: full vocabulary)
+                         engine.feed.shortlist_decoder, engine.feed.shortlist_weight)
+        self.vocab = None                                 # the bound shortlist Selection (None: full vocabulary)
+        self._union = ([], None)                          # (the rows' candidate arrays, their union): _vocab's cache
+        self._allowed = (None, [], None)                  # (Selection, candidate arrays, masks): _rows_logits' cache
         self.opts = opts or SearchOptions()
         self.suppress = tuple(engine.suppress_ids)
         self.capacity = capacity or engine.max_len                    # buffer positions (>= any row's limit)
@@ -222,7 +224,7 @@ class InflightBatch:
         bound = min(self.slots, -(-n // ROW_BUCKET) * ROW_BUCKET)
         vocab = self._vocab()
         if self._binding is None or bound != self.bound or not _same(vocab, self.vocab):
-            self.vocab = vocab
+            self.vocab = None if vocab is None else self.feed.select(vocab)   # the projection rows: gathered here
             self._binding, self.bound = self._bind(bound), bound
         tokens = np.full((bound, 1), self.e.bos_id, dtype=np.int64)   # rows past n: not live, results unused
         lengths = np.zeros(bound, dtype=np.int32)                     # ... at length 0 (slot 0 of a free row)
@@ -255,20 +257,26 @@ class InflightBatch:
 
     def _vocab(self) -> np.ndarray | None:
         """The shortlist ids a step computes: the union of the live rows' candidates (None: the full vocabulary,
-        when no row or any row decodes without the shortlist)."""
+        when no row or any row decodes without the shortlist). Computed again only when the rows change."""
         own = [r.candidates for r in self.rows]
         if not own or any(c is None for c in own):
             return None
-        return np.unique(np.concatenate(own))
+        if not _same_arrays(own, self._union[0]):                     # the cached lists keep their arrays alive
+            self._union = (own, np.unique(np.concatenate(own)))
+        return self._union[1]
 
     def _rows_logits(self, logits: np.ndarray) -> np.ndarray:
         """Each live row's full-vocabulary logits [n, V] (a copy: ORT reuses the output's memory), restricted to its
-        own candidates where it has them."""
-        vocab = self.vocab if self.vocab is not None else np.arange(logits.shape[-1])
+        own candidates where it has them (the masks made again only when the rows or the bound ids change)."""
         if self.vocab is None and all(r.candidates is None for r in self.rows):
             return logits[:, -1].copy()
-        allowed = np.stack([np.ones(len(vocab), dtype=bool) if r.candidates is None else np.isin(vocab, r.candidates)
-                            for r in self.rows])
+        own = [r.candidates for r in self.rows]
+        vocab_of, rows_of, allowed = self._allowed
+        if vocab_of is not self.vocab or not _same_arrays(own, rows_of):
+            vocab = self.vocab.ids if self.vocab is not None else np.arange(logits.shape[-1])
+            allowed = np.stack([np.ones(len(vocab), dtype=bool) if c is None else np.isin(vocab, c) for c in own])
+            self._allowed = (self.vocab, own, allowed)
+        vocab = self.vocab.ids if self.vocab is not None else np.arange(logits.shape[-1])
         return widen(logits[:, -1:], vocab, allowed, self.e.vocab_size)[:, 0]
 
     def _control(self, logits: np.ndarray, nxt: np.ndarray, scores: np.ndarray, idx: np.ndarray) -> np.ndarray:
@@ -337,8 +345,13 @@ class InflightBatch:
                                      [buf[:n] for buf in self.buffers], self.vocab)
 
 
-def _same(a: np.ndarray | None, b: np.ndarray | None) -> bool:
-    return (a is None and b is None) or (a is not None and b is not None and np.array_equal(a, b))
+def _same(a: np.ndarray | None, b: Selection | None) -> bool:
+    return (a is None and b is None) or (a is not None and b is not None and (a is b.ids or np.array_equal(a, b.ids)))
+
+
+def _same_arrays(a: list, b: list) -> bool:
+    """The same arrays (objects, not values) in the same order; None entries compare as None."""
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
 
 
 def answer(rows: Sequence[Row], n: int) -> list[list[Hypothesis]]:

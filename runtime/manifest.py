@@ -111,6 +111,13 @@ def _check_shortlist(record, where) -> None:
                           f"outputs); rebuild it with onnxformer shortlist")
     _safe_file(record["file"], where)
     _safe_file(decoder["file"], where)
+    weight = record.get("weight")                            # the projection table a request's rows come from
+    if weight is not None:
+        if not isinstance(weight, dict) or any(k not in weight for k in ("file", "offset", "length", "shape", "dtype",
+                                                                          "feed")):
+            raise BundleError(f"{where}: the shortlist's 'weight' needs file, offset, length, shape, dtype and feed; "
+                              f"rebuild it with onnxformer shortlist")
+        _safe_file(weight["file"], where)
 
 
 def _check_file_list(manifest: dict, where) -> None:
@@ -147,7 +154,8 @@ def _named_files(manifest: dict) -> list[tuple[str, str | None]]:
     if isinstance(manifest.get("tokenizer"), str):
         named.append((manifest["tokenizer"], None))
     shortlist = manifest.get("shortlist")                    # the vocabulary shortlist's map and decoder graph
-    for entry in ((shortlist, shortlist.get("decoder")) if isinstance(shortlist, dict) else ()):
+    for entry in ((shortlist, shortlist.get("decoder"), shortlist.get("weight")) if isinstance(shortlist, dict)
+                  else ()):
         if isinstance(entry, dict) and isinstance(entry.get("file"), str):
             named.append((entry["file"], entry.get("sha256") if isinstance(entry.get("sha256"), str) else None))
     shared = manifest.get("shared_weights")                  # the graphs' external data (exporters/shared_weights)

@@ -24,7 +24,7 @@ import numpy as np
 import onnxruntime as ort
 
 from runtime.feed import Feed
-from runtime.shortlist import Shortlist, widen
+from runtime.shortlist import Selection, Shortlist, ShortlistWeight, widen
 from runtime.spec import DYNAMIC, empty_past, source_pad_id, source_vocab_size, suppressed_ids
 from runtime.static_cache import StaticPath
 
@@ -81,10 +81,11 @@ class BoundPath:
 
 class OrtState:
     """Decoder state of one request: the mask, cross K/V and self-attention cache of its current rows, and with a
-    shortlist its ids (vocab [V']) and each input's own candidates among them (allowed [inputs, V'])."""
+    shortlist its Selection (vocab: its ids [V'] and the decoder inputs made for them once) and each input's own
+    candidates among them (allowed [inputs, V'])."""
 
     def __init__(self, path, mask: np.ndarray, cross: list, sources: np.ndarray, steps: int | None = None,
-                 shortlist: tuple[np.ndarray, np.ndarray] | None = None):
+                 shortlist: tuple[Selection, np.ndarray] | None = None):
         self.path, self.cross, self.sources = path, cross, sources     # sources: the input each row belongs to
         self.host_mask = mask                                          # [N, S] int64
         self.mask = path.mask(mask)
@@ -112,7 +113,7 @@ class OrtState:
         logits, self.past = self.path.decode(tokens, self.mask, self.past, self.cross, self.vocab)
         if self.vocab is None:
             return logits
-        return widen(logits, self.vocab, self.allowed[self.sources], self.path.e.vocab_size)
+        return widen(logits, self.vocab.ids, self.allowed[self.sources], self.path.e.vocab_size)
 
 
 class OrtEngine:
@@ -120,7 +121,7 @@ class OrtEngine:
 
     def __init__(self, encoder: ort.InferenceSession, decoder: ort.InferenceSession, config: dict,
                  provider: str = "cpu", io_binding: bool | None = None, layout: str = DYNAMIC,
-                 shortlist: tuple[Shortlist, ort.InferenceSession] | None = None):
+                 shortlist: tuple[Shortlist, ort.InferenceSession, ShortlistWeight | None] | None = None):
         self.config, self.provider, self.layout = config, provider, layout
         self.feed = Feed(encoder, decoder, config, layout, provider)
         self.shortlist = None                                          # the bundle's map, used by start(targets=)
@@ -142,10 +143,12 @@ class OrtEngine:
         self.name = f"ort-{provider}" + ("-static-cache" if self.static_cache else
                                          "-iobinding" if self.io_binding else "")
 
-    def use_shortlist(self, shortlist: Shortlist, decoder: ort.InferenceSession) -> None:
+    def use_shortlist(self, shortlist: Shortlist, decoder: ort.InferenceSession,
+                      weight: ShortlistWeight | None = None) -> None:
         """Decode requests asking for it on this map and the decoder's shortlist variant (the runtime.spec
-        shortlist_decoder_spec interface)."""
-        self.shortlist, self.feed.shortlist_decoder = shortlist, decoder
+        shortlist_decoder_spec interface; `weight`: the table its shortlist_weight input is gathered from, None for
+        a decoder that gathers its rows itself)."""
+        self.shortlist, self.feed.shortlist_decoder, self.feed.shortlist_weight = shortlist, decoder, weight
 
     @property
     def encoder(self):
@@ -170,7 +173,10 @@ class OrtEngine:
         whole vocabulary."""
         ids = np.ascontiguousarray(input_ids, dtype=np.int64)          # [B, S]
         mask = np.ascontiguousarray(attention_mask, dtype=np.int64)
-        shortlist = None if targets is None else self.shortlist.select(ids, mask, targets)
+        shortlist = None
+        if targets is not None:                                        # the projection rows: gathered once, here
+            vocab, allowed = self.shortlist.select(ids, mask, targets)
+            shortlist = self.feed.select(vocab), allowed
         cross = self.path.encode(ids, mask)                            # 2 * layers tensors [B, H, S, Dh]
         sources = np.arange(len(ids))
         if expand > 1:                                                 # beam rows b * expand + j share input b

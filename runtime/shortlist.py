@@ -12,10 +12,16 @@ row is then masked to its own input's candidates, so a row decodes exactly as it
 
 Local logit indices become vocabulary ids here and only here (`widen`): the search and its logits processors
 see full-vocabulary logits in which every token outside the row's candidates is -inf.
+
+The decoder does not gather the projection's rows for those ids itself each step: a request's state gathers them
+once (`ShortlistWeight.take`, from the table the manifest's shortlist "weight" record maps, e.g. a tied model's
+embedding in weights.data) and every step of the request binds them (`Selection`: the shortlist decoder's extra
+inputs). A per-step gather copied V' x D floats a step, more than the product it fed at batch 1 (RESULTS.md).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +29,7 @@ import numpy as np
 from runtime.errors import BundleError
 
 ARRAYS = ("offsets", "candidates", "always")
+FEEDS = ("rows", "columns")         # the shortlist weight's layout: [V', D] (fp32 Gemm) or [D, V'] (int8 MatMul)
 
 
 class Shortlist:
@@ -76,6 +83,30 @@ class Shortlist:
                 "always": int(len(self.always))}
 
 
+class ShortlistWeight:
+    """The output projection as a table with a row per target id ([V, D], read-only, usually a view of a mapped
+    bundle file), and how the shortlist decoder takes a request's part of it (`feed`, one of FEEDS)."""
+
+    def __init__(self, table: np.ndarray, feed: str):
+        if feed not in FEEDS or table.ndim != 2:
+            raise ValueError(f"a shortlist weight is a [V, D] table fed as one of {FEEDS}, got {table.shape} {feed!r}")
+        self.table, self.feed = table, feed
+
+    def take(self, ids: np.ndarray) -> np.ndarray:
+        """The rows of `ids` [V', D], or for "columns" their transpose [D, V'], contiguous (a copy)."""
+        rows = np.take(self.table, ids, axis=0)
+        return rows if self.feed == "rows" else np.ascontiguousarray(rows.T)
+
+
+@dataclass(eq=False)
+class Selection:
+    """The target ids a request's decoder steps compute (`ids` [V'], sorted) and the shortlist decoder's inputs
+    for them (`feeds`: vocab_ids, and the gathered shortlist_weight where the decoder takes it), made once."""
+
+    ids: np.ndarray
+    feeds: dict = field(default_factory=dict)
+
+
 def _problem(offsets, candidates, always, src_vocab_size: int, vocab_size: int) -> str | None:
     if offsets.ndim != 1 or len(offsets) != src_vocab_size + 1 or offsets.dtype.kind not in "iu":
         return f"offsets must be {src_vocab_size + 1} integers (one more than the source vocabulary)"
@@ -97,4 +128,4 @@ def widen(logits: np.ndarray, vocab: np.ndarray, allowed: np.ndarray, vocab_size
     return out
 
 
-__all__ = ["Shortlist", "widen", "ARRAYS"]
+__all__ = ["Shortlist", "ShortlistWeight", "Selection", "widen", "ARRAYS", "FEEDS"]

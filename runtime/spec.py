@@ -26,6 +26,7 @@ POSITION_IDS = "position_ids"                    # decoders: each new token's po
 DECODER_ATTENTION_MASK = "decoder_attention_mask"  # decoders: 1 where a cached self-attention key is a real token
 VOCAB_IDS = "vocab_ids"                          # shortlist decoders: the target ids whose logits the step computes
 SHORTLIST = "shortlist"                          # shortlist decoders: the logits' last dim (len(vocab_ids))
+SHORTLIST_WEIGHT = "shortlist_weight"            # shortlist decoders: the projection's rows for vocab_ids, bound per request
 KV_CACHES = ("dynamic", "static")
 # the decoder layouts a manifest declares ("decoder_layout"): how its self-attention cache is fed
 DYNAMIC = "dynamic"                  # past [B, H, past_len, Dh] in, present [B, H, past_len + new_len, Dh] out
@@ -190,12 +191,21 @@ def decoder_spec(n_decoder_layers: int, n_heads: int, d_model: int, vocab_size: 
     return GraphSpec("decoder", inputs=tuple(inputs), outputs=tuple(outputs))
 
 
-def shortlist_decoder_spec(decoder: GraphSpec) -> GraphSpec:
-    """A decoder's shortlist variant (`onnxformer shortlist` writes it): the same graph with one more input,
-    `vocab_ids` int64 [shortlist], the target ids to compute; its logits hold those ids' columns, in that order."""
+def shortlist_decoder_spec(decoder: GraphSpec, weight: dict | None = None) -> GraphSpec:
+    """A decoder's shortlist variant (`onnxformer shortlist` writes it): the same graph with more inputs,
+    `vocab_ids` int64 [shortlist], the target ids to compute, and (`weight`: the manifest's shortlist "weight" record)
+    `shortlist_weight`, the output projection's weights for those ids, gathered once per request by the runtime:
+    rows [shortlist, D] ("feed": "rows", fp32) or columns [D, shortlist] ("columns", int8) of the record's dtype.
+    Its logits hold those ids' columns, in that order. Without `weight`: the first form, which gathered the rows
+    inside the graph every step (bundles shortlisted before 2026-12-02)."""
     outputs = tuple(TensorSpec(t.name, t.dtype, t.shape[:-1] + (SHORTLIST,)) if t.name == "logits" else t
                     for t in decoder.outputs)
-    return GraphSpec(decoder.name, decoder.inputs + (TensorSpec(VOCAB_IDS, "int64", (SHORTLIST,)),), outputs)
+    inputs = decoder.inputs + (TensorSpec(VOCAB_IDS, "int64", (SHORTLIST,)),)
+    if weight is not None:
+        width = int(weight["shape"][1])
+        shape = (SHORTLIST, width) if weight["feed"] == "rows" else (width, SHORTLIST)
+        inputs += (TensorSpec(SHORTLIST_WEIGHT, str(weight["dtype"]), shape),)
+    return GraphSpec(decoder.name, inputs, outputs)
 
 
 def default_row_inputs(batch: int, past_len: int, new_len: int = 1, layout: str = DYNAMIC) -> dict:
@@ -241,7 +251,7 @@ def config_field_of(tensor: str, axis: int) -> str:
 
 
 __all__ = ["TensorSpec", "GraphSpec", "PAST_SEQUENCE_LENGTH", "CACHE_LEN", "POSITION_IDS", "DECODER_ATTENTION_MASK",
-           "VOCAB_IDS", "SHORTLIST", "shortlist_decoder_spec",
+           "VOCAB_IDS", "SHORTLIST", "SHORTLIST_WEIGHT", "shortlist_decoder_spec",
            "DYNAMIC", "STATIC_PER_ROW", "STATIC_SHARED", "DECODER_LAYOUTS", "kv_cache_of", "takes_key_mask",
            "default_row_inputs", "config_field_of", "KV_CACHES", "PAST", "PRESENT", "SELF",
            "CROSS", "KV", "cache_name", "cache_names", "parse_cache_name", "is_cache", "past_of", "present_of",

@@ -81,7 +81,7 @@ def test_a_shortlist_of_the_whole_vocabulary_equals_no_shortlist(shortlisted, la
     engine = load_bundle(shortlisted[layout], provider="cpu").engine
     whole = Shortlist(np.zeros(engine.src_vocab_size + 1, np.int64), np.zeros(0, np.int64),
                       np.arange(engine.vocab_size))
-    engine.use_shortlist(whole, engine.feed.shortlist_decoder)
+    engine.use_shortlist(whole, engine.feed.shortlist_decoder, engine.feed.shortlist_weight)
     opts = SEARCHES[search]
     full = _tokens(engine, SEQS, SearchOptions(**{**opts.__dict__, "shortlist": False}))
     assert _tokens(engine, SEQS, opts) == full
@@ -91,7 +91,7 @@ def test_a_shortlist_of_the_whole_vocabulary_equals_no_shortlist(shortlisted, la
 def test_a_shortlist_too_small_changes_tokens_and_no_shortlist_turns_it_off(shortlisted):
     engine = load_bundle(shortlisted["static"], provider="cpu").engine
     tiny = Shortlist(np.zeros(engine.src_vocab_size + 1, np.int64), np.zeros(0, np.int64), np.array([2, 10, 11]))
-    engine.use_shortlist(tiny, engine.feed.shortlist_decoder)
+    engine.use_shortlist(tiny, engine.feed.shortlist_decoder, engine.feed.shortlist_weight)
     on = _tokens(engine, SEQS, SEARCHES["greedy"])
     off = _tokens(engine, SEQS, SearchOptions(max_new_tokens=12, shortlist=False))
     assert all(set(h[0][0]) <= {2, 10, 11} for h in on) and on != off
@@ -111,6 +111,37 @@ def test_the_manifest_records_the_shortlist_and_inspect_shows_it(shortlisted):
     report = inspect_report(shortlisted["static"])
     assert "shortlist: shortlist.npz + decoder.shortlist.onnx" in format_inspect(report)
     assert report["shortlist"]["gate"]["agreement"] == record["gate"]["agreement"]
+
+
+@pytest.mark.parametrize("layout", ["dynamic", "static"])
+def test_the_projection_rows_are_gathered_once_per_request_from_the_recorded_table(shortlisted, layout,
+                                                                                     monkeypatch):
+    """A request gathers its candidates' projection rows once (not every step, not at every beam reorder), from
+    the table the manifest's weight record maps: the tied embedding in weights.data, no copy."""
+    from runtime.shortlist import ShortlistWeight
+
+    record = json.loads((shortlisted[layout] / "manifest.json").read_text())["shortlist"]["weight"]
+    assert record["feed"] == "rows" and record["dtype"] == "float32"
+    assert record["file"] == "weights.data" and not (shortlisted[layout] / "shortlist.weight.bin").exists()
+    engine = load_bundle(shortlisted[layout], provider="cpu").engine
+    calls = []
+    take = ShortlistWeight.take
+    monkeypatch.setattr(ShortlistWeight, "take", lambda self, ids: calls.append(len(ids)) or take(self, ids))
+    for search in ("greedy", "beam"):
+        calls.clear()
+        hyps = generate_ids(engine, SEQS, SEARCHES[search])
+        assert len(calls) == 1 and max(len(h.tokens) for hs in hyps for h in hs) > 3, search
+
+
+def test_a_shortlist_weight_record_that_does_not_fit_its_file_is_refused(shortlisted, tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(shortlisted["static"], copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["shortlist"]["weight"]["offset"] = manifest["files"]["weights.data"]["bytes"]
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(BundleError, match="shortlist weight.*rebuild the shortlist with onnxformer shortlist"):
+        load_bundle(copy, provider="cpu")
+    assert load_bundle(copy, provider="cpu", shortlist=False).engine.shortlist is None
 
 
 def test_a_changed_shortlist_file_is_refused(shortlisted, tmp_path):
@@ -183,18 +214,23 @@ def test_an_int8_bundle_gets_a_shortlist_equal_to_its_full_vocabulary_when_it_co
     out, report = shortlist_bundle(int8, corpus, tmp_path / "int8_sl", sizes=(16,), always=4, texts=held,
                                    allow_unverified=True)
     assert report.tried[0]["agreement"] > 0.9
+    weight = json.loads((out / "manifest.json").read_text())["shortlist"]["weight"]
+    assert (weight["file"], weight["feed"], weight["offset"]) == ("shortlist.weight.bin", "columns", 0)
+    assert weight["length"] == (out / "shortlist.weight.bin").stat().st_size      # W^T int8, written once
     engine = load_bundle(out, provider="cpu").engine
     whole = Shortlist(np.zeros(engine.src_vocab_size + 1, np.int64), np.zeros(0, np.int64),
                       np.arange(engine.vocab_size))
-    engine.use_shortlist(whole, engine.feed.shortlist_decoder)
+    engine.use_shortlist(whole, engine.feed.shortlist_decoder, engine.feed.shortlist_weight)
     for opts in (SEARCHES["greedy"], SEARCHES["beam"]):
         assert _tokens(engine, SEQS, opts) == _tokens(engine, SEQS, SearchOptions(**{**opts.__dict__,
                                                                                      "shortlist": False}))
 
 
-def test_a_projection_by_a_transposed_table_gathers_the_table_itself(toy_exported, tmp_path):
-    """Large tied decoders multiply by Transpose(embedding) (not folded): the shortlist graph gathers the
-    embedding's rows, and its logits for any ids are the full graph's columns."""
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_projection_by_a_transposed_table_gathers_the_table_itself(toy_exported, tmp_path, bias):
+    """Large tied decoders multiply by Transpose(embedding) (not folded): the shortlist graph takes the
+    embedding's rows, and its logits for any ids are the full graph's columns (with a final logits bias too, as
+    Marian and BART have)."""
     import onnx
     import onnxruntime as ort
     from onnx import helper, numpy_helper
@@ -210,11 +246,16 @@ def test_a_projection_by_a_transposed_table_gathers_the_table_itself(toy_exporte
     graph.initializer.remove(weight)
     graph.initializer.append(numpy_helper.from_array(table, "table"))
     graph.node.insert(0, helper.make_node("Transpose", ["table"], [matmul.input[1]], perm=[1, 0]))
+    if bias:                                                         # logits = MatMul + final_logits_bias
+        matmul.output[0] = "projected"
+        graph.initializer.append(numpy_helper.from_array(np.linspace(-1, 1, table.shape[0], dtype=np.float32),
+                                                         "final_logits_bias"))
+        graph.node.append(helper.make_node("Add", ["projected", "final_logits_bias"], ["logits"]))
     full = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-    short = shortlist_decoder(onnx.ModelProto.FromString(model.SerializeToString()), tmp_path)
+    short, found = shortlist_decoder(onnx.ModelProto.FromString(model.SerializeToString()), tmp_path)
     assert not any(n.op_type == "Transpose" and "table" in n.input for n in short.graph.node)
-    assert next(n for n in short.graph.node if n.name == "shortlist.gather").input[0] == "table"
-    assert not any(t.name == "shortlist.table" for t in short.graph.initializer)       # no copy of the table
+    assert not any(n.op_type == "Gather" and "table" in n.input for n in short.graph.node)  # rows come bound
+    assert found.feed == "rows" and np.array_equal(found.array, table)   # inline here: written beside the graph
     session = ort.InferenceSession(short.SerializeToString(), providers=["CPUExecutionProvider"])
     rng = np.random.default_rng(0)
     feeds = {}
@@ -226,4 +267,5 @@ def test_a_projection_by_a_transposed_table_gathers_the_table_itself(toy_exporte
     feeds["decoder_attention_mask"] = np.ones_like(feeds["decoder_attention_mask"])
     ids = np.array([2, 5, 17, 40, 63])
     want = full.run(["logits"], feeds)[0][..., ids]
-    assert np.array_equal(session.run(["logits"], {**feeds, "vocab_ids": ids})[0], want)
+    assert np.array_equal(session.run(["logits"], {**feeds, "vocab_ids": ids, "shortlist_weight": table[ids]})[0],
+                          want)

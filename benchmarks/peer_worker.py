@@ -6,7 +6,8 @@ ENGINE is onnxformer (MODEL: a bundle), ctranslate2 (MODEL: a converted director
 optimum (MODEL: an optimum-cli export directory) or transformers (MODEL: the original directory; the reference).
 INPUTS.json: {"marian": DIR (the original save_pretrained directory: Marian, or any family with a config.json),
 "inputs": [[ids]], "batch_sizes": [1, 8], "beam": 1, "max_new_tokens": N, "min_new_tokens": M, "threads": T,
-"repeat": R, "warmup": W}. Writes {"tokens": [[ids] per input, EOS dropped], "times": {batch: [seconds per
+"repeat": R, "warmup": W}, plus per engine "compute_type" (ctranslate2) and "use_vmap" (ctranslate2: decode with
+the model folder's vmap.txt). Writes {"tokens": [[ids] per input, EOS dropped], "times": {batch: [seconds per
 round]}, "peak_rss_mb": the process's peak resident memory}: every round generates for the first `batch` inputs.
 """
 
@@ -73,7 +74,7 @@ def engine_fn(engine: str, model: str, spec: dict):
         def run(seqs):
             out = translator.translate_batch([[pieces[i] for i in s] for s in seqs], beam_size=beam,
                                              max_decoding_length=new, min_decoding_length=low, length_penalty=1.0,
-                                             suppress_sequences=suppress)
+                                             suppress_sequences=suppress, use_vmap=spec.get("use_vmap", False))
             return [[vocab.get(p, -1) for p in r.hypotheses[0]] for r in out]
         return run
     import torch

@@ -13,6 +13,12 @@ tokens, EOS ignored; its int8 bundle is written unverified, as random weights ca
 "nllb-600m" and "bart-base" those shapes with random weights (toolkit.testing.tiny_families.SHAPES: an M2M100 and a
 BART directory, speed as for opus). Each row also gives the size of the engine's model folder and the worker
 process's peak resident memory.
+
+`--shortlist 75` adds four engines on one synthetic vocabulary map (the --always most frequent ids + 75 random
+candidates a source token, Marian's conventional sizes; sources then drawn from the whole vocabulary): onnxformer
+fp32 and int8 bundles carrying it as their shortlist, and CTranslate2 fp32 and int8 with it as vmap.txt, decoding
+with use_vmap. `--build-only` converts everything and stops (conversions need no quiet machine, the timed run
+does); `--only LABEL,...` times those engines (and the PyTorch reference) only.
 """
 
 from __future__ import annotations
@@ -51,7 +57,7 @@ def env_python(name: str) -> Path:
     return py
 
 
-def build(model: str, new_tokens: int) -> tuple[Path, Path]:
+def build(model: str, new_tokens: int, optimum: bool = True) -> tuple[Path, Path]:
     """The original directory, and the folder holding every engine's model converted from it."""
     from toolkit.testing.tiny_families import SHAPES
 
@@ -91,22 +97,24 @@ def build(model: str, new_tokens: int) -> tuple[Path, Path]:
             sh(ct2, "-m", "ctranslate2.converters.transformers", "--model", marian, "--output_dir", out / name,
                "--force", *extra)
     opt = env_python("optimum")
-    if not (out / "optimum" / "encoder_model.onnx").exists():
+    if optimum and not (out / "optimum" / "encoder_model.onnx").exists():
         log("Optimum: optimum-cli export onnx (text2text-generation-with-past)")
         sh(opt, "-m", "optimum.commands.optimum_cli", "export", "onnx", "--model", marian, "--task",
            "text2text-generation-with-past", out / "optimum")
     return marian, out
 
 
-def inputs(marian: Path, n: int, src_len: int | None) -> list[list[int]]:
+def inputs(marian: Path, n: int, src_len: int | None, spread: bool = False) -> list[list[int]]:
     """Source ids: the test corpus through MarianTokenizer's rules (tiny), or random pieces + EOS (opus), or
-    random ids of the tokenizer's own pieces + EOS (the other families)."""
+    random ids of the tokenizer's own pieces + EOS (the other families; `spread`: any id of the model's vocabulary,
+    as a shortlist race needs sources as varied as real text's)."""
     import numpy as np
 
     if not (marian / "vocab.json").exists():
         config = json.loads((marian / "config.json").read_text())
         rng = np.random.default_rng(0)
-        return [rng.integers(4, 30, size=src_len - 1).tolist() + [config["eos_token_id"]] for _ in range(n)]
+        high = config["vocab_size"] - 1 if spread else 30
+        return [rng.integers(4, high, size=src_len - 1).tolist() + [config["eos_token_id"]] for _ in range(n)]
     vocab = json.loads((marian / "vocab.json").read_text())
     if src_len is None:
         from runtime.tokenizer import load_tokenizer
@@ -115,6 +123,46 @@ def inputs(marian: Path, n: int, src_len: int | None) -> list[list[int]]:
         return [tok.encode(t) for t in held_out(n)]
     rng = np.random.default_rng(0)
     return [rng.integers(2, vocab["<pad>"], size=src_len - 1).tolist() + [vocab["</s>"]] for _ in range(n)]
+
+
+def shortlisted(out: Path, per_token: int, always: int) -> list[tuple[str, str, Path, dict]]:
+    """The shortlist engines: onnxformer's fp32 and int8 bundles carrying one synthetic map (Marian's conventional
+    sizes: `always` ids + `per_token` random candidates a source token; benchmarks/shortlist_speed.py), and
+    CTranslate2's fp32 and int8 models with the same map as their vocabulary map (vmap.txt: `source<TAB>targets`,
+    the empty source for the always-included ones), decoding with use_vmap."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from shortlist_speed import shortlisted_copy, synthetic_map
+    from peer_worker import ct2_vocabulary
+
+    config = json.loads((out / "onnxformer-fp32" / "manifest.json").read_text())["model"]
+    vocab = config["vocab_size"]
+    table = synthetic_map(config.get("src_vocab_size") or vocab, vocab, per_token, always)
+    engines = []
+    for precision in ("fp32", "int8"):
+        target = out / f"onnxformer-{precision}-shortlist"
+        if not (target / "manifest.json").exists():
+            log(f"onnxformer {precision}: the synthetic shortlist ({per_token} a source token + {always})")
+            shortlisted_copy(out / f"onnxformer-{precision}", target, table)
+        engines.append((f"onnxformer {precision} + shortlist", PY, "onnxformer", target, {}))
+    marian = out / "hf" if (out / "hf").exists() else out / "marian"
+    for precision in ("fp32", "int8"):
+        source, target = out / f"ct2-{precision}", out / f"ct2-{precision}-vmap"
+        if not (target / "vmap.txt").exists():
+            log(f"CTranslate2 {precision}: the same map as vmap.txt")
+            target.mkdir(exist_ok=True)
+            for f in source.iterdir():
+                if not (target / f.name).exists():
+                    os.link(f, target / f.name)
+            pieces = {i: p for p, i in ct2_vocabulary(marian, source).items()}
+            lines = ["\t" + " ".join(pieces[int(i)] for i in table.always if int(i) in pieces)]
+            for src in range(len(table.offsets) - 1):
+                cands = table.candidates[table.offsets[src]:table.offsets[src + 1]]
+                if len(cands) and src in pieces:
+                    lines.append(pieces[src] + "\t" + " ".join(pieces[int(t)] for t in cands if int(t) in pieces))
+            (target / "vmap.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
+        extra = {"use_vmap": True, **({"compute_type": "int8"} if precision == "int8" else {})}
+        engines.append((f"ctranslate2 {precision} + vmap", env_python("ct2"), "ctranslate2", target, extra))
+    return engines
 
 
 def folder_bytes(folder: Path) -> int:
@@ -135,12 +183,22 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--json", type=Path, help="write the rows here too")
+    ap.add_argument("--shortlist", type=int, default=0, metavar="PER_TOKEN",
+                    help="also race onnxformer with a vocabulary shortlist against CTranslate2 with use_vmap, both on "
+                         "one synthetic map of PER_TOKEN candidates a source token (75: Marian's usual); sources are "
+                         "then drawn from the whole vocabulary")
+    ap.add_argument("--always", type=int, default=100, help="with --shortlist: the always-included targets")
+    ap.add_argument("--only", help="comma-separated engine labels to run (default: all)")
+    ap.add_argument("--no-optimum", action="store_true", help="leave Optimum out (its export of the NLLB-600M "
+                    "shape needs more than 13 GiB and a long time)")
+    ap.add_argument("--build-only", action="store_true", help="convert every engine's model, then stop (the "
+                    "conversions need no quiet machine; the timed run does)")
     args = ap.parse_args()
     speed = args.model != "tiny"
     new = args.new_tokens or (64 if speed else 32)
     src_len = args.src_len or (32 if speed else None)
-    marian, out = build(args.model, new)
-    spec = {"marian": str(marian), "inputs": inputs(marian, args.samples, src_len),
+    marian, out = build(args.model, new, optimum=not args.no_optimum)
+    spec = {"marian": str(marian), "inputs": inputs(marian, args.samples, src_len, spread=args.shortlist > 0),
             "batch_sizes": [int(b) for b in args.batch_sizes.split(",")], "beam": args.beam, "max_new_tokens": new,
             "min_new_tokens": new if speed else 0, "threads": args.threads, "repeat": args.repeat, "warmup": 1}
     spec_file = out / "race-inputs.json"
@@ -153,6 +211,16 @@ def main() -> None:
                ("ctranslate2 fp32", ct2, "ctranslate2", out / "ct2-fp32", {}),
                ("ctranslate2 int8", ct2, "ctranslate2", out / "ct2-int8", {"compute_type": "int8"}),
                ("optimum (onnxruntime) fp32", opt, "optimum", out / "optimum", {})]
+    if args.no_optimum:
+        engines = [e for e in engines if e[2] != "optimum"]
+    if args.shortlist:
+        engines += shortlisted(out, args.shortlist, args.always)
+    if args.build_only:
+        log(f"built: {', '.join(str(e[3]) for e in engines)}")
+        return
+    if args.only:
+        wanted = [w.strip() for w in args.only.split(",")]
+        engines = [e for e in engines if e[0] in wanted or e[0] == "transformers (PyTorch eager)"]
     results = {}
     load = os.getloadavg()
     for label, py, engine, model, extra in engines:

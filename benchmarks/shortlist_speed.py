@@ -10,9 +10,9 @@ weights: the map is synthetic, Marian's conventional lexical shortlist sizes (th
 (exporters/shortlist_graph.py) into the bundle folder (the manifest is left alone).
 
 `projection`: the output projection alone, per step, at a model shape (d_model x vocab), for the mechanisms:
-full (MatMul by the constant [D, V] weight, as the decoder has it), gather (the shortlist decoder's: Gather of the
-rows each step, then the product; what the runtime uses) and bound (the gathered rows made once per request and
-bound as an input: the product only).
+full (MatMul by the constant [D, V] weight, as the decoder has it), gather (a Gather of the rows inside the graph
+every step, then the product: the first shortlist decoder, before 2026-12-02) and bound (the shortlist decoder's
+now: the rows gathered once per request by the runtime and bound as an input: the product only).
 
 Run under the bench lock: flock /tmp/onnxformer-bench.lock python benchmarks/shortlist_speed.py ...
 """
@@ -38,6 +38,35 @@ def synthetic_map(src_vocab: int, vocab: int, per_token: int, always: int, seed:
     return Shortlist(offsets, candidates.astype(np.int64), np.arange(min(always, vocab), dtype=np.int64))
 
 
+def shortlisted_copy(bundle: Path, out: Path, shortlist) -> Path:
+    """A copy of `bundle` at `out` (copied: onnx refuses external data with several hard links) carrying `shortlist` (a
+    synthetic map: no gate ran, so the manifest's record says verified false, synthetic true), its shortlist decoder
+    and weight: a bundle every runtime path loads with the shortlist on, for races."""
+    import shutil
+
+    from exporters.bundle import graph_entry, write_manifest
+    from exporters.shortlist import DECODER_FILE, MAP_FILE, save_map
+    from exporters.shortlist_graph import write_shortlist_decoder
+    from runtime.manifest import read_manifest, sha256_file
+
+    manifest = read_manifest(bundle)
+    if manifest.pop("shortlist", None):
+        raise SystemExit(f"{bundle} has a shortlist already; give the bundle without one")
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    for name in set(manifest["files"]) - {"manifest.json"}:
+        shutil.copyfile(bundle / name, out / name)
+    _, weight = write_shortlist_decoder(out / manifest["graphs"]["decoder"]["file"], out / DECODER_FILE, out)
+    save_map(shortlist, out / MAP_FILE)
+    manifest["shortlist"] = {"file": MAP_FILE, "sha256": sha256_file(out / MAP_FILE),
+                             "decoder": graph_entry(out / DECODER_FILE), "weight": weight, "sizes": shortlist.sizes(),
+                             "size": int(shortlist.sizes()["most_candidates"]), "always": len(shortlist.always),
+                             "verified": False, "synthetic": True}
+    write_manifest(out, manifest)
+    return out
+
+
 def timed(fn) -> tuple[float, float]:
     c, w = time.process_time(), time.perf_counter()
     fn()
@@ -50,15 +79,19 @@ def steps(args) -> list[dict]:
     from runtime.generate import generate_ids
     from runtime.search import SearchOptions
     from runtime.session import SessionConfig, make_session
+    from runtime.shortlist import ShortlistWeight
 
     rows = []
     for bundle in map(Path, args.bundles):
         loaded = load_bundle(bundle, provider="cpu", threads=args.threads, shortlist=False)
         engine = loaded.engine
         decoder = bundle / loaded.manifest["graphs"]["decoder"]["file"]
-        variant = write_shortlist_decoder(decoder, bundle / "decoder.shortlist.onnx", bundle)
+        variant, weight = write_shortlist_decoder(decoder, bundle / "decoder.shortlist.onnx", bundle)
+        table = np.memmap(bundle / weight["file"], dtype=weight["dtype"], mode="r", offset=weight["offset"],
+                          shape=tuple(weight["shape"]))
         engine.use_shortlist(synthetic_map(engine.src_vocab_size, engine.vocab_size, args.per_token, args.always),
-                             make_session(variant, "cpu", SessionConfig(intra_op_threads=args.threads)))
+                             make_session(variant, "cpu", SessionConfig(intra_op_threads=args.threads)),
+                             ShortlistWeight(table, weight["feed"]))
         rng = np.random.default_rng(1)
         for batch in args.batch_sizes:
             seqs = rng.integers(3, engine.src_vocab_size - 1, size=(batch, args.src_len)).tolist()
@@ -87,8 +120,9 @@ def _projection_sessions(width: int, vocab: int, threads: int, folder: Path):
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
-    from exporters.shortlist_graph import TABLE, shortlist_decoder
+    from exporters.shortlist_graph import shortlist_decoder
     from runtime.session import SessionConfig, make_session
+    from runtime.spec import SHORTLIST_WEIGHT
 
     w = np.random.default_rng(0).standard_normal((width, vocab), dtype=np.float32) * 0.05
     hidden = helper.make_tensor_value_info("h", TensorProto.FLOAT, ["b", "t", width])
@@ -99,20 +133,15 @@ def _projection_sessions(width: int, vocab: int, threads: int, folder: Path):
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(folder / "full.onnx"),
               save_as_external_data=True, location="full.data")
     del graph
-    gather = shortlist_decoder(onnx.load(str(folder / "full.onnx"), load_external_data=False), folder)
-    onnx.save(gather, str(folder / "gather.onnx"), save_as_external_data=True, location="gather.data")
-    del gather
-    bound = onnx.load(str(folder / "gather.onnx"), load_external_data=False)   # rows an input, not a Gather
-    bound.graph.node.remove(next(n for n in bound.graph.node if n.name == "shortlist.gather"))
-    table = next(t for t in bound.graph.initializer if t.name == TABLE)
-    rows = numpy_helper.to_array(table, base_dir=str(folder))
-    bound.graph.initializer.remove(table)
-    bound.graph.input.append(helper.make_tensor_value_info("shortlist.rows", TensorProto.FLOAT, ["v", width]))
-    count = next(n for n in bound.graph.node if n.name == "shortlist.count_shape")
-    count.input[0] = "shortlist.rows"
-    count.attribute.append(helper.make_attribute("end", 1))
-    bound.graph.input.remove(next(i for i in bound.graph.input if i.name == "vocab_ids"))
+    bound, table = shortlist_decoder(onnx.load(str(folder / "full.onnx"), load_external_data=False), folder)
+    rows = table.array
     onnx.save(bound, str(folder / "bound.onnx"))
+    gather = bound                                                   # the rows gathered in the graph, every step
+    gather.graph.input.remove(next(i for i in gather.graph.input if i.name == SHORTLIST_WEIGHT))
+    gather.graph.initializer.append(numpy_helper.from_array(rows, "table"))
+    gather.graph.node.insert(0, helper.make_node("Gather", ["table", "vocab_ids"], [SHORTLIST_WEIGHT], axis=0))
+    onnx.save(gather, str(folder / "gather.onnx"), save_as_external_data=True, location="gather.data")
+    del gather, bound
     config = SessionConfig(intra_op_threads=threads)
     return [make_session(folder / f"{k}.onnx", "cpu", config) for k in ("full", "gather", "bound")], rows
 
@@ -132,7 +161,8 @@ def projection(args) -> list[dict]:
             ids = np.unique(np.concatenate([np.arange(args.always), picked]))
             rows_value = ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(table[ids]))
             binding = bound.io_binding()                               # bound once per request
-            binding.bind_ortvalue_input("shortlist.rows", rows_value)
+            binding.bind_ortvalue_input("shortlist_weight", rows_value)
+            binding.bind_cpu_input("vocab_ids", ids)
             binding.bind_cpu_input("h", h)
             binding.bind_output("logits", "cpu")
             calls = {"full": lambda: full.run(None, {"h": h}),

@@ -12,8 +12,10 @@
    least SHORTLIST_TOKEN_MATCH of the tokens, on reference outputs that vary. The smallest size that passes is
    kept; none passing refuses the bundle with the figures (ParityError), or with allow_unverified writes the
    largest marked unverified.
-The map (shortlist.npz), the decoder and the manifest's "shortlist" record (sizes, agreement) are hashed with every
-other file of the bundle.
+A multilingual bundle (NLLB, mBART-50: the target language chosen per request) gets one map per target language
+(--tgt-lang, several): the corpus translated into each, each map gated on its own, the runtime picking an input's
+map by its forced first target token (the language). The map (shortlist.npz), the decoder and the manifest's
+"shortlist" record (sizes, agreement, per language) are hashed with every other file of the bundle.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from runtime.bundle import load_bundle
 from runtime.errors import InputError
 from runtime.generate import generate_ids
 from runtime.manifest import listed_files, read_manifest, sha256_file
-from runtime.request import encode_inputs, search_options
+from runtime.request import encode_inputs, languages, search_options
 from runtime.session import SessionConfig, make_session
 from runtime.shortlist import Shortlist, ShortlistWeight
 from runtime.spec import source_vocab_size
@@ -49,36 +51,48 @@ DEFAULT_SIZES, DEFAULT_ALWAYS = (20, 50, 100), 200
 
 @dataclass
 class ShortlistReport:
-    """What `onnxformer shortlist` did: the corpus, each size the gate tried, the one kept."""
+    """What `onnxformer shortlist` did: the corpus, each size the gate tried, the one kept (a multilingual bundle:
+    per target language, `languages`)."""
 
     corpus_lines: int
     gate_source: str
     tried: list[dict] = field(default_factory=list)
     kept: dict | None = None
     verified: bool = False
+    languages: list[dict] = field(default_factory=list)   # per target language: code, lead, kept, verified
 
     def to_dict(self) -> dict:
-        return {"corpus_lines": self.corpus_lines, "gate_source": self.gate_source, "tried": self.tried,
-                "kept": self.kept, "verified": self.verified}
+        out = {"corpus_lines": self.corpus_lines, "gate_source": self.gate_source, "tried": self.tried,
+               "kept": self.kept, "verified": self.verified}
+        return out | ({"languages": self.languages} if self.languages else {})
 
     def format(self) -> str:
         lines = [f"corpus: {self.corpus_lines} lines translated; gate on {self.gate_source}"]
         for t in self.tried:
-            lines.append(f"  size {t['size']}: {t['mean_vocab']:.0f} target tokens an input on average, "
+            lines.append(f"  {t['language'] + ' ' if t.get('language') else ''}size {t['size']}: "
+                         f"{t['mean_vocab']:.0f} target tokens an input on average, "
                          f"{t['agreement']:.2%} of tokens equal to the full vocabulary "
                          f"({t['sequences_equal']:.1%} of outputs), {t['verdict']}")
+        for lang in self.languages:
+            lines.append(f"{lang['code']}: kept size {lang['kept']['size']} "
+                         f"({'verified' if lang['verified'] else 'NOT verified'})")
         kept = self.kept
-        lines.append(f"kept size {kept['size']} ({'verified' if self.verified else 'NOT verified'})" if kept
-                     else "nothing kept")
+        if not self.languages:
+            lines.append(f"kept size {kept['size']} ({'verified' if self.verified else 'NOT verified'})" if kept
+                         else "nothing kept")
         return "\n".join(lines)
 
 
-def translate(engine, seqs: Sequence[Sequence[int]], max_new_tokens: int, shortlist: bool) -> list[list[int]]:
-    """Greedy outputs (end token dropped) of every input, BATCH at a time, with or without the shortlist."""
-    opts = search_options(engine, max_new_tokens, shortlist=shortlist)
+def translate(engine, seqs: Sequence[Sequence[int]], max_new_tokens: int, shortlist: bool,
+              lead: Sequence[int] = ()) -> list[list[int]]:
+    """Greedy outputs (end token and the forced `lead`, a target language, dropped) of every input, BATCH at a
+    time, with or without the shortlist."""
     out = []
     for start in range(0, len(seqs), BATCH):
-        out += [h[0].tokens for h in generate_ids(engine, seqs[start:start + BATCH], opts)]
+        part = seqs[start:start + BATCH]
+        prefix = {"prefix_ids": (tuple(lead),) * len(part), "prefix_counted": len(lead)} if lead else {}
+        opts = search_options(engine, max_new_tokens, shortlist=shortlist, **prefix)
+        out += [h[0].tokens[len(lead):] for h in generate_ids(engine, part, opts)]
     return [t[:-1] if t and t[-1] == engine.eos_id else t for t in out]
 
 
@@ -104,18 +118,28 @@ def build_map(sources: Sequence[Sequence[int]], targets: Sequence[Sequence[int]]
 
 
 def save_map(shortlist: Shortlist, path: Path) -> None:
-    np.savez(path, offsets=shortlist.offsets, candidates=shortlist.candidates.astype(np.int32),
-             always=shortlist.always.astype(np.int32))
+    """The map file: offsets, candidates, always; per-language maps: `leads` (each language's lead token id) and
+    offsets_i, candidates_i, always_i for the i-th."""
+    if shortlist.languages is None:
+        np.savez(path, offsets=shortlist.offsets, candidates=shortlist.candidates.astype(np.int32),
+                 always=shortlist.always.astype(np.int32))
+        return
+    arrays = {"leads": np.asarray(list(shortlist.languages), dtype=np.int64)}
+    for i, m in enumerate(shortlist.languages.values()):
+        arrays |= {f"offsets_{i}": m.offsets, f"candidates_{i}": m.candidates.astype(np.int32),
+                   f"always_{i}": m.always.astype(np.int32)}
+    np.savez(path, **arrays)
 
 
-def gate_check(engine, seqs: list[list[int]], reference: list[list[int]], max_new_tokens: int, size: int) -> dict:
+def gate_check(engine, seqs: list[list[int]], reference: list[list[int]], max_new_tokens: int, size: int,
+               lead: Sequence[int] = ()) -> dict:
     """One size's verdict: greedy tokens with the engine's shortlist against the full vocabulary's."""
-    got = translate(engine, seqs, max_new_tokens, shortlist=True)
+    got = translate(engine, seqs, max_new_tokens, shortlist=True, lead=lead)
     seq_eq, tok_eq, first = compare_tokens(reference, got)
     distinct = len({tuple(t) for t in reference})
     varied = distinct >= needed_distinct(len(seqs))
     verdict = "inconclusive" if not varied else "ok" if tok_eq >= SHORTLIST_TOKEN_MATCH else "failed"
-    vocab = [len(engine.shortlist.of(s)) for s in seqs]
+    vocab = [len(engine.shortlist.of(s, lead)) for s in seqs]
     return {"size": size, "agreement": tok_eq, "sequences_equal": seq_eq, "threshold": SHORTLIST_TOKEN_MATCH,
             "inputs": len(seqs), "distinct_outputs": distinct, "verdict": verdict,
             "mean_vocab": float(np.mean(vocab)), "sizes": engine.shortlist.sizes(), "first_mismatch": first}
@@ -124,8 +148,11 @@ def gate_check(engine, seqs: list[list[int]], reference: list[list[int]], max_ne
 def shortlist_bundle(bundle_dir: str | Path, corpus: list, out_dir: str | Path, sizes: Sequence[int] = DEFAULT_SIZES,
                      always: int = DEFAULT_ALWAYS, texts: list[str] | None = None, samples: int = DEFAULT_SAMPLES,
                      max_new_tokens: int | None = None, allow_unverified: bool = False, force: bool = False,
-                     progress: Callable[[str], None] | None = None) -> tuple[Path, ShortlistReport]:
-    """Build, gate and store a shortlist (module docstring) into a copy of the bundle at out_dir."""
+                     progress: Callable[[str], None] | None = None, src_lang: str | None = None,
+                     tgt_langs: Sequence[str] = ()) -> tuple[Path, ShortlistReport]:
+    """Build, gate and store a shortlist (module docstring) into a copy of the bundle at out_dir. A multilingual
+    bundle (its target language chosen per request) needs `tgt_langs`: one map per target language, each built
+    from the corpus translated into that language and gated on its own (`src_lang`: the corpus's language)."""
     say = progress or (lambda message: None)
     bundle_dir = Path(bundle_dir)
     sizes = sorted({int(s) for s in sizes})
@@ -135,12 +162,19 @@ def shortlist_bundle(bundle_dir: str | Path, corpus: list, out_dir: str | Path, 
     manifest = read_manifest(bundle_dir)
     bundle = load_bundle(bundle_dir, provider="cpu", shortlist=False)
     engine, config = bundle.engine, manifest["model"]
-    sources = encode_inputs(corpus, bundle.tokenizer)
+    plans = []                                                        # (code, framed tokenizer, lead) per language
+    for code in list(dict.fromkeys(tgt_langs)) or [None]:
+        framed, lead = languages(bundle.tokenizer, src_lang, code)
+        if code is not None and len(lead) != 1:
+            raise InputError(f"tgt_lang {code!r} starts the target with {len(lead)} tokens; a per-language "
+                             f"shortlist needs one language token first")
+        plans.append((code, framed, lead))
+    sources = encode_inputs(corpus, plans[0][1])
     if not sources:
         raise InputError("--corpus has no lines; pass source texts (token ids for a bundle without tokenizer), one a "
                          "line")
     steps = search_options(engine, max_new_tokens).max_new_tokens
-    chosen = choose_inputs(ModelConfig.from_dict(config), bundle.tokenizer, samples, texts)
+    chosen = choose_inputs(ModelConfig.from_dict(config), plans[0][1], samples, texts)
     old = manifest.pop("shortlist", None)
     skip = {old["file"], old["decoder"]["file"]} if old else set()
     if old and (old.get("weight") or {}).get("file") == WEIGHT_FILE:   # its own table (not weights.data)
@@ -157,29 +191,47 @@ def shortlist_bundle(bundle_dir: str | Path, corpus: list, out_dir: str | Path, 
         table = ShortlistWeight(np.fromfile(tmp / weight["file"], dtype=weight["dtype"], offset=weight["offset"],
                                             count=int(np.prod(weight["shape"]))).reshape(weight["shape"]),
                                 weight["feed"])
-        say(f"translating {len(sources)} corpus lines")
-        targets = translate(engine, sources, steps, shortlist=False)
-        reference = translate(engine, chosen.seqs, steps, shortlist=False)
         report = ShortlistReport(len(sources), chosen.source)
-        kept = None
-        for size in sizes:
-            engine.use_shortlist(build_map(sources, targets, config, size, always), session, table)
-            check = gate_check(engine, chosen.seqs, reference, steps, size)
-            say(f"size {size}: {check['agreement']:.2%} of tokens equal ({check['verdict']})")
-            report.tried.append(check)
-            kept = (engine.shortlist, check)
-            if check["verdict"] == "ok":
-                break
-        report.kept, report.verified = kept[1], kept[1]["verdict"] == "ok"
+        maps, checks = {}, []
+        for code, _, lead in plans:
+            where = f" into {code}" if code else ""
+            say(f"translating {len(sources)} corpus lines{where}")
+            targets = translate(engine, sources, steps, shortlist=False, lead=lead)
+            reference = translate(engine, chosen.seqs, steps, shortlist=False, lead=lead)
+            kept = None
+            for size in sizes:
+                engine.use_shortlist(build_map(sources, targets, config, size, always), session, table)
+                check = gate_check(engine, chosen.seqs, reference, steps, size, lead) | ({"language": code} if code
+                                                                                          else {})
+                say(f"{code + ' ' if code else ''}size {size}: {check['agreement']:.2%} of tokens equal "
+                    f"({check['verdict']})")
+                report.tried.append(check)
+                kept = (engine.shortlist, check)
+                if check["verdict"] == "ok":
+                    break
+            maps[lead[0] if code else None] = kept[0]
+            checks.append(kept[1])
+            if code:
+                report.languages.append({"code": code, "lead": lead[0], "kept": kept[1],
+                                         "verified": kept[1]["verdict"] == "ok"})
+        worst = min(checks, key=lambda c: (c["verdict"] == "ok", c["agreement"]))
+        report.kept, report.verified = worst, all(c["verdict"] == "ok" for c in checks)
         if not report.verified and not allow_unverified:
             raise ParityError(f"the shortlist did not pass the gate (>= {SHORTLIST_TOKEN_MATCH:.1%} of tokens equal "
                               f"to the full vocabulary on reference outputs that vary): "
-                              + "; ".join(f"size {t['size']} {t['agreement']:.2%} ({t['verdict']})"
-                                          for t in report.tried)
+                              + "; ".join(f"{t['language'] + ' ' if t.get('language') else ''}size {t['size']} "
+                                          f"{t['agreement']:.2%} ({t['verdict']})" for t in report.tried)
                               + f"; nothing was written to {out_dir} (try larger --size or --always, or pass "
                                 f"--allow-unverified to write it marked unverified)", report.to_dict())
-        save_map(kept[0], tmp / MAP_FILE)
-        manifest["shortlist"] = _record(tmp, kept[1], always, report, allow_unverified) | {"weight": weight}
+        shortlist = maps[None] if None in maps else Shortlist.per_language(maps)
+        save_map(shortlist, tmp / MAP_FILE)
+        record = _record(tmp, worst, always, report, allow_unverified) | {"weight": weight}
+        record["size"], record["sizes"] = max(c["size"] for c in checks), shortlist.sizes()
+        if report.languages:
+            record["languages"] = [{"code": lang["code"], "lead": lang["lead"], "size": lang["kept"]["size"],
+                                    "agreement": lang["kept"]["agreement"], "verdict": lang["kept"]["verdict"]}
+                                   for lang in report.languages]
+        manifest["shortlist"] = record
         write_manifest(tmp, manifest)
     return Path(out_dir), report
 

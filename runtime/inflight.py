@@ -168,8 +168,8 @@ class InflightBatch:
         on = [self.opts.shortlist] * len(sequences) if shortlist is None else list(shortlist)
         table = getattr(self.e, "shortlist", None)
         rows = [Row(k, n, src_len=len(s), left=n == 0, last=self.e.bos_id,
-                    candidates=table.of(s) if table is not None and use else None)
-                for k, s, n, use in zip(keys, sequences, limits, on)]
+                    candidates=table.of(s, _prefix(c)) if table is not None and use else None)
+                for k, s, n, use, c in zip(keys, sequences, limits, on, controls)]
         for row, c in zip(rows, controls):
             if c is not None:
                 row.controls, row.index = c
@@ -347,6 +347,14 @@ class InflightBatch:
 
 def _same(a: np.ndarray | None, b: Selection | None) -> bool:
     return (a is None and b is None) or (a is not None and b is not None and (a is b.ids or np.array_equal(a, b.ids)))
+
+
+def _prefix(control) -> np.ndarray:
+    """A row's forced target prefix ids (its request's Controls and its row there), empty without controls."""
+    if control is None:
+        return np.zeros(0, dtype=np.int64)
+    controls, row = control
+    return controls.prefix[row][:controls.prefix_len[row]]
 
 
 def _same_arrays(a: list, b: list) -> bool:

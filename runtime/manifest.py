@@ -303,6 +303,8 @@ def format_shortlist(s: dict | None) -> str:
     agreement = gate.get("agreement")
     return (f"shortlist: {s['file']} + {s['decoder']}, {sizes.get('most_candidates')} candidates a source token "
             f"(mean {sizes.get('mean_candidates')}) + {sizes.get('always')} always; "
+            + (f"one map per target language ({', '.join(str(lang.get('code')) for lang in s['languages'])}); "
+               if isinstance(s.get("languages"), list) and s["languages"] else "")
             + ("verified" if s.get("verified") else "NOT verified")
             + (f", {agreement:.2%} of tokens equal to the full vocabulary on {gate.get('source')}"
                if isinstance(agreement, (int, float)) else ""))

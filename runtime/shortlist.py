@@ -33,41 +33,69 @@ FEEDS = ("rows", "columns")         # the shortlist weight's layout: [V', D] (fp
 
 
 class Shortlist:
-    """A source-token -> candidate-target-tokens map plus the always-included targets (validated on load)."""
+    """A source-token -> candidate-target-tokens map plus the always-included targets (validated on load); a
+    multilingual bundle's file holds one map per target language (`languages`: the language's lead token id ->
+    its map), picked per input by the first token of its forced target prefix (the target language)."""
 
-    def __init__(self, offsets: np.ndarray, candidates: np.ndarray, always: np.ndarray):
+    def __init__(self, offsets: np.ndarray, candidates: np.ndarray, always: np.ndarray,
+                 languages: dict[int, "Shortlist"] | None = None):
         self.offsets, self.candidates, self.always = offsets, candidates, always
+        self.languages = languages or None
+
+    @classmethod
+    def per_language(cls, maps: dict[int, "Shortlist"]) -> "Shortlist":
+        """One map per target language, keyed by the language's lead token id (its forced first target token)."""
+        empty = np.zeros(0, dtype=np.int64)
+        first = next(iter(maps.values()))
+        return cls(np.zeros_like(first.offsets), empty, empty, dict(maps))
 
     @classmethod
     def load(cls, path: str | Path, src_vocab_size: int, vocab_size: int) -> "Shortlist":
-        """The map in `path`; a file that does not describe a map for these vocabularies is a BundleError."""
+        """The map(s) in `path`; a file that does not describe maps for these vocabularies is a BundleError."""
         try:
             with np.load(path, allow_pickle=False) as data:
-                arrays = {name: np.asarray(data[name]) for name in ARRAYS}
+                leads = np.asarray(data["leads"]).astype(np.int64).tolist() if "leads" in data else None
+                suffixes = [""] if leads is None else [f"_{i}" for i in range(len(leads))]
+                arrays = [{name: np.asarray(data[name + k]) for name in ARRAYS} for k in suffixes]
         except (OSError, ValueError, KeyError) as exc:
             raise BundleError(f"{path} is not a shortlist file ({str(exc).splitlines()[0][:200]}); copy the bundle "
                               f"again or rebuild it with onnxformer shortlist") from None
-        offsets, candidates, always = (arrays[n] for n in ARRAYS)
-        problem = _problem(offsets, candidates, always, src_vocab_size, vocab_size)
-        if problem:
-            raise BundleError(f"{path}: {problem}; rebuild the shortlist with onnxformer shortlist")
-        return cls(offsets.astype(np.int64), candidates.astype(np.int64), np.unique(always.astype(np.int64)))
+        maps = []
+        for a in arrays:
+            offsets, candidates, always = (a[n] for n in ARRAYS)
+            problem = _problem(offsets, candidates, always, src_vocab_size, vocab_size)
+            if problem:
+                raise BundleError(f"{path}: {problem}; rebuild the shortlist with onnxformer shortlist")
+            maps.append(cls(offsets.astype(np.int64), candidates.astype(np.int64), np.unique(always.astype(np.int64))))
+        if leads is None:
+            return maps[0]
+        if len(set(leads)) != len(leads) or any(not 0 <= t < vocab_size for t in leads):
+            raise BundleError(f"{path}: its language lead tokens must be distinct target ids; rebuild the shortlist "
+                              f"with onnxformer shortlist")
+        return cls.per_language(dict(zip(leads, maps)))
 
-    def of(self, tokens) -> np.ndarray:
-        """The sorted candidates of one input's source tokens (ids), the always-included ones among them."""
-        tokens = np.unique(np.asarray(tokens, dtype=np.int64))
-        parts = [self.always] + [self.candidates[self.offsets[t]:self.offsets[t + 1]] for t in tokens.tolist()]
+    def pick(self, targets=()) -> list["Shortlist"]:
+        """The maps an input with this forced target prefix decodes on: its target language's (the first prefix
+        token), or every language's when it names none of them (their union: never fewer candidates)."""
+        if self.languages is None:
+            return [self]
+        lead = int(targets[0]) if len(targets) else None
+        return [self.languages[lead]] if lead in self.languages else list(self.languages.values())
+
+    def of(self, tokens, targets=()) -> np.ndarray:
+        """The sorted candidates of one input's source tokens (ids), the always-included ones and its forced
+        target prefix `targets` among them."""
+        tokens = np.unique(np.asarray(tokens, dtype=np.int64)).tolist()
+        parts = [np.asarray(targets, dtype=np.int64).reshape(-1)]
+        for m in self.pick(targets):
+            parts += [m.always] + [m.candidates[m.offsets[t]:m.offsets[t + 1]] for t in tokens]
         return np.unique(np.concatenate(parts))
 
     def select(self, input_ids: np.ndarray, attention_mask: np.ndarray, extra=None) -> tuple[np.ndarray, np.ndarray]:
         """(vocab [V'] int64, the sorted union of every input's candidates; allowed [B, V'] bool, each input's own).
-        `extra`: per input, target ids it may also produce (its forced prefix)."""
-        own = []
-        for b, (ids, mask) in enumerate(zip(input_ids, attention_mask)):
-            mine = self.of(ids[mask > 0])
-            if extra is not None and len(extra[b]):
-                mine = np.union1d(mine, np.asarray(extra[b], dtype=np.int64))
-            own.append(mine)
+        `extra`: per input, its forced target prefix (ids it may also produce; its first picks the language's map)."""
+        own = [self.of(ids[mask > 0], extra[b] if extra is not None else ())
+               for b, (ids, mask) in enumerate(zip(input_ids, attention_mask))]
         vocab = np.unique(np.concatenate(own))
         allowed = np.zeros((len(own), len(vocab)), dtype=bool)
         for b, mine in enumerate(own):
@@ -75,7 +103,11 @@ class Shortlist:
         return vocab, allowed
 
     def sizes(self) -> dict:
-        """How large the map is: candidates per source token (most, mean over tokens with any), always-included."""
+        """How large the map is: candidates per source token (most, mean over tokens with any), always-included
+        (per-language maps: the largest of each figure, and how many languages)."""
+        if self.languages is not None:
+            each = [m.sizes() for m in self.languages.values()]
+            return {k: max(e[k] for e in each) for k in each[0]} | {"languages": len(each)}
         counts = np.diff(self.offsets)
         listed = counts[counts > 0]
         return {"source_tokens": int(len(listed)), "most_candidates": int(counts.max(initial=0)),

@@ -17,7 +17,7 @@ from click.testing import CliRunner
 from exporters.optimize import optimize_bundle
 from exporters.shortlist import build_map, shortlist_bundle
 from runtime.bundle import load_bundle
-from runtime.errors import BundleError
+from runtime.errors import BundleError, InputError
 from runtime.generate import generate_ids
 from runtime.manifest import inspect_report, format_inspect
 from runtime.search import SearchOptions
@@ -205,18 +205,20 @@ def test_in_flight_rows_on_the_shortlist_get_their_unbatched_outputs(shortlisted
 
 
 @pytest.mark.slow                        # an int8 optimize of its own
+@pytest.mark.parametrize("recipe", ["default", "per-channel", "fp32-projection"])
 def test_an_int8_bundle_gets_a_shortlist_equal_to_its_full_vocabulary_when_it_covers_it(toy_exported, texts,
-                                                                                          tmp_path):
+                                                                                          tmp_path, recipe):
     _, exported = toy_exported
     int8, made = optimize_bundle(exported, tmp_path / "int8", precision="int8", allow_unverified=True,
-                                 recipe="default")     # its projection: DynamicQuantizeMatMul (see exporters/shortlist)
+                                 recipe=recipe)        # its projection: DynamicQuantizeMatMul, or MatMul in fp32
     corpus, held = texts
     out, report = shortlist_bundle(int8, corpus, tmp_path / "int8_sl", sizes=(16,), always=4, texts=held,
                                    allow_unverified=True)
     assert report.tried[0]["agreement"] > 0.9
     weight = json.loads((out / "manifest.json").read_text())["shortlist"]["weight"]
-    assert (weight["file"], weight["feed"], weight["offset"]) == ("shortlist.weight.bin", "columns", 0)
-    assert weight["length"] == (out / "shortlist.weight.bin").stat().st_size      # W^T int8, written once
+    feed = "rows" if recipe == "fp32-projection" else "columns"
+    assert (weight["file"], weight["feed"], weight["offset"]) == ("shortlist.weight.bin", feed, 0)
+    assert weight["length"] == (out / "shortlist.weight.bin").stat().st_size      # W^T, written once
     engine = load_bundle(out, provider="cpu").engine
     whole = Shortlist(np.zeros(engine.src_vocab_size + 1, np.int64), np.zeros(0, np.int64),
                       np.arange(engine.vocab_size))
@@ -224,6 +226,16 @@ def test_an_int8_bundle_gets_a_shortlist_equal_to_its_full_vocabulary_when_it_co
     for opts in (SEARCHES["greedy"], SEARCHES["beam"]):
         assert _tokens(engine, SEQS, opts) == _tokens(engine, SEQS, SearchOptions(**{**opts.__dict__,
                                                                                      "shortlist": False}))
+
+
+@pytest.mark.slow                        # an int8 optimize of its own
+def test_a_per_row_int8_bundle_is_refused_with_the_recipes_the_shortlist_reads(toy_exported, texts, tmp_path):
+    _, exported = toy_exported
+    int8, _ = optimize_bundle(exported, tmp_path / "int8", precision="int8", allow_unverified=True, recipe="per-row")
+    corpus, held = texts
+    with pytest.raises(InputError, match="recipe default"):
+        shortlist_bundle(int8, corpus, tmp_path / "out", sizes=(16,), always=4, texts=held, allow_unverified=True)
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -269,3 +281,82 @@ def test_a_projection_by_a_transposed_table_gathers_the_table_itself(toy_exporte
     want = full.run(["logits"], feeds)[0][..., ids]
     assert np.array_equal(session.run(["logits"], {**feeds, "vocab_ids": ids, "shortlist_weight": table[ids]})[0],
                           want)
+
+
+NLLB_TEXTS = ["the quick fox jumps", "a lazy dog", "seven wizards hex the box", "over the jolly fox", "quietly",
+              "the box", "brown dog jumps", "wizards", "the jolly wizards", "a quick box", "dog and fox",
+              "seven boxes", "hex the dog", "the lazy wizards jump", "quick quick", "over the box"]
+
+
+@pytest.fixture(scope="module")
+def per_language(nllb_bundle, tmp_path_factory):
+    """The tiny NLLB bundle, optimized, with one shortlist map per target language (deu_Latn, spa_Latn): (bundle,
+    report)."""
+    pytest.importorskip("tokenizers")
+    root = tmp_path_factory.mktemp("per_language")
+    static, _ = optimize_bundle(nllb_bundle, root / "static")             # in-flight batching needs a static cache
+    return shortlist_bundle(static, NLLB_TEXTS * 4, root / "nllb_sl", sizes=(8,), always=8, texts=NLLB_TEXTS,
+                            max_new_tokens=8, allow_unverified=True, src_lang="fra_Latn",
+                            tgt_langs=("deu_Latn", "spa_Latn"))
+
+
+def test_a_multilingual_bundle_gets_one_map_per_target_language(per_language):
+    """Each target language's map is built from the corpus translated into it; a request decodes on its own
+    target language's map (picked by its forced first token), and on the union of all when it names none."""
+    from runtime.request import languages
+
+    out, report = per_language
+    record = json.loads((out / "manifest.json").read_text())["shortlist"]
+    codes = [lang["code"] for lang in record["languages"]]
+    assert codes == ["deu_Latn", "spa_Latn"] and [t["language"] for t in report.tried] == codes
+    bundle = load_bundle(out, provider="cpu")
+    table = bundle.engine.shortlist
+    leads = {code: languages(bundle.tokenizer, "fra_Latn", code)[1] for code in codes}
+    assert sorted(table.languages) == sorted(lead[0] for lead in leads.values())
+    assert record["sizes"]["languages"] == 2
+    source = languages(bundle.tokenizer, "fra_Latn", "deu_Latn")[0].encode("the quick fox")
+    deu, spa = (table.of(source, leads[c]) for c in codes)
+    assert not np.array_equal(deu, spa)                              # the maps differ: each language's own targets
+    assert leads["deu_Latn"][0] in deu and leads["spa_Latn"][0] in spa
+    both = table.of(source)                                          # no language named: every language's map
+    assert set(deu.tolist()) - set(leads["deu_Latn"]) <= set(both.tolist())
+    assert set(spa.tolist()) - set(leads["spa_Latn"]) <= set(both.tolist())
+    opts = SearchOptions(max_new_tokens=8, prefix_ids=(tuple(leads["deu_Latn"]),), prefix_counted=1)
+    hyp = generate_ids(bundle.engine, [source], opts)[0][0]
+    assert hyp.tokens[0] == leads["deu_Latn"][0] and set(hyp.tokens) <= set(deu.tolist())
+
+
+def test_per_language_maps_covering_the_vocabulary_equal_no_shortlist_in_flight_too(per_language):
+    from runtime.inflight import InflightBatch
+    from runtime.processors import Controls
+    from runtime.request import languages
+
+    out, _ = per_language
+    bundle = load_bundle(out, provider="cpu")
+    engine = bundle.engine
+    whole = Shortlist(np.zeros(engine.src_vocab_size + 1, np.int64), np.zeros(0, np.int64),
+                      np.arange(engine.vocab_size))
+    engine.use_shortlist(Shortlist.per_language({lead: whole for lead in engine.shortlist.languages}),
+                         engine.feed.shortlist_decoder, engine.feed.shortlist_weight)
+    framed, lead = languages(bundle.tokenizer, "fra_Latn", "spa_Latn")
+    seqs = [framed.encode(t) for t in NLLB_TEXTS[:6]]
+    opts = SearchOptions(max_new_tokens=8, prefix_ids=(tuple(lead),) * len(seqs), prefix_counted=1)
+    on = [h[0].tokens for h in generate_ids(engine, seqs, opts)]
+    off = [h[0].tokens for h in generate_ids(engine, seqs, SearchOptions(**{**opts.__dict__, "shortlist": False}))]
+    assert on == off and len({tuple(t) for t in on}) >= 4            # outputs that vary
+    batch = InflightBatch(engine, slots=4)
+    controls = Controls.of(opts, len(seqs), 1, engine.eos_id)
+    rows = batch.join(seqs[:4], [8] * 4, controls=[(controls, i) for i in range(4)])
+    assert all(lead[0] in r.candidates for r in rows)                # a row's forced language is its candidate
+    while batch.live:
+        batch.step()
+    assert [r.tokens for r in rows] == off[:4]
+
+
+def test_a_multilingual_bundle_needs_its_target_languages_for_a_shortlist(nllb_bundle, tmp_path):
+    pytest.importorskip("tokenizers")
+    (tmp_path / "corpus.txt").write_text("\n".join(NLLB_TEXTS) + "\n")
+    result = CliRunner().invoke(main, ["shortlist", str(nllb_bundle), "--corpus", str(tmp_path / "corpus.txt"),
+                                       "--out", str(tmp_path / "out")])
+    assert result.exit_code == 2 and "multilingual: give the target language" in result.output
+    assert not (tmp_path / "out").exists()

@@ -33,13 +33,18 @@ def _sizes(ctx, param, value: str) -> tuple[int, ...]:
                    "task's held-out inputs, else random ids]")
 @click.option("--samples", default=DEFAULT_SAMPLES, show_default=True, help="inputs of the gate's token check")
 @click.option("--max-new-tokens", type=int, help="most tokens a translation [default: min(64, max_len)]")
+@click.option("--src-lang", help="multilingual models: the corpus's language code, e.g. eng_Latn [default: the "
+                                 "one the model was imported with]")
+@click.option("--tgt-lang", "tgt_langs", default="",
+              help="multilingual models: the target language codes, comma-separated, e.g. deu_Latn,fra_Latn: one map "
+                   "per language, each gated on its own; a request uses its target language's map")
 @click.option("--allow-unverified", is_flag=True,
               help="write the bundle even when no size passes the gate, marked unverified [default: refuse, exit 1]")
 @click.option("--force", is_flag=True, help="replace an existing bundle at --out")
 @click.option("--json", "as_json", is_flag=True, help="print the report as JSON")
 @friendly
-def command(bundle, corpus_file, out, sizes, always, input_file, samples, max_new_tokens, allow_unverified, force,
-            as_json):
+def command(bundle, corpus_file, out, sizes, always, input_file, samples, max_new_tokens, src_lang, tgt_langs,
+            allow_unverified, force, as_json):
     """Build a vocabulary shortlist for BUNDLE: each source token's likely target tokens, so that decoding computes
     the output projection for a request's candidates only. Kept when its greedy tokens agree with the full
     vocabulary's on >= 99.5% of held-out tokens."""
@@ -57,7 +62,8 @@ def command(bundle, corpus_file, out, sizes, always, input_file, samples, max_ne
             click.echo(f"  {message}")
 
     _, report = shortlist_bundle(bundle, corpus, out, sizes, always, text_lines(input_file), samples, max_new_tokens,
-                                 allow_unverified, force, progress)
+                                 allow_unverified, force, progress, src_lang,
+                                 [c.strip() for c in tgt_langs.split(",") if c.strip()])
     if as_json:
         import json
 

@@ -5,7 +5,7 @@
 One MatMul [M, K] x [K, N] with random weights, as four graphs: fp32 (MatMul), the int8 recipes' form (onnxruntime
 quantize_dynamic: DynamicQuantizeLinear + MatMulInteger, which ONNX Runtime fuses into DynamicQuantizeMatMul:
 per-tensor activation scale, one weight scale), and MatMulNBits in 8 and 4 bits (weight blocks of 128 along K,
-symmetric, accuracy_level 4: MLAS quantizes each activation row's blocks to int8 inside the kernel). Prints the
+(--block), symmetric, accuracy_level 4: MLAS quantizes each activation row's blocks to int8 inside the kernel). Prints the
 best of --rounds medians, ms a call, and each one's max abs error against fp32. Run under the bench lock.
 """
 
@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 
-def graphs(k: int, n: int, folder: Path) -> dict[str, Path]:
+def graphs(k: int, n: int, folder: Path, block: int = 128) -> dict[str, Path]:
     import onnx
     from onnx import TensorProto, helper, numpy_helper
     from onnxruntime.quantization import QuantType, quantize_dynamic
@@ -37,7 +37,7 @@ def graphs(k: int, n: int, folder: Path) -> dict[str, Path]:
     files = {"fp32 MatMul": folder / "fp32.onnx", "int8 DynamicQuantizeMatMul": folder / "dq.onnx"}
     quantize_dynamic(str(folder / "fp32.onnx"), str(files["int8 DynamicQuantizeMatMul"]), weight_type=QuantType.QInt8)
     for bits in (8, 4):
-        q = MatMulNBitsQuantizer(onnx.load(str(folder / "fp32.onnx")), bits=bits, block_size=128, is_symmetric=True,
+        q = MatMulNBitsQuantizer(onnx.load(str(folder / "fp32.onnx")), bits=bits, block_size=block, is_symmetric=True,
                                  accuracy_level=4)
         q.process()
         files[f"MatMulNBits {bits}-bit"] = folder / f"nbits{bits}.onnx"
@@ -53,6 +53,7 @@ def main() -> None:
     ap.add_argument("--shape", default="768x50265", help="K x N (d_model x vocabulary: the output projection)")
     ap.add_argument("--batch-sizes", default="1,8")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--block", type=int, default=128, help="MatMulNBits: weights per scale along K")
     ap.add_argument("--calls", type=int, default=30)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json")
@@ -62,7 +63,7 @@ def main() -> None:
     so.intra_op_num_threads = args.threads
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        files = graphs(k, n, Path(tmp))
+        files = graphs(k, n, Path(tmp), args.block)
         sessions = {name: ort.InferenceSession(str(f), so, providers=["CPUExecutionProvider"])
                     for name, f in files.items()}
         for m in (int(b) for b in args.batch_sizes.split(",")):

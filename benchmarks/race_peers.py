@@ -189,6 +189,8 @@ def main() -> None:
                          "then drawn from the whole vocabulary")
     ap.add_argument("--always", type=int, default=100, help="with --shortlist: the always-included targets")
     ap.add_argument("--only", help="comma-separated engine labels to run (default: all)")
+    ap.add_argument("--bundle", action="append", default=[], metavar="LABEL=DIR",
+                    help="also race this onnxformer bundle (another optimize of the same export), as LABEL")
     ap.add_argument("--no-optimum", action="store_true", help="leave Optimum out (its export of the NLLB-600M "
                     "shape needs more than 13 GiB and a long time)")
     ap.add_argument("--build-only", action="store_true", help="convert every engine's model, then stop (the "
@@ -211,6 +213,9 @@ def main() -> None:
                ("ctranslate2 fp32", ct2, "ctranslate2", out / "ct2-fp32", {}),
                ("ctranslate2 int8", ct2, "ctranslate2", out / "ct2-int8", {"compute_type": "int8"}),
                ("optimum (onnxruntime) fp32", opt, "optimum", out / "optimum", {})]
+    for item in args.bundle:
+        label, _, folder = item.partition("=")
+        engines.append((label, PY, "onnxformer", Path(folder).absolute(), {}))
     if args.no_optimum:
         engines = [e for e in engines if e[2] != "optimum"]
     if args.shortlist:

@@ -1,12 +1,15 @@
 """int8 recipes: the ways optimize can quantize a bundle to int8, cheapest first, and how one is chosen.
 
     optimize --precision int8                 tries RECIPES in order through the gate, keeps the first that passes
-    optimize --precision int8 --recipe NAME   that recipe only (still gated)
+    optimize --precision int8 --recipe NAME   that recipe only (still gated); EXPLICIT ones only this way
 
 A recipe fixes three choices: weight scales (per tensor, or per output channel; packed weights always get per
 channel, exporters/precision), activation ranges (per MatMul input tensor, or per token row:
 exporters/row_activations) and whether the output projection (the MatMul that makes the logits, tied to the 8-bit
-embedding or not) stays float32. --per-channel/--per-tensor and --activation-scales narrow the list to the recipes
+embedding or not) stays float32. The "blocks" recipe instead gives the decoder's MatMuls 8-bit weights in blocks
+of 128 along K (com.microsoft.MatMulNBits, exporters/precision.to_blocks: a scale per block, activations quantized
+per row inside the kernel) and the encoder the default recipe's; auto never tries it (EXPLICIT): faster at batch 1,
+slower at batch 8, and no more accurate than default where that was measured (benchmarks/RESULTS.md). --per-channel/--per-tensor and --activation-scales narrow the list to the recipes
 that agree with them; with --recipe they must agree with it.
 """
 
@@ -19,7 +22,7 @@ import onnx_ir as ir
 from exporters.fusions import quantization_prepasses
 from exporters.optimize_options import OptimizeError
 from exporters.passes import ConvertPass, run_passes
-from exporters.precision import precision_pass
+from exporters.precision import INT8_BLOCK, precision_pass, to_blocks
 
 LOGITS = "logits"
 PROJECTION = "output_projection"
@@ -33,10 +36,11 @@ class Recipe:
     activation_scales: str            # "per-tensor" | "per-row"
     float_projection: bool            # the output projection stays float32 (the 8-bit lookup table stays)
     step_cost: str                    # its decode-step cost against "default", where it was measured
+    blocks: bool = False              # the decoder's MatMuls: 8-bit weight blocks (MatMulNBits), not per tensor
 
     def options(self) -> dict:
         return {"recipe": self.name, "per_channel": self.per_channel, "activation_scales": self.activation_scales,
-                "float_projection": self.float_projection}
+                "float_projection": self.float_projection, "blocks": self.blocks}
 
 
 # Cheapest first, by decode-step cost (benchmarks/RESULTS.md, "int8 activation scales"): per-channel weight scales
@@ -54,7 +58,13 @@ RECIPES = (
     Recipe("fp32-projection", False, "per-tensor", True,
            "not measured: the logits MatMul reads float32 weights (4x the bytes of the 8-bit one) every step"),
 )
+EXPLICIT = (             # chosen by name only: --recipe blocks
+    Recipe("blocks", False, "per-tensor", False,
+           "BART-base shape: batch 1 1.12x faster, batch 8 1.15x slower than default (benchmarks/RESULTS.md, "
+           "\"int8 kernels\")", blocks=True),
+)
 NAMES = tuple(r.name for r in RECIPES)
+ALL_NAMES = NAMES + tuple(r.name for r in EXPLICIT)
 
 
 def recipes_for(recipe: str, per_channel: bool | None, activation_scales: str | None) -> list[Recipe]:
@@ -69,9 +79,9 @@ def recipes_for(recipe: str, per_channel: bool | None, activation_scales: str | 
             raise OptimizeError(f"no int8 recipe has {' with '.join(f for _, f in given.values())}; choose one of: "
                                 f"{', '.join(NAMES)}")
         return chosen
-    if recipe not in NAMES:
-        raise OptimizeError(f"unknown int8 recipe {recipe!r}; choose auto or one of: {', '.join(NAMES)}")
-    chosen = RECIPES[NAMES.index(recipe)]
+    if recipe not in ALL_NAMES:
+        raise OptimizeError(f"unknown int8 recipe {recipe!r}; choose auto or one of: {', '.join(ALL_NAMES)}")
+    chosen = (RECIPES + EXPLICIT)[ALL_NAMES.index(recipe)]
     for key, (value, flag) in given.items():
         if getattr(chosen, key) != value:
             raise OptimizeError(f"--recipe {recipe} conflicts with {flag} (the recipe uses "
@@ -93,9 +103,11 @@ def output_projections(model: ir.Model) -> list[ir.Node]:
     return found
 
 
-def prepare(model: ir.Model, recipe: Recipe) -> tuple[ir.Model, ConvertPass, dict[str, int], list[str]]:
+def prepare(model: ir.Model, recipe: Recipe,
+            graph: str = "decoder") -> tuple[ir.Model, ConvertPass, dict[str, int], list[str]]:
     """Run the int8 pre-passes on `model` (in place) for a recipe; returns (model, its quantization pass, rewrites
-    by rule, the pre-passes that changed it)."""
+    by rule, the pre-passes that changed it). `graph`: which graph (the blocks recipe puts the decoder only in
+    blocks: the encoder's many rows a request run faster through DynamicQuantizeMatMul)."""
     run = run_passes(quantization_prepasses(tied_projection=not recipe.float_projection), model, steps=2)
     keep = []
     if recipe.float_projection:
@@ -103,6 +115,8 @@ def prepare(model: ir.Model, recipe: Recipe) -> tuple[ir.Model, ConvertPass, dic
             node.name = node.name or f"{PROJECTION}_{i}"
             keep.append(node.name)
     step = precision_pass("int8", recipe.per_channel, recipe.activation_scales, keep_float=tuple(keep))
+    if recipe.blocks and graph == "decoder":
+        step = ConvertPass("quantize_int8_blocks", lambda m: to_blocks(m, 8, INT8_BLOCK))
     return run.model, step, dict(run.counts), list(run.applied)
 
 

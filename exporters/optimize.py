@@ -297,15 +297,15 @@ def _convert_graphs(job: _Job, models: dict[str, ir.Model], recipe: Recipe | Non
     for g in GRAPHS:
         model, step = models[g], precision_pass(job.precision)
         if recipe is not None:
-            model, step, counts[g], prepasses = prepare(model.clone() if clone else model, recipe)
+            model, step, counts[g], prepasses = prepare(model.clone() if clone else model, recipe, g)
             applied += prepasses
         with quiet_loggers("root", "onnxruntime", "onnxruntime.quantization"):
             converted = step(model).model if step is not None else model
         drop_stack_traces(converted)
         check_finite(ir_weights(converted), f"the {job.precision} {files[g]}")
         save_graph(converted, folder / files[g])
-    if step is not None:
-        applied.append(step.name)
+        if step is not None and step.name not in applied:
+            applied.append(step.name)
     if recipe is not None and recipe.activation_scales == "per-row":
         applied.append(RowActivationsPass.name)
     return applied, counts
@@ -386,7 +386,7 @@ def _fuse_graph(path: Path, fuse: bool, attention: str, precision: str, opset: i
 
 PIPELINE = ("opset_23", "fuse_attention", "fuse_layer_norm", "fuse_erf_gelu", "fuse_skip_layer_norm", "fuse_bias_gelu",
             "fuse_silu", "pack_matmuls", "cleanup", "static_kv_cache", "fold_transposed_weights", "int8_embedding",
-            "float16", "quantize_int8", "per_row_activations", "quantize_int4")
+            "float16", "quantize_int8", "quantize_int8_blocks", "per_row_activations", "quantize_int4")
 
 
 def _pass_rank(name: str) -> tuple[int, str]:

@@ -81,17 +81,25 @@ def to_int8(model: ir.Model, per_channel: bool = True, reduce_range: bool = Fals
 
 
 INT4_BLOCK = 32          # weights per scale along K (the quantizer's default)
+INT8_BLOCK = 128         # 8-bit blocks: faster than 32 at batch 1 (benchmarks/RESULTS.md, "int8 kernels")
 
 
 def to_int4(model: ir.Model, block_size: int = INT4_BLOCK) -> ir.Model:
-    """A copy with MatMul weights in 4-bit blocks (com.microsoft.MatMulNBits), made by onnxruntime's own quantizer.
+    """A copy with MatMul weights in 4-bit blocks (com.microsoft.MatMulNBits): to_blocks with 4 bits."""
+    return to_blocks(model, 4, block_size)
+
+
+def to_blocks(model: ir.Model, bits: int, block_size: int) -> ir.Model:
+    """A copy with MatMul weights in `bits`-bit blocks (com.microsoft.MatMulNBits), made by onnxruntime's own
+    quantizer.
 
     Weight-only: symmetric blocks of `block_size` weights along K with one float scale each; accuracy_level 4 lets
-    MLAS quantize activations to int8 inside the kernel (its fast path on x86 and ARM). The int8 embedding pass ran
-    before, so the token lookups and the tied projection stay 8-bit (DynamicQuantizeMatMul is not a MatMul)."""
+    MLAS quantize activations to int8 inside the kernel, each row's blocks on their own (its fast path on x86 and
+    ARM): a row's result does not depend on its batch neighbours. The int8 embedding pass ran before, so the token
+    lookups and the tied projection stay 8-bit (DynamicQuantizeMatMul is not a MatMul)."""
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
-    quantizer = MatMulNBitsQuantizer(ir.to_proto(model), bits=4, block_size=block_size, is_symmetric=True,
+    quantizer = MatMulNBitsQuantizer(ir.to_proto(model), bits=bits, block_size=block_size, is_symmetric=True,
                                      accuracy_level=4, op_types_to_quantize=("MatMul",))
     quantizer.process()
     return ir.from_proto(quantizer.model.model)

@@ -87,7 +87,7 @@ def _tail(graph: onnx.GraphProto) -> tuple[onnx.NodeProto, list[onnx.NodeProto]]
         raise ShortlistGraphError(f"the decoder's logits come from {found}, not a MatMul (fp32) or "
                                   f"DynamicQuantizeMatMul (int8) by a constant weight; build the shortlist on an "
                                   f"fp32 bundle, or an int8 one made with `optimize --precision int8 --recipe "
-                                  f"default` (or per-channel, fp32-projection; not the per-row recipes)")
+                                  f"default` (or per-channel, fp32-projection, blocks; not the per-row recipes)")
     return node, tail
 
 

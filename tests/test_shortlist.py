@@ -205,7 +205,7 @@ def test_in_flight_rows_on_the_shortlist_get_their_unbatched_outputs(shortlisted
 
 
 @pytest.mark.slow                        # an int8 optimize of its own
-@pytest.mark.parametrize("recipe", ["default", "per-channel", "fp32-projection"])
+@pytest.mark.parametrize("recipe", ["default", "per-channel", "fp32-projection", "blocks"])
 def test_an_int8_bundle_gets_a_shortlist_equal_to_its_full_vocabulary_when_it_covers_it(toy_exported, texts,
                                                                                           tmp_path, recipe):
     _, exported = toy_exported

@@ -8,8 +8,10 @@ channel, exporters/precision), activation ranges (per MatMul input tensor, or pe
 exporters/row_activations) and whether the output projection (the MatMul that makes the logits, tied to the 8-bit
 embedding or not) stays float32. The "blocks" recipe instead gives the decoder's MatMuls 8-bit weights in blocks
 of 128 along K (com.microsoft.MatMulNBits, exporters/precision.to_blocks: a scale per block, activations quantized
-per row inside the kernel) and the encoder the default recipe's; auto never tries it (EXPLICIT): faster at batch 1,
-slower at batch 8, and no more accurate than default where that was measured (benchmarks/RESULTS.md). --per-channel/--per-tensor and --activation-scales narrow the list to the recipes
+per row inside the kernel) and the encoder the default recipe's; auto never tries it (EXPLICIT): faster at batch 1
+on one shape and slower on another, slower at batch 8, no more accurate than default where that was measured
+(benchmarks/RESULTS.md).
+--per-channel/--per-tensor and --activation-scales narrow the list to the recipes
 that agree with them; with --recipe they must agree with it.
 """
 
@@ -60,8 +62,9 @@ RECIPES = (
 )
 EXPLICIT = (             # chosen by name only: --recipe blocks
     Recipe("blocks", False, "per-tensor", False,
-           "BART-base shape: batch 1 1.12x faster, batch 8 1.15x slower than default (benchmarks/RESULTS.md, "
-           "\"int8 kernels\")", blocks=True),
+           "batch 1 1.12x faster, batch 8 1.15x slower than default at the BART-base shape, batch 1 1.16x "
+           "slower at the NLLB-600M shape (benchmarks/RESULTS.md, "
+           "\"The NLLB-600M and BART-base shapes: the race\")", blocks=True),
 )
 NAMES = tuple(r.name for r in RECIPES)
 ALL_NAMES = NAMES + tuple(r.name for r in EXPLICIT)

@@ -81,7 +81,7 @@ def to_int8(model: ir.Model, per_channel: bool = True, reduce_range: bool = Fals
 
 
 INT4_BLOCK = 32          # weights per scale along K (the quantizer's default)
-INT8_BLOCK = 128         # 8-bit blocks: faster than 32 at batch 1 (benchmarks/RESULTS.md, "int8 kernels")
+INT8_BLOCK = 128         # 8-bit blocks: faster than 32 at batch 1 (RESULTS.md, "The NLLB-600M and BART-base shapes")
 
 
 def to_int4(model: ir.Model, block_size: int = INT4_BLOCK) -> ir.Model:

@@ -24,8 +24,8 @@ from toolkit.parity.inputs import DEFAULT_SAMPLES
 @click.option("--recipe", default="auto", show_default=True,
               help="int8 recipe: auto (try default, per-channel, per-row, per-channel-per-row, fp32-projection in "
                    "that order, cheapest first, and keep the first that passes the gate) | one of those names | "
-                   "blocks (8-bit weight blocks in the decoder: faster at batch 1, slower at batch 8; never tried "
-                   "by auto)")
+                   "blocks (8-bit weight blocks in the decoder: batch 1 faster or slower by shape, batch 8 slower; "
+                   "never tried by auto)")
 @click.option("--per-channel/--per-tensor", default=None,
               help="int8 weight scales: only recipes with these [default: as the recipe says]")
 @click.option("--activation-scales", default=None, type=click.Choice(["per-tensor", "per-row"]),

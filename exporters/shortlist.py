@@ -173,7 +173,8 @@ def shortlist_bundle(bundle_dir: str | Path, corpus: list, out_dir: str | Path, 
     if not sources:
         raise InputError("--corpus has no lines; pass source texts (token ids for a bundle without tokenizer), one a "
                          "line")
-    steps = search_options(engine, max_new_tokens).max_new_tokens
+    lead = plans[0][2]                                                # the default length leaves it room
+    steps = search_options(engine, max_new_tokens, **({"prefix_ids": (tuple(lead),)} if lead else {})).max_new_tokens
     chosen = choose_inputs(ModelConfig.from_dict(config), plans[0][1], samples, texts)
     old = manifest.pop("shortlist", None)
     skip = {old["file"], old["decoder"]["file"]} if old else set()

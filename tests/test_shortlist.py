@@ -296,8 +296,8 @@ def per_language(nllb_bundle, tmp_path_factory):
     root = tmp_path_factory.mktemp("per_language")
     static, _ = optimize_bundle(nllb_bundle, root / "static")             # in-flight batching needs a static cache
     return shortlist_bundle(static, NLLB_TEXTS * 4, root / "nllb_sl", sizes=(8,), always=8, texts=NLLB_TEXTS,
-                            max_new_tokens=8, allow_unverified=True, src_lang="fra_Latn",
-                            tgt_langs=("deu_Latn", "spa_Latn"))
+                            allow_unverified=True, src_lang="fra_Latn",     # the default length: the model's
+                            tgt_langs=("deu_Latn", "spa_Latn"))            # max_len (48) less the language token
 
 
 def test_a_multilingual_bundle_gets_one_map_per_target_language(per_language):

@@ -178,9 +178,9 @@ class Translator:
                  **options: Unpack[Options]) -> list[Result]:
         """Generate for each input (a text, or source token ids): one Result per input, in order, each with
         `num_return` hypotheses, best first. The whole call is checked before any decoding; `batch_size` then
-        decodes at most that many inputs at a time (None: all at once), with the same results in fp32 but for
-        sampling, whose draws are seeded by each input's position in its batch (int8: an activation range spans a
-        batch, so scores, and close hypotheses, depend on batch neighbours)."""
+        decodes at most that many inputs at a time (None: all at once), with the same results in fp32, sampling
+        included (each input's draws are seeded by its position in the whole call; int8: an activation range spans
+        a batch, so scores, and close hypotheses, depend on batch neighbours)."""
         request = self.request(inputs, **options)
         results: list[Result] = []
         for part in split(request, len(request.inputs) if batch_size is None else batch_size):

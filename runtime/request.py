@@ -186,8 +186,11 @@ def merge(requests: Sequence[Request]) -> Request:
 
 def split(request: Request, size: int) -> list[Request]:
     """A validated request cut into requests of at most `size` inputs, in order (the inverse of `merge`): each
-    keeps its inputs' limits and their share of the options given one per input (PER_INPUT_OPTIONS). Sampling
-    seeds each input's draws by its position in its own request, so sampled draws depend on `size`."""
+    keeps its inputs' limits and their share of the options given one per input (PER_INPUT_OPTIONS). A sampling
+    request's parts name their inputs' positions in the whole (opts.seed_index), so each input draws what it
+    draws unsplit, whatever `size`."""
+    from runtime.processors import seed_index
+
     if size < 1:
         raise InputError(f"batch size must be at least 1, got {size}")
     parts = []
@@ -195,6 +198,9 @@ def split(request: Request, size: int) -> list[Request]:
         end = start + size
         own = {name: getattr(request.opts, name)[start:end] for name in PER_INPUT_OPTIONS
                if getattr(request.opts, name)}
+        if request.opts.sample:
+            own["seed_index"] = tuple(seed_index(request.opts, i)
+                                      for i in range(start, min(end, len(request.sequences))))
         parts.append(Request(request.inputs[start:end], request.sequences[start:end], replace(request.opts, **own),
                              request.limits[start:end]))
     return parts

@@ -118,6 +118,15 @@ def test_score_equals_the_command_line(translator, toy_exported, tmp_path):
     assert [(r.ids, r.token_logprobs, r.score) for r in by_ids] == [(r.ids, r.token_logprobs, r.score) for r in scored]
 
 
+def test_sampling_in_batches_draws_what_one_batch_draws(translator):
+    """generate(batch_size=2) with sampling: each input is seeded by its position in the whole call."""
+    options = {"sample": True, "seed": 11, "num_return": 2, "top_k": 20}
+    whole = translator.generate(TEXTS, **options)
+    parts = translator.generate(TEXTS, batch_size=2, **options)
+    assert [[h.ids for h in r.hypotheses] for r in parts] == [[h.ids for h in r.hypotheses] for r in whole]
+    assert len({tuple(h.ids) for r in whole for h in r.hypotheses}) > len(TEXTS)     # draws that vary
+
+
 @pytest.mark.parametrize("options", [{}, {"sample": True, "seed": 3}, {"prefix": "ab", "repetition_penalty": 1.3}])
 def test_stream_joins_to_the_generated_text(translator, options):
     for text in TEXTS:

@@ -54,6 +54,22 @@ def test_sentences_follow_the_language_rules_and_lose_nothing():
     parts = sentences(text, "en")
     assert "".join(parts) == text and len(parts) == 3, parts
     assert sentences("Am 3. Oktober kam er. Dann ging er.", "de") == ["Am 3. Oktober kam er. ", "Dann ging er."]
+    german = "Ich wohne in der Str. 5. Das ist gut."                 # English rules end a sentence at "Str."
+    for code in ("de", "DE", "de-AT", "deu_Latn", "de_DE"):         # client codes and the models' own
+        assert sentences(german, code) == ["Ich wohne in der Str. 5. ", "Das ist gut."], code
+    assert len(sentences(german, None)) == len(sentences(german, "eng_Latn")) == 3
+
+
+def test_generate_splits_by_the_source_language_rules(nllb_bundle):
+    """generate --src-lang: a multilingual model's source language chooses the sentence rules."""
+    from runtime.bundle import load_bundle
+    from toolkit.apps.commands.generate import build_request
+
+    bundle = load_bundle(nllb_bundle, provider="cpu")
+    german = "Ich wohne in der Str. 5. Das ist gut."
+    rows = {src: len(build_request(bundle.engine, bundle.tokenizer, [german], True, {}, (None,) * 5,
+                                   (src, "fra_Latn"))[0].sequences) for src in ("deu_Latn", "eng_Latn")}
+    assert rows == {"deu_Latn": 2, "eng_Latn": 3}
 
 
 def test_splitting_without_sentencex_names_the_fix(monkeypatch):
@@ -491,7 +507,7 @@ def test_a_multilingual_bundle_serves_its_languages(nllb_url, nllb_bundle):
 
 
 def test_client_codes_map_to_each_familys_codes():
-    from toolkit.apps.serve.languages import client_code, iso_codes
+    from toolkit.apps.languages import client_code, iso_codes
 
     assert [client_code(c) for c in ("EN-US", "pt-BR", "ZH-HANT", "zt", "zh-Hans", "de")] == \
         ["en", "pt", "zh-hant", "zh-hant", "zh", "de"]

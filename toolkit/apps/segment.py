@@ -21,6 +21,7 @@ import re
 from dataclasses import dataclass
 
 from runtime.errors import InputError
+from toolkit.apps.languages import client_code, model_client_code
 
 _SPACE = re.compile(r"\s+")
 _EDGES = re.compile(r"^(\s*)(.*?)(\s*)$", re.DOTALL)
@@ -80,17 +81,26 @@ class Plan:
 
 
 def sentences(text: str, lang: str | None) -> list[str]:
-    """The text's sentences with their surrounding whitespace ("".join gives the text back)."""
+    """The text's sentences with their surrounding whitespace ("".join gives the text back). `lang`: the text's
+    language, a client's code (en, DE, pt-BR) or a model's own (eng_Latn, de_DE), whose rules (abbreviations) apply;
+    None: English's."""
     try:
         from sentencex import segment
     except ImportError:
         raise InputError("splitting texts into sentences needs the sentencex package: pip install sentencex (it comes "
                          "with onnxformer[cpu]), or keep every text whole (generate --no-split)") from None
 
-    parts = list(segment(lang or "en", text))
+    parts = list(segment(rules_language(lang), text))
     if "".join(parts) != text:                  # the segmenter lost characters: keep the text whole
         return [text]
     return parts
+
+
+def rules_language(lang: str | None) -> str:
+    """The ISO 639-1 code (zh-hant kept) whose sentence rules apply to text in `lang` (toolkit/apps/languages.py)."""
+    if not lang:
+        return "en"
+    return model_client_code(lang) or client_code(lang)
 
 
 def plan_texts(texts: list, tokenizer, max_len: int, lang: str | None = None) -> Plan:

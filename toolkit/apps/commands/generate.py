@@ -43,7 +43,7 @@ def target_flags(tokenizer, inputs: int, prefix: str | None, prefix_ids: str | N
                           lead=lead)
 
 
-def split_inputs(inputs: list, tokenizer, max_len: int, split: bool):
+def split_inputs(inputs: list, tokenizer, max_len: int, split: bool, lang: str | None = None):
     """The rows to decode and the toolkit.apps.segment Plan that joins their records back into one per input (None: no
     text to split, every input is its row). A text is cut into sentences, and a sentence over max_len tokens into
     pieces that fit, as the server's compatible APIs do; token ids stay whole."""
@@ -54,7 +54,7 @@ def split_inputs(inputs: list, tokenizer, max_len: int, split: bool):
     for i, text in enumerate(inputs):
         if isinstance(text, str) and not text.strip():
             raise InputError(f"input {i} is empty; every input needs at least one token (a text that is not blank)")
-    plan = plan_texts(inputs, tokenizer, max_len)
+    plan = plan_texts(inputs, tokenizer, max_len, lang)
     return plan.rows, plan
 
 
@@ -146,7 +146,7 @@ def build_request(engine, tokenizer, inputs: list, split: bool, options: dict, t
     from runtime.request import Request, search_options
 
     framed, lead = languages(tokenizer, *langs)
-    rows, plan = split_inputs(inputs, framed, engine.max_len, split)
+    rows, plan = split_inputs(inputs, framed, engine.max_len, split, langs[0])     # the source's sentence rules
     options.update(target_flags(framed, len(inputs), *targets, lead=lead))
     if plan is not None:
         plan.per_row(options, lead)

@@ -23,7 +23,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import Metric
 
 from runtime.errors import OnnxformerError
-from toolkit.apps.serve.languages import client_code, iso_codes, model_client_code
+from toolkit.apps.languages import client_code, iso_codes, model_client_code
 from toolkit.apps.serve.metrics import Metrics
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")

@@ -162,7 +162,7 @@ class Limits:
         targets = target_options(tokenizer, len(inputs), lead=lead, **{name: getattr(body, name) for name in TARGET})
         plan = None
         if body.split and body.inputs is not None and tokenizer is not None:
-            plan = plan_texts(list(inputs), tokenizer, model.max_len)
+            plan = plan_texts(list(inputs), tokenizer, model.max_len, body.src_lang)
             inputs = plan.rows
             if len(inputs) > self.max_inputs:
                 raise InputError(f"too many sentences: the texts split into {len(inputs)} pieces, this server "

@@ -271,12 +271,11 @@ class InflightBatch:
         if self.vocab is None and all(r.candidates is None for r in self.rows):
             return logits[:, -1].copy()
         own = [r.candidates for r in self.rows]
+        vocab = self.vocab.ids if self.vocab is not None else np.arange(logits.shape[-1])
         vocab_of, rows_of, allowed = self._allowed
         if vocab_of is not self.vocab or not _same_arrays(own, rows_of):
-            vocab = self.vocab.ids if self.vocab is not None else np.arange(logits.shape[-1])
             allowed = np.stack([np.ones(len(vocab), dtype=bool) if c is None else np.isin(vocab, c) for c in own])
             self._allowed = (self.vocab, own, allowed)
-        vocab = self.vocab.ids if self.vocab is not None else np.arange(logits.shape[-1])
         return widen(logits[:, -1:], vocab, allowed, self.e.vocab_size)[:, 0]
 
     def _control(self, logits: np.ndarray, nxt: np.ndarray, scores: np.ndarray, idx: np.ndarray) -> np.ndarray:

@@ -62,6 +62,7 @@ class Options(TypedDict, total=False):
     min_new_tokens: int
     return_logprobs: bool
     ignore_eos: bool
+    forced_eos: bool | None                     # end at max_new_tokens with EOS (None: the model's own setting)
     suppress: Sequence[int]                     # target ids never generated
     prefix: str | Sequence[str]                 # target text every output starts with, or one per input
     prefix_ids: Sequence[Sequence[int]]         # target ids each output starts with, one list per input

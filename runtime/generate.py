@@ -31,6 +31,7 @@ class Engine(Protocol):
     src_vocab_size: int             # source vocabulary (input ids)
     src_pad_id: int                 # the id source rows are padded with (runtime.spec.source_pad_id)
     suppress_ids: tuple[int, ...]   # never generated (runtime.spec.suppressed_ids)
+    forced_eos: bool                # EOS at the length limit by default (runtime.spec.forces_eos)
     max_len: int
 
     def start(self, input_ids: np.ndarray, attention_mask: np.ndarray, expand: int,

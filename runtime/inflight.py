@@ -51,7 +51,7 @@ from runtime.feed import Feed
 from runtime.generate import pad_batch
 from runtime.processors import Controls
 from runtime.request import check_sources
-from runtime.search import Hypothesis, SearchOptions, chosen_logprob, greedy_pick, rows_per_input
+from runtime.search import Hypothesis, SearchOptions, chosen_logprob, ends_with_eos, greedy_pick, rows_per_input
 from runtime.shortlist import Selection, widen
 from runtime.spec import DYNAMIC, STATIC_PER_ROW
 
@@ -87,6 +87,7 @@ class Row:
     stopped: bool = False           # the caller gave it up (stop()): it leaves at the next step
     left: bool = False              # no longer in the batch (its hypothesis is final)
     ignore_eos: bool = False        # never stop at EOS (the batch's opts.ignore_eos applies to every row)
+    forced_eos: bool = False        # its last token at its limit is EOS, forced and not scored (opts.forced_eos)
     last: int = 0                   # the token it feeds next
     controls: Controls | None = None    # its request's decoding controls (None: plain greedy search)
     index: int = 0                  # its row in them (input b's sample j: b * n + j)
@@ -113,6 +114,7 @@ class InflightBatch:
         self._allowed = (None, [], None)                  # (Selection, candidate arrays, masks): _rows_logits' cache
         self.opts = opts or SearchOptions()
         self.suppress = tuple(engine.suppress_ids)
+        self.forced_eos = ends_with_eos(self.opts, getattr(engine, "forced_eos", False))   # joining rows' default
         self.capacity = capacity or engine.max_len                    # buffer positions (>= any row's limit)
         shape = (slots, engine.n_heads, self.capacity, engine.head_dim)
         self.buffers = [np.zeros(shape, dtype=np.float32) for _ in engine.past_names]
@@ -167,7 +169,7 @@ class InflightBatch:
         check_sources(sequences, self.e)                              # a server checked them before: runtime.request
         on = [self.opts.shortlist] * len(sequences) if shortlist is None else list(shortlist)
         table = getattr(self.e, "shortlist", None)
-        rows = [Row(k, n, src_len=len(s), left=n == 0, last=self.e.bos_id,
+        rows = [Row(k, n, src_len=len(s), left=n == 0, last=self.e.bos_id, forced_eos=self.forced_eos,
                     candidates=table.of(s, _prefix(c)) if table is not None and use else None)
                 for k, s, n, use, c in zip(keys, sequences, limits, on, controls)]
         for row, c in zip(rows, controls):
@@ -239,6 +241,11 @@ class InflightBatch:
         gains = scores
         if controlled:                                                # their own tokens; a forced one scores 0
             gains = np.where(self._control(logits, nxt, scores, np.asarray(controlled)), scores, 0.0)
+        end = [i for i, r in enumerate(self.rows) if r.forced_eos and len(r.tokens) + 1 >= r.limit]
+        if end:                                                       # rows at their limit end with EOS, unscored
+            nxt[end] = self.e.eos_id
+            scores[end] = chosen_logprob(logits[end], nxt[end])
+            gains = np.where(np.isin(np.arange(n), end), 0.0, gains)
         for r, token, score, gain in zip(self.rows, nxt, scores, gains):
             r.length += 1
             r.tokens.append(int(token))

@@ -329,6 +329,10 @@ def format_inspect(report: dict, max_io: int = 8) -> str:
              f"model: {m.get('n_encoder_layers')}+{m.get('n_decoder_layers')} layers, d_model {m.get('d_model')}, "
              f"{m.get('n_heads')} heads, d_ff {m.get('d_ff')}, vocab {m.get('vocab_size')}, norm {m.get('norm')}, "
              f"{m.get('activation')}, {'tied' if m.get('tie_embeddings') else 'untied'}",
+             f"tokens: start {m.get('bos_id')}, end {m.get('eos_id')}, pad {m.get('pad_id')}"
+             + ("; pad never generated" if m.get("suppress_pad") else "")
+             + ("; EOS forced at the length limit (forced_eos; --no-forced-eos turns it off)" if m.get("forced_eos")
+                else ""),
              f"precision {report['precision']}, target {report['target']}, opset {report['opset']}, "
              f"KV cache {report['kv_cache']} (decoder layout {report['decoder_layout']}), "
              f"tokenizer {report['tokenizer'] or 'none'}"]

@@ -34,6 +34,8 @@ class SearchOptions:
     length_penalty: float = 1.0   # beam scores are log-prob / len ** length_penalty
     num_return: int = 1           # hypotheses returned per input (<= beam; sampling: that many samples)
     ignore_eos: bool = False      # never stop at EOS (benchmarks: every engine does the same work)
+    forced_eos: bool | None = None  # a target reaching max_new_tokens ends with EOS, forced and not scored
+                                    # (transformers' forced_eos_token_id); None: the model's own (Request.build)
     suppress: tuple[int, ...] = ()  # token ids never generated (the model's, e.g. Marian's pad; set by generate_ids)
     sample: bool = False          # draw each token at random from the (warped) distribution instead of the best
     temperature: float = 1.0      # sampling: logits / temperature
@@ -73,6 +75,11 @@ def check_options(opts: SearchOptions, inputs: int, vocab_size: int, max_len: in
     for name in ("sample", "return_logprobs", "ignore_eos", "shortlist"):
         if not isinstance(getattr(opts, name), (bool, np.bool_)):
             raise InputError(f"{name} must be true or false, got {getattr(opts, name)!r}")
+    if opts.forced_eos is not None and not isinstance(opts.forced_eos, (bool, np.bool_)):
+        raise InputError(f"forced_eos must be true, false or unset (the model's own), got {opts.forced_eos!r}")
+    if opts.forced_eos and opts.ignore_eos:
+        raise InputError("forced_eos ends a target with EOS at the length limit, ignore_eos never lets it end: "
+                         "give one of them")
     if opts.sample:
         if opts.beam != 1:
             raise InputError(f"sample draws one token at a time (beam 1), got beam {opts.beam}; drop beam or sample")
@@ -141,6 +148,12 @@ def _ids(name: str, ids, vocab_size: int, empty: bool) -> None:
     if bad:
         raise InputError(f"{name} has token id(s) {bad[:5]} outside the vocabulary [0, {vocab_size}); "
                          f"use ids below {vocab_size}")
+
+
+def ends_with_eos(opts: SearchOptions, default: bool = False) -> bool:
+    """Whether a target that reaches its limit ends with a forced EOS: opts.forced_eos, or where it is unset the
+    model's `default` (never with ignore_eos)."""
+    return bool(default if opts.forced_eos is None else opts.forced_eos) and not opts.ignore_eos
 
 
 def max_steps(opts: SearchOptions) -> int:

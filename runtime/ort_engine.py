@@ -25,7 +25,7 @@ import onnxruntime as ort
 
 from runtime.feed import Feed
 from runtime.shortlist import Selection, Shortlist, ShortlistWeight, widen
-from runtime.spec import DYNAMIC, empty_past, source_pad_id, source_vocab_size, suppressed_ids
+from runtime.spec import DYNAMIC, empty_past, forces_eos, source_pad_id, source_vocab_size, suppressed_ids
 from runtime.static_cache import StaticPath
 
 
@@ -130,7 +130,7 @@ class OrtEngine:
         self.pad_id, self.bos_id, self.eos_id = config["pad_id"], config["bos_id"], config["eos_id"]
         self.vocab_size, self.max_len = config["vocab_size"], config["max_len"]
         self.src_vocab_size, self.suppress_ids = source_vocab_size(config), suppressed_ids(config)
-        self.src_pad_id = source_pad_id(config)
+        self.src_pad_id, self.forced_eos = source_pad_id(config), forces_eos(config)
         self.n_heads, self.head_dim = self.feed.n_heads, self.feed.head_dim
         self.cross_names, self.past_names = self.feed.cross_names, self.feed.past_names
         self.static_cache = layout != DYNAMIC

@@ -24,6 +24,7 @@ from typing import Protocol, Sequence
 
 from runtime.errors import InputError
 from runtime.options import check_options as check_search_options
+from runtime.options import ends_with_eos
 from runtime.search import SearchOptions
 
 DEFAULT_MAX_NEW_TOKENS = 64          # most new tokens when a request names none (capped at the model's max_len)
@@ -38,6 +39,7 @@ class Model(Protocol):
     src_vocab_size: int             # source vocabulary (input ids)
     suppress_ids: tuple[int, ...]   # ids the model never generates
     eos_id: int                     # the end token (options may not ban it alone or hold it in a prefix)
+    forced_eos: bool                # targets end with EOS at the length limit unless a request says otherwise
     max_len: int
 
 
@@ -145,10 +147,12 @@ class Request:
               limits: Sequence[int] | None = None) -> "Request":
         """Encode and check `inputs` (texts, or token id lists) for `model`; InputError naming the input or option
         and the fix. `opts` default: search_options(model). `limits`: each input's own max_new_tokens (greedy),
-        at most opts.max_new_tokens. The model's own suppressed ids join opts.suppress."""
+        at most opts.max_new_tokens. The model's own suppressed ids join opts.suppress, and an unset forced_eos
+        becomes the model's own (its forced_eos; off with ignore_eos)."""
         inputs = list(inputs)
         opts = search_options(model) if opts is None else opts
-        opts = replace(opts, suppress=tuple(sorted({*opts.suppress, *model.suppress_ids})))
+        forced = ends_with_eos(opts, getattr(model, "forced_eos", False)) if opts.forced_eos is None else opts.forced_eos
+        opts = replace(opts, suppress=tuple(sorted({*opts.suppress, *model.suppress_ids})), forced_eos=forced)
         sequences = encode_inputs(inputs, tokenizer)
         check_sources(sequences, model)
         check_options(opts, model, len(sequences))

@@ -19,8 +19,8 @@ from typing import Protocol
 import numpy as np
 
 from runtime.errors import NumericsError
-from runtime.options import (Hypothesis, SearchOptions, check_options, max_steps,  # noqa: F401  (re-exported)
-                             rows_per_input)
+from runtime.options import (Hypothesis, SearchOptions, check_options, ends_with_eos,  # noqa: F401  (re-exported)
+                             max_steps, rows_per_input)
 from runtime.processors import Controls, suppress
 
 NON_FINITE = ("the model gave a non-finite logit (NaN or inf) while decoding; its numbers overflow or its weights "
@@ -76,7 +76,8 @@ class GreedySearch:
 
     Finished rows leave the batch, so only live rows are computed. `limits` gives each input its own most new
     tokens (default: opts.max_new_tokens for all): a row leaves when it reaches its limit, with the tokens and score
-    an unbatched search with that limit gives. `stop` is a bool array (per input) the caller may set from another
+    an unbatched search with that limit gives; with opts.forced_eos its last token there is EOS, forced and not
+    scored (transformers' forced_eos_token_id). `stop` is a bool array (per input) the caller may set from another
     thread while the search runs (a server's client went away): that input's rows leave at the next step and its
     hypotheses are what they had so far.
     """
@@ -85,6 +86,7 @@ class GreedySearch:
                  limits: np.ndarray | None = None, stop: np.ndarray | None = None):
         self.state, self.bos, self.eos, self.opts, self.n = state, bos, eos, opts, rows_per_input(opts)
         self.controls = Controls.of(opts, batch, self.n, eos)
+        self.forced_eos = ends_with_eos(opts)
         limits = np.full(batch, opts.max_new_tokens) if limits is None else np.asarray(limits)
         self.limits = np.repeat(limits, self.n)                        # steps of each row: the prefix, then its limit
         if self.controls is not None:
@@ -130,12 +132,18 @@ class GreedySearch:
 
     def pick(self, logits: np.ndarray, step: int, live: np.ndarray, history: np.ndarray | None):
         """Each live row's token [N], its log-probability under the model [N], and whether the row chose it (None:
-        all did) rather than having it forced by its prefix."""
+        all did) rather than having it forced by its prefix (or, forced_eos, by its limit)."""
         c = self.controls
+        end = self.limits[live] == step + 1 if self.forced_eos else None   # rows at their last step: EOS there
         if c is None:                                                  # the plain path: nothing else to do
             nxt, logprob = greedy_pick(logits, self.opts.suppress)
-            return nxt, logprob, None
+            if end is None or not end.any():
+                return nxt, logprob, None
+            nxt[end] = self.eos
+            return nxt, chosen_logprob(logits, nxt), ~end
         nxt = c.forced(step, live)
+        if end is not None:
+            nxt[end] = self.eos
         chosen = nxt < 0
         if chosen.any():                                               # only choosing rows draw: a row's draws
             mine = np.flatnonzero(chosen)                              # never depend on its neighbours' prefixes
@@ -189,7 +197,8 @@ def beam_search(state: DecodeState, batch: int, bos: int, eos: int, opts: Search
       ending in EOS that rank within the first K are finished (score / length ** length_penalty, EOS counted in
       the length), and the first K that do not end in EOS go on;
     - an input keeps its K best finished hypotheses;
-    - at the last allowed step every one of the first K continuations counts as finished (unfinished: no EOS).
+    - at the last allowed step every one of the first K continuations counts as finished (unfinished: no EOS);
+      with opts.forced_eos that step's only continuation is EOS, scored 0 (transformers' forced_eos_token_id).
     The stopping rule is exact (Hugging Face's early_stopping="never"): an input closes only once no live beam can
     still reach (`attainable`) its num_return-th best finished score, so closing never changes what is returned
     (the heuristic of early_stopping=False, the live score normalized at the current length, closed too early).
@@ -201,7 +210,7 @@ def beam_search(state: DecodeState, batch: int, bos: int, eos: int, opts: Search
     transformers' forced_bos_token_id counts). `stop` (as in greedy): an input set there leaves at the next step
     with what it has.
     """
-    k = opts.beam
+    k, forced_eos = opts.beam, ends_with_eos(opts)
     b = _Beams(batch, k, bos, opts, Controls.of(opts, batch, k, eos))
     for step in range(opts.max_new_tokens + int(b.prefix_len.max(initial=0))):
         if stop is not None and stop[b.live].any() and not b.drop(np.flatnonzero(stop[b.live])):
@@ -211,6 +220,8 @@ def beam_search(state: DecodeState, batch: int, bos: int, eos: int, opts: Search
             logits[:, eos] = -np.inf
         raw = log_softmax(logits)
         logp = suppress(raw, opts.suppress) if b.controls is None else b.processed(raw, step)
+        if forced_eos:
+            logp = b.end_with(logp, raw, step, eos)
         vocab = logp.shape[-1]
         cand = (b.scores[:, None] + logp).reshape(len(b.live), k * vocab)
         top = top_k_stable(cand, 2 * k)                              # best 2K continuations per open input
@@ -261,6 +272,18 @@ class _Beams:
         if self.controls.needs_history:
             history = np.concatenate([np.full((len(self.seqs), 1), self.bos), self.seqs], axis=1)
         return self.controls.process(raw, history, self.controls.generated(step, rows))
+
+    def end_with(self, logp: np.ndarray, raw: np.ndarray, step: int, eos: int) -> np.ndarray:
+        """logp with the rows of inputs at their last step (forced_eos) allowing EOS only, at log-probability 0, as
+        transformers' ForcedEOSTokenLogitsProcessor does; a copy where it changes raw (the model's, which the
+        returned log-probabilities keep)."""
+        last = np.repeat(step - self.prefix_len[self.live] == self.opts.max_new_tokens - 1, self.k)
+        if not last.any():
+            return logp
+        logp = logp.copy() if logp is raw else logp
+        logp[last] = -np.inf
+        logp[last, eos] = 0.0
+        return logp
 
     def rank(self, i: int, inp: int, top: np.ndarray, cand: np.ndarray, vocab: int, at: int, raw, eos: int):
         """Input i's continuations this step (its `at`-th after the prefix): finished ones are kept, the first K

@@ -234,6 +234,12 @@ def suppressed_ids(config: dict) -> tuple[int, ...]:
     return (config["pad_id"],) if config.get("suppress_pad") else ()
 
 
+def forces_eos(config: dict) -> bool:
+    """Whether the model's targets end with EOS at the length limit by default (transformers' forced_eos_token_id,
+    recorded at import as the config's forced_eos); a request's forced_eos option decides over it."""
+    return bool(config.get("forced_eos", False))
+
+
 def graph_specs(config: dict, float_type: str = "float32", layout: str = DYNAMIC) -> dict[str, GraphSpec]:
     """Both graphs' specs from a model config given as a dict (as stored in config.json and the manifest) and the
     decoder's layout (the manifest's decoder_layout)."""
@@ -256,4 +262,4 @@ __all__ = ["TensorSpec", "GraphSpec", "PAST_SEQUENCE_LENGTH", "CACHE_LEN", "POSI
            "default_row_inputs", "config_field_of", "KV_CACHES", "PAST", "PRESENT", "SELF",
            "CROSS", "KV", "cache_name", "cache_names", "parse_cache_name", "is_cache", "past_of", "present_of",
            "empty_past", "encoder_spec", "decoder_spec", "graph_specs", "source_vocab_size",
-           "source_pad_id", "suppressed_ids"]
+           "source_pad_id", "suppressed_ids", "forces_eos"]

@@ -29,6 +29,7 @@ OPTIONS = {                                         # each: a search path of its
     "sample": {"sample": True, "seed": 7, "num_return": 3, "top_k": 8, "temperature": 1.5},
     "prefix": {"prefix": "ab", "max_new_tokens": 12, "no_repeat_ngram_size": 2},
     "bad_words": {"beam": 3, "bad_words": ["a", "xy"], "min_new_tokens": 3, "length_penalty": 0.6},
+    "forced_eos": {"forced_eos": True, "max_new_tokens": 5, "return_logprobs": True},
 }
 
 
@@ -74,6 +75,9 @@ def test_generate_equals_the_command_line(translator, toy_exported, name):
     assert len({r.text for r in results}) == len(TEXTS)                    # outputs that vary with the input
     if name == "prefix":
         assert all(r.text.startswith("ab") for r in results)
+    if name == "forced_eos":                                           # every output ended, some at the limit
+        assert all(h.finished for r in results for h in r.hypotheses)
+        assert any(len(r.ids[0]) == options["max_new_tokens"] - 1 for r in results)
 
 
 def test_result_fields_and_ids_inputs(translator):

@@ -184,6 +184,38 @@ def test_greedy_logprobs_sum_to_the_score_and_sampling_logprobs_are_the_models(e
     assert generate_ids(torch_engine, inputs, SearchOptions(max_new_tokens=4))[0][0].logprobs is None
 
 
+@pytest.mark.parametrize("extra", [{}, {"return_logprobs": True}, {"sample": True, "seed": 4},
+                                   {"prefix_ids": ((9,),) * 8, "min_new_tokens": 30}])
+def test_forced_eos_ends_a_target_at_its_limit_unscored(engines, inputs, extra):
+    """forced_eos: a target that reaches max_new_tokens ends with EOS (finished), its other tokens as without it;
+    EOS is not scored (its log-probability, where asked for, is the model's); ended targets are untouched. On the
+    plain path, with logprobs, sampling (the same draws) and a prefix plus a minimum past the limit (which forced
+    EOS overrides, as transformers' processors order it); bundle and PyTorch agree; one request turns it off."""
+    torch_engine, bundle_engine, _ = engines
+    eos, limit, width = torch_engine.eos_id, 6, len(extra.get("prefix_ids", ((),))[0])
+    opts = SearchOptions(max_new_tokens=limit, return_logprobs=True, **{k: v for k, v in extra.items()
+                                                                          if k != "return_logprobs"})
+    plain = [h[0] for h in generate_ids(torch_engine, inputs, opts)]
+    forced = [h[0] for h in generate_ids(torch_engine, inputs, replace(opts, forced_eos=True))]
+    assert [h[0].tokens for h in generate_ids(bundle_engine, inputs, replace(opts, forced_eos=True))] == \
+        [h.tokens for h in forced]
+    cut = 0
+    for p, f in zip(plain, forced):
+        if len(p.tokens) < width + limit:                             # ended before the limit: untouched
+            assert (f.tokens, f.score, f.finished) == (p.tokens, p.score, True)
+            continue
+        cut += not p.finished
+        assert f.tokens == p.tokens[:-1] + [eos] and f.finished
+        assert f.score == pytest.approx(p.score - p.logprobs[-1], abs=1e-9)     # the last token is not scored
+        assert f.logprobs[:-1] == p.logprobs[:-1] and np.isfinite(f.logprobs[-1]) and f.logprobs[-1] < 0
+    ended = sum(len(p.tokens) < width + limit for p in plain)
+    assert cut > 0 and (ended > 0 or "min_new_tokens" in extra), (cut, ended)
+    with pytest.raises(InputError, match="forced_eos ends a target with EOS .* ignore_eos never lets it end"):
+        generate_ids(torch_engine, inputs, SearchOptions(forced_eos=True, ignore_eos=True))
+    with pytest.raises(InputError, match="forced_eos must be true, false or unset"):
+        generate_ids(torch_engine, inputs, SearchOptions(forced_eos=1))
+
+
 def test_stream_pieces_join_to_the_generated_text(engines):
     _, bundle_engine, tokenizer = engines
     for opts in (SearchOptions(max_new_tokens=12), SearchOptions(max_new_tokens=12, sample=True, seed=1)):

@@ -46,16 +46,18 @@ def marian(tmp_path_factory):
     return TorchEngine(checkpoint.model), model, seqs, plain, checkpoint.tokenizer
 
 
-def hf_generate(model, seqs: list[list[int]], beam: int, prefix=None, **controls) -> list[list[int]]:
+def hf_generate(model, seqs: list[list[int]], beam: int, prefix=None, max_new: int = MAX_NEW,
+                **controls) -> list[list[int]]:
     """MarianMTModel.generate's best hypothesis per input (start token dropped, cut after EOS) with `controls` as
     GenerationConfig fields; prefix: decoder_input_ids after the start token (equal lengths)."""
     from transformers import GenerationConfig
 
     c = model.config
     bad = [[c.pad_token_id]] + [list(w) for w in controls.pop("bad_words_ids", ())]
-    gc = GenerationConfig(num_beams=beam, max_new_tokens=MAX_NEW, do_sample=False, early_stopping="never",
+    controls.setdefault("forced_eos_token_id", None)                 # (the tiny model's own is None as well)
+    gc = GenerationConfig(num_beams=beam, max_new_tokens=max_new, do_sample=False, early_stopping="never",
                           num_return_sequences=1, bad_words_ids=bad, decoder_start_token_id=c.decoder_start_token_id,
-                          eos_token_id=c.eos_token_id, pad_token_id=c.pad_token_id, forced_eos_token_id=None,
+                          eos_token_id=c.eos_token_id, pad_token_id=c.pad_token_id,
                           forced_bos_token_id=None, min_length=0, use_cache=True, **controls)
     ids, mask = pad_batch(seqs, hf_pad(model))
     extra = {}
@@ -106,6 +108,22 @@ def test_control_ids_equal_marian_generate(marian, control, beam):
     baseline = plain if beam == 1 else hf_generate(model, seqs, beam)
     assert sum(w != b for w, b in zip(want, baseline)) >= 4        # the control changed outputs
     assert got == want
+
+
+@pytest.mark.parametrize("beam", [1, 4])
+def test_forced_eos_ids_equal_marian_generate(marian, beam):
+    """forced_eos (transformers' forced_eos_token_id, which opus-mt configs set): an output reaching the limit ends
+    with EOS there, forced and not scored. The limit is the unforced outputs' median length, so that outputs that end
+    themselves and outputs cut by the limit mix; the ids equal generate's, which differ from generate's without."""
+    engine, model, seqs, plain, _ = marian
+    limit = int(np.median([len(p) for p in plain])) if beam == 1 else MAX_NEW - 2   # beam's outputs run long
+    want = hf_generate(model, seqs, beam, max_new=limit, forced_eos_token_id=engine.eos_id)
+    unforced = hf_generate(model, seqs, beam, max_new=limit)
+    assert sum(w != u for w, u in zip(want, unforced)) >= 4                # forcing changed outputs
+    assert sum(len(w) < limit for w in want) >= 2                          # and some ended before the limit
+    got = generate_ids(engine, seqs, SearchOptions(max_new_tokens=limit, beam=beam, forced_eos=True))
+    assert [h[0].tokens for h in got] == want
+    assert all(h[0].finished for h in got)                                  # every output now ends with EOS
 
 
 def test_scores_equal_marian_labels(marian):

@@ -74,15 +74,21 @@ def test_logits_equal_the_originals_on_padded_batches(family):
     assert err <= 1e-5, f"{name}: max abs logits error {err:.2e}"
 
 
-def original_greedy(original, seqs, max_new_tokens: int, forced: int | None) -> list[list[int]]:
+def original_greedy(original, seqs, max_new_tokens: int, forced: int | None, beam: int = 1,
+                    forced_eos: int | None = None) -> list[list[int]]:
     hf = original.config
     ids, mask = (torch.from_numpy(a) for a in pad_batch(seqs, hf.pad_token_id))
     settings = transformers.GenerationConfig(
-        num_beams=1, do_sample=False, max_new_tokens=max_new_tokens, decoder_start_token_id=hf.decoder_start_token_id,
+        num_beams=beam, do_sample=False, max_new_tokens=max_new_tokens, decoder_start_token_id=hf.decoder_start_token_id,
         eos_token_id=hf.eos_token_id, pad_token_id=hf.pad_token_id, forced_bos_token_id=forced,
+        forced_eos_token_id=forced_eos, early_stopping="never",
         bad_words_ids=[[hf.pad_token_id]] if hf.decoder_start_token_id == hf.pad_token_id else None)
-    with torch.no_grad():
-        out = original.generate(input_ids=ids, attention_mask=mask, generation_config=settings)
+    own, original.generation_config.forced_eos_token_id = original.generation_config.forced_eos_token_id, forced_eos
+    try:                                               # generate takes an unset (None) field from the model's own
+        with torch.no_grad():
+            out = original.generate(input_ids=ids, attention_mask=mask, generation_config=settings)
+    finally:
+        original.generation_config.forced_eos_token_id = own
     eos = hf.eos_token_id
     return [row[: row.index(eos) + 1] if eos in row else row for row in out[:, 1:].tolist()]
 
@@ -97,6 +103,31 @@ def test_greedy_ids_equal_generate(family, forced):
     engine = TorchEngine(ours) if forced is None else ForcedFirst(TorchEngine(ours), forced)
     got = [h[0].tokens for h in generate_ids(engine, seqs, SearchOptions(max_new_tokens=12))]
     assert got == want
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_forced_eos_is_imported_and_searched_as_generate_does(name, tmp_path):
+    """A config that forces EOS at the length limit (forced_eos_token_id: BART's, mBART's and Pegasus' own configs
+    do) imports as forced_eos, which the search then applies by default: greedy and beam-4 ids equal generate's
+    with it, at a limit the outputs reach (these random models end no output themselves: the trained Marian's
+    test, tests/test_decoding_marian.py, mixes outputs that end before it)."""
+    original = tiny_original(name, tmp_path, seed=sorted(FAMILIES).index(name), forced_eos=True)
+    ours = load_family(tmp_path)
+    assert ours.config.forced_eos and original.generation_config.forced_eos_token_id == original.config.eos_token_id
+    eos, rng = original.config.eos_token_id, np.random.default_rng(0)
+    seqs = [rng.integers(FIRST, SIZES["vocab_size"], size=int(n)).tolist() + [eos]
+            for n in rng.integers(1, 14, size=24)]
+    limit = 6
+    engine = TorchEngine(ours)
+    for beam in (1, 4):
+        want = original_greedy(original, seqs, limit, None, beam, forced_eos=eos)
+        assert len({tuple(w) for w in want}) >= len(seqs) // 2, want
+        unforced = original_greedy(original, seqs, limit, None, beam)
+        assert sum(w != u for w, u in zip(want, unforced)) >= 4, (name, beam)      # the limit was reached
+        got = generate_ids(engine, seqs, SearchOptions(max_new_tokens=limit, beam=beam))
+        assert [h[0].tokens for h in got] == want, (name, beam)
+        plain = generate_ids(engine, seqs, SearchOptions(max_new_tokens=limit, beam=beam, forced_eos=False))
+        assert [h[0].tokens for h in plain] == unforced, (name, beam)            # a request turns it off
 
 
 def test_fairseq_table_is_m2m100s():
@@ -222,13 +253,16 @@ def test_parity_against_each_familys_original(name, tmp_path):
 
 
 def test_an_imported_bart_exports_a_bundle_with_its_tokenizer(tmp_path):
+    from click.testing import CliRunner
+
     from exporters.export import export_checkpoint
     from runtime.bundle import load_bundle
     from runtime.tokenizer import FastTokenizer
+    from toolkit.apps.cli import main
     from toolkit.reference.checkpoint import load_checkpoint
     from toolkit.testing.tiny_families import CONDITIONED, tiny_tokenizer
 
-    original = tiny_original("bart", tmp_path / "bart", matrix=CONDITIONED)
+    original = tiny_original("bart", tmp_path / "bart", matrix=CONDITIONED, forced_eos=True)   # as bart-base's
     theirs = tiny_tokenizer("bart")
     theirs.save_pretrained(tmp_path / "bart")
     assert cli_import(tmp_path / "bart", tmp_path / "ckpt").exit_code == 0
@@ -240,8 +274,12 @@ def test_an_imported_bart_exports_a_bundle_with_its_tokenizer(tmp_path):
     bundle = load_bundle(export_checkpoint(tmp_path / "ckpt", tmp_path / "bundle"), "cpu")
     assert isinstance(bundle.tokenizer, FastTokenizer) and bundle.tokenizer.encode(text) == ids
     opts = SearchOptions(max_new_tokens=8)
-    want = original_greedy(original, [ids], 8, None)
-    assert [h[0].tokens for h in generate_ids(bundle.engine, [ids], opts)] == want
+    want = original_greedy(original, [ids], 8, None, forced_eos=original.config.eos_token_id)
+    assert [h[0].tokens for h in generate_ids(bundle.engine, [ids], opts)] == want and want[0][-1] == 2
+    shown = CliRunner().invoke(main, ["inspect", str(tmp_path / "bundle")])
+    assert "EOS forced at the length limit" in shown.output, shown.output
+    off = generate_ids(bundle.engine, [ids], SearchOptions(max_new_tokens=8, forced_eos=False))[0][0]
+    assert off.tokens == original_greedy(original, [ids], 8, None)[0] and not off.finished    # a request decides
 
 
 def test_a_refused_family_import_writes_nothing(tmp_path):

@@ -246,6 +246,36 @@ def test_unrepresentable_or_broken_sources_exit_2(marian, tmp_path, case, messag
     assert not (tmp_path / "out").exists()
 
 
+def test_forced_eos_is_read_where_generate_reads_it(marian, tmp_path):
+    """forced_eos_token_id (opus-mt configs set it to EOS): generation_config.json decides where the directory has
+    one (as generate reads it), config.json otherwise; another token than EOS is refused by name."""
+    directory = marian[0]
+
+    def imported(name: str, config: dict | None = None, generation: dict | None = None, drop: bool = False):
+        source = _with_generation(directory, tmp_path / name, config, generation)
+        if drop:
+            (source / "generation_config.json").unlink()
+        return load_checkpoint(import_model(source, tmp_path / f"{name}-ckpt")).model.config.forced_eos
+
+    assert imported("plain") is False
+    assert imported("generation", generation={"forced_eos_token_id": 0}) is True
+    assert imported("config-only", {"forced_eos_token_id": 0}, drop=True) is True
+    assert imported("config-overruled", {"forced_eos_token_id": 0}) is False      # the generation file has none
+    other = _with_generation(directory, tmp_path / "other", generation={"forced_eos_token_id": 5})
+    result = CliRunner().invoke(main, ["import", str(other), "--out", str(tmp_path / "out")])
+    assert result.exit_code == 2 and "forced_eos_token_id 5 is not the end token 0" in result.output, result.output
+    assert not (tmp_path / "out").exists()
+
+
+def _with_generation(directory: Path, dest: Path, config: dict | None = None, generation: dict | None = None) -> Path:
+    """_copy, with `generation` fields written over its generation_config.json."""
+    source = _copy(directory, dest, config)
+    if generation:
+        path = source / "generation_config.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), **generation}))
+    return source
+
+
 def test_hub_name_without_network_and_destinations(marian, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     result = CliRunner().invoke(main, ["import", "Helsinki-NLP/opus-mt-en-zz", "--out", str(tmp_path / "o")])

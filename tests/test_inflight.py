@@ -152,7 +152,8 @@ def mixed_options(engine, seqs) -> list[dict]:
     """Search options of requests that share one in-flight batch (request k: inputs 2k and 2k + 1, or 2k alone for
     one prefix): every control a row keeps for itself; requests of equal settings side by side (they join two steps
     apart, so rows of different lengths, forced and choosing, are processed in one call); plain greedy ones. Banned
-    words are tokens plain greedy search gives the request's inputs, so the bans change outputs."""
+    words are tokens plain greedy search gives the request's inputs, so the bans change outputs; forced EOS comes
+    with a limit the outputs reach (its own max_new_tokens, over the caller's default)."""
     plain = [h[0].tokens for h in generate_ids(engine, seqs, SearchOptions(max_new_tokens=16))]
     common = [t for t, _ in Counter(t for tokens in plain for t in tokens if t != engine.eos_id).most_common(3)]
     word = Counter(t for t in plain[12] + plain[13] if t != engine.eos_id).most_common(1)[0][0]
@@ -164,7 +165,9 @@ def mixed_options(engine, seqs) -> list[dict]:
             dict(bad_words_ids=((word,), pair)), dict(return_logprobs=True), dict(**sample, seed=4, num_return=2),
             dict(**sample, seed=5, prefix_ids=((), (common[2],))),
             dict(sample=True, seed=7, repetition_penalty=1.5, min_new_tokens=3, return_logprobs=True),
-            dict(ignore_eos=True, no_repeat_ngram_size=3, prefix_ids=((common[0],),)), {}]
+            dict(ignore_eos=True, no_repeat_ngram_size=3, prefix_ids=((common[0],),)), {},
+            dict(forced_eos=True, max_new_tokens=4), dict(forced_eos=True, sample=True, seed=9, return_logprobs=True,
+                                                          max_new_tokens=5)]
 
 
 def assert_answers(want, got, atol=1e-4):
@@ -179,23 +182,24 @@ def assert_answers(want, got, atol=1e-4):
 
 def test_rows_with_their_own_options_get_their_unbatched_outputs(engine, toy_model_factory):
     """Requests with different decoding controls join one batch at different steps (a request with two prefixes,
-    one empty; two samples of an input; rows forced, choosing and sampling in one step): each request's answer is
-    what runtime.generate.generate gives it alone."""
+    one empty; two samples of an input; rows forced, choosing and sampling in one step; EOS forced at the limit):
+    each request's answer is what runtime.generate.generate gives it alone."""
     config = toy_model_factory().config
-    seqs = toy_inputs(config, 26, min_len=2, max_len=12, seed=31)
+    seqs = toy_inputs(config, 26, min_len=2, max_len=12, seed=31) + toy_inputs(config, 4, min_len=2, max_len=12,
+                                                                                 seed=32)
     options = mixed_options(engine, seqs)
     requests = []
     for k, opts in enumerate(options):
         inputs = seqs[2 * k:2 * k + 1 + ("prefix_ids" not in opts or len(opts["prefix_ids"]) == 2)]
-        requests.append(Request.build(engine, inputs, None, SearchOptions(max_new_tokens=10 + k % 5, **opts)))
+        requests.append(Request.build(engine, inputs, None, SearchOptions(**{"max_new_tokens": 10 + k % 5, **opts})))
     batch, waiting, rows, kinds = InflightBatch(engine, slots=7), list(range(len(requests))), {}, []
     while waiting or batch.live:
         parts = batch.request_rows(requests[waiting[0]]) if waiting and len(kinds) % 2 == 0 else [[None] * 99]
         if len(parts[0]) <= batch.free:                              # one request joins every other step
             k = waiting.pop(0)
             rows[k] = batch.join(*parts, keys=[k] * len(parts[0]))
-            for row in rows[k]:
-                row.ignore_eos = requests[k].opts.ignore_eos
+            for row in rows[k]:                                      # as the server sets them
+                row.ignore_eos, row.forced_eos = requests[k].opts.ignore_eos, requests[k].opts.forced_eos
         kinds.append(len({r.controls.settings if r.controls else None for r in batch.rows}))
         batch.step()
     assert max(kinds) >= 4, "rows of different options never shared a step"

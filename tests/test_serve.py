@@ -189,7 +189,8 @@ def test_server_answers_the_records_of_generate_json(bundle):
 @pytest.mark.parametrize("kv, scheduler", [("dynamic", "request-level"), ("static", "in-flight")])
 def test_server_decoding_controls_equal_generate(bundles, kv, scheduler):
     """One request with several decoding controls answers what `onnxformer generate` prints for the same flags
-    (fp32 bundle): sampling with a seed, penalties, bans, a per-input prefix file and logprobs; under either
+    (fp32 bundle): sampling with a seed, penalties, bans, a per-input prefix file, logprobs, EOS forced at the
+    limit; under either
     scheduler (in-flight: both requests decode in the running batch, each row with its own options)."""
     from fastapi.testclient import TestClient
 
@@ -199,13 +200,13 @@ def test_server_decoding_controls_equal_generate(bundles, kv, scheduler):
     body = {"inputs": texts, "max_new_tokens": 8, "sample": True, "seed": 7, "temperature": 0.8, "top_k": 20,
             "top_p": 0.95, "repetition_penalty": 1.3, "no_repeat_ngram_size": 2, "min_new_tokens": 2,
             "bad_words": ["ab"], "bad_words_ids": [[9, 10], [11]], "prefix": ["Q", "", "hi"],
-            "return_logprobs": True}
+            "return_logprobs": True, "forced_eos": True}
     with CliRunner().isolated_filesystem():
         Path("prefixes.txt").write_text("Q\n\nhi\n")
         flags = ["--max-new-tokens", "8", "--sample", "--seed", "7", "--temperature", "0.8", "--top-k", "20",
                  "--top-p", "0.95", "--repetition-penalty", "1.3", "--no-repeat-ngram-size", "2", "--min-new-tokens",
                  "2", "--bad-words", "ab", "--bad-words-ids", "9 10;11", "--prefix-file", "prefixes.txt",
-                 "--return-logprobs"]
+                 "--return-logprobs", "--forced-eos"]
         cli = CliRunner().invoke(main, ["generate", str(bundle), *texts, "--json", "--provider", "cpu", *flags])
     assert cli.exit_code == 0, cli.output
     expected = [json.loads(line) for line in cli.stdout.splitlines() if line.startswith("{")]
@@ -223,6 +224,7 @@ def test_server_decoding_controls_equal_generate(bundles, kv, scheduler):
         assert len(g["logprobs"]) == len(g["ids"])
         np.testing.assert_allclose(g["logprobs"], e["logprobs"], atol=1e-4)
     assert got[0]["text"].startswith("Q") and got[2]["text"].startswith("hi")
+    assert all(r["finished"] for r in got)                            # forced_eos: ended at the limit at the latest
     assert "logprobs" not in plain[0]
     assert [r["ids"] for r in got] != [r["ids"] for r in plain], "the controls changed nothing: proves nothing"
 

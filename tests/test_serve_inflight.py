@@ -62,7 +62,9 @@ def test_requests_with_their_own_options_join_the_running_batch(engine, toy_mode
     batch as they arrive, a beam request batches request-level between them: each answer equals generate_ids'."""
     from test_inflight import assert_answers, mixed_options
 
-    seqs = toy_inputs(toy_model_factory().config, 26, min_len=2, max_len=12, seed=31)
+    config = toy_model_factory().config
+    seqs = toy_inputs(config, 26, min_len=2, max_len=12, seed=31) + toy_inputs(config, 4, min_len=2, max_len=12,
+                                                                                 seed=32)
     requests = list(enumerate(mixed_options(engine, seqs)))          # (k, options): request k has inputs 2k, 2k + 1
     requests.insert(6, (0, dict(beam=3, num_return=2)))
     rng = np.random.default_rng(9)
@@ -71,7 +73,7 @@ def test_requests_with_their_own_options_join_the_running_batch(engine, toy_mode
     jobs = []
     for k, opts in requests:
         inputs = seqs[2 * k:2 * k + 1 + ("prefix_ids" not in opts or len(opts["prefix_ids"]) == 2)]
-        jobs.append(queued(engine, inputs, SearchOptions(max_new_tokens=10 + k % 5, **opts)))
+        jobs.append(queued(engine, inputs, SearchOptions(**{"max_new_tokens": 10 + k % 5, **opts})))
         scheduler.submit(jobs[-1])
         time.sleep(float(rng.uniform(0, 0.01)))     # arrivals spread over the batch's steps
     results = [job.future.result(timeout=120) for job in jobs]

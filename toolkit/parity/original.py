@@ -150,7 +150,9 @@ def hf_generate(model, seqs: list[list[int]], beam: int, max_new_tokens: int, le
                 batch: int = 64, forced_bos: int | None = None) -> list[list[int]]:
     """The original's generate: best hypothesis per input, start token dropped, cut after the first EOS; pad is
     never generated where decoding starts from it (the reference model's suppress_pad); forced_bos: the first
-    token (forced_bos_token_id: mBART-50's and NLLB's target language), else none is forced."""
+    token (forced_bos_token_id: mBART-50's and NLLB's target language), else none is forced; EOS is forced at the
+    length limit where the model's own generation config says so (forced_eos_token_id, which import reads into
+    the reference model's forced_eos)."""
     import torch
     from transformers import GenerationConfig
 
@@ -159,7 +161,8 @@ def hf_generate(model, seqs: list[list[int]], beam: int, max_new_tokens: int, le
                           do_sample=False, early_stopping="never", num_return_sequences=1,
                           bad_words_ids=[[c.pad_token_id]] if c.decoder_start_token_id == c.pad_token_id else None,
                           decoder_start_token_id=c.decoder_start_token_id,
-                          eos_token_id=c.eos_token_id, pad_token_id=c.pad_token_id, forced_eos_token_id=None,
+                          eos_token_id=c.eos_token_id, pad_token_id=c.pad_token_id,
+                          forced_eos_token_id=getattr(model.generation_config, "forced_eos_token_id", None),
                           forced_bos_token_id=forced_bos, no_repeat_ngram_size=0, repetition_penalty=1.0, min_length=0,
                           use_cache=True)
     out = []

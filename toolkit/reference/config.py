@@ -45,6 +45,8 @@ class ModelConfig:
     final_norm: bool = False        # a LayerNorm after the post-norm encoder and decoder stacks (torch.nn.Transformer)
     suppress_pad: bool = False      # never generate pad (Marian: its bad_words_ids are [[pad]])
     layernorm_embedding: bool = False   # a LayerNorm per side on embeddings + positions (BART, mBART)
+    forced_eos: bool = False        # a target that reaches the length limit ends with EOS there (transformers'
+                                    # forced_eos_token_id: BART, mBART, Pegasus, Marian); a default of the search
 
     def __post_init__(self) -> None:
         self.validate()
@@ -73,7 +75,7 @@ class ModelConfig:
         if self.positions not in POSITIONS:
             raise ConfigError(f"positions must be one of {', '.join(POSITIONS)}, got {self.positions!r}")
         for name in ("tie_embeddings", "scale_embeddings", "logits_bias", "share_embeddings", "final_norm",
-                     "suppress_pad", "layernorm_embedding"):
+                     "suppress_pad", "layernorm_embedding", "forced_eos"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"config field {name!r} must be true or false, got {getattr(self, name)!r}")
         if self.src_vocab_size is not None and (not isinstance(self.src_vocab_size, int) or self.src_vocab_size < 1):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from runtime.spec import source_pad_id, source_vocab_size, suppressed_ids
+from runtime.spec import forces_eos, source_pad_id, source_vocab_size, suppressed_ids
 from toolkit.reference.model import KV, Transformer
 
 
@@ -60,7 +60,7 @@ class TorchEngine:
         self.vocab_size, self.max_len = c.vocab_size, c.max_len
         config = c.to_dict()
         self.src_vocab_size, self.suppress_ids = source_vocab_size(config), suppressed_ids(config)
-        self.src_pad_id = source_pad_id(config)
+        self.src_pad_id, self.forced_eos = source_pad_id(config), forces_eos(config)
         self.name = "torch-cache" if use_cache else "torch-nocache"
 
     @torch.no_grad()

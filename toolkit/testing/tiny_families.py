@@ -37,14 +37,15 @@ WORDS = "the quick brown fox jumps over the lazy dog while seven wizards quietly
 
 
 def tiny_original(name: str, directory: str | Path, seed: int = 0, matrix: float = MATRIX,
-                  vocab_size: int | None = None):
-    """A random transformers model of the family, saved in `directory`; forced EOS is off (the runtime has none).
+                  vocab_size: int | None = None, forced_eos: bool = False):
+    """A random transformers model of the family, saved in `directory`; forced EOS at the length limit is off
+    unless `forced_eos` (forced_eos_token_id = eos, as BART, mBART and Pegasus configs have it).
     The default weights are large (varied outputs, but float32 rounding alone moves logits by ~1e-3); `matrix`
     CONDITIONED gives a model float32 computes as exactly as export's parity gate asks. `vocab_size` replaces
     SIZES' (a model imported with a tokenizer needs at least its tokens)."""
     import torch
 
-    model = family_model(name, vocab_size or SIZES["vocab_size"])
+    model = family_model(name, vocab_size or SIZES["vocab_size"], forced_eos)
     config = model.config
     gen = torch.Generator().manual_seed(seed)
     embed = EMBED / (config.d_model ** 0.5 if config.scale_embedding else 1.0)   # scaled or not: O(1) inputs
@@ -61,18 +62,19 @@ def tiny_original(name: str, directory: str | Path, seed: int = 0, matrix: float
     return model
 
 
-def family_model(name: str, vocab_size: int):
+def family_model(name: str, vocab_size: int, forced_eos: bool = False):
     """The family's transformers model of SIZES (and `vocab_size`) with its own initialization, in eval mode;
-    forced EOS is off in its config and generation config (the runtime forces none). Callers set the weights."""
+    forced EOS is off in its config and generation config unless `forced_eos` (then the generation config's
+    forced_eos_token_id is its eos). Callers set the weights."""
     import transformers
 
     config_cls, model_cls, overrides = FAMILIES[name]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         config = getattr(transformers, config_cls)(**{**SIZES, "vocab_size": vocab_size}, **overrides)
-        config.forced_eos_token_id = None
+        config.forced_eos_token_id = None              # generation settings live in generation_config.json
         model = getattr(transformers, model_cls)(config).eval()
-    model.generation_config.forced_eos_token_id = None
+    model.generation_config.forced_eos_token_id = config.eos_token_id if forced_eos else None
     return model
 
 

@@ -89,6 +89,10 @@ def read_inputs(texts: tuple[str, ...], input_file: str | None, ids: tuple[str, 
 @click.option("--repetition-penalty", default=1.0, show_default=True, help="> 1 makes repeated tokens less likely")
 @click.option("--no-repeat-ngram-size", default=0, show_default=True, help="no n-gram of this size twice (0 = off)")
 @click.option("--min-new-tokens", default=0, show_default=True, help="no end token before this many new tokens")
+@click.option("--forced-eos/--no-forced-eos", default=None,
+              help="end an output that reaches --max-new-tokens with the end token, as transformers' "
+                   "forced_eos_token_id does [default: the model's own: on for BART, mBART, Pegasus and Marian models "
+                   "whose config sets it]")
 @click.option("--return-logprobs", is_flag=True, help="--json records carry each id's log-probability (logprobs)")
 @click.option("--shortlist/--no-shortlist", default=True, show_default=True,
               help="bundles with a vocabulary shortlist (onnxformer shortlist): decode on it, or on the whole "

@@ -135,7 +135,7 @@ class InflightScheduler(Scheduler):
             job.started = now
             self._rows[job] = [next(rows) for _ in part[0]]
             for row in self._rows[job]:
-                row.ignore_eos = job.opts.ignore_eos
+                row.ignore_eos, row.forced_eos = job.opts.ignore_eos, bool(job.opts.forced_eos)
                 if job.cancelled:
                     self.batch.stop(row)
             if self.metrics is not None:

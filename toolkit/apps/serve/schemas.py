@@ -37,6 +37,8 @@ class GenerateRequest(BaseModel):
     num_return: int = Field(1, description="hypotheses returned per input (<= beam)")
     length_penalty: float = Field(1.0, description="beam scores are log-prob / length ** this")
     ignore_eos: bool = Field(False, description="never stop at EOS: generate exactly max_new_tokens (benchmarks)")
+    forced_eos: bool | None = Field(None, description="end an output that reaches max_new_tokens with the end token "
+                                                      "(transformers' forced_eos_token_id) [default: the model's own]")
     sample: bool = Field(False, description="draw each token at random instead of taking the most likely")
     temperature: float = Field(1.0, description="sampling: logits / temperature")
     top_k: int = Field(0, description="sampling: only the k most likely tokens (0 = all)")

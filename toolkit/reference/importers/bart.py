@@ -39,7 +39,8 @@ from typing import TYPE_CHECKING
 from toolkit.reference.config import ModelConfig
 from toolkit.reference.importers.marian import ACTIVATIONS, _token, load_state, map_state
 from toolkit.reference.importers.registry import Converted, Family, ImportOptions, ImportRefused, register_family
-from toolkit.reference.importers.sources import quiet_from_pretrained, read_json, require_transformers
+from toolkit.reference.importers.sources import (forced_eos, quiet_from_pretrained, read_json, require_transformers,
+                                                 with_generation_config)
 
 if TYPE_CHECKING:
     import torch
@@ -101,7 +102,7 @@ def model_config(arch: Architecture, hf: dict, where: Path) -> ModelConfig:
                   pad_id=pad, bos_id=start, eos_id=eos,
                   positions="halves" if arch.positions == "halves" else "table",
                   scale_embeddings=bool(hf["scale_embedding"]), logits_bias=arch.logits_bias,
-                  layernorm_embedding=arch.layernorm_embedding,
+                  layernorm_embedding=arch.layernorm_embedding, forced_eos=forced_eos(hf, eos, where),
                   suppress_pad=start == pad)          # decoding from pad (Pegasus) never generates pad, as Marian
     try:
         return ModelConfig(**fields)
@@ -218,9 +219,7 @@ def load_family(directory: str | Path, arch: Architecture | None = None, progres
     hf = read_json(directory / "config.json")
     if arch is None:
         arch = architecture_of(hf, directory / "config.json")
-    if hf.get("decoder_start_token_id") is None and (directory / "generation_config.json").is_file():
-        start = read_json(directory / "generation_config.json").get("decoder_start_token_id")
-        hf = {**hf, "decoder_start_token_id": start}
+    hf = with_generation_config(directory, hf)
     state = load_state(directory, progress or (lambda msg: None))
     return convert_state(arch, hf, state, directory / "config.json")
 

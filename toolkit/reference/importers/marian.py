@@ -8,7 +8,8 @@ present. A hub name is downloaded by transformers where there is a network; with
 Marian is the paper's Transformer with these variants, all set in the imported ModelConfig:
 sin | cos position halves (positions="halves"), embeddings scaled by sqrt(d) only with scale_embedding, swish
 (silu) or another activation, final_logits_bias (logits_bias), decoding starting from pad (bos_id = pad_id) and
-never generating pad (suppress_pad, Marian's bad_words_ids), shared or separate vocabularies and embeddings.
+never generating pad (suppress_pad, Marian's bad_words_ids), shared or separate vocabularies and embeddings, EOS
+forced at the length limit where its forced_eos_token_id asks for it (forced_eos, a default of the search).
 The weights are read with safetensors or torch.load(weights_only=True); transformers itself is not needed for a
 local directory (only for downloads and for parity against MarianMTModel).
 """
@@ -20,7 +21,8 @@ from typing import TYPE_CHECKING
 
 from toolkit.reference.config import ModelConfig
 from toolkit.reference.importers.registry import Converted, Family, ImportOptions, ImportRefused, register_family
-from toolkit.reference.importers.sources import quiet_from_pretrained, read_json, read_state, require_transformers
+from toolkit.reference.importers.sources import (forced_eos, quiet_from_pretrained, read_json, read_state,
+                                                 require_transformers, with_generation_config)
 
 if TYPE_CHECKING:
     import torch
@@ -79,7 +81,7 @@ def marian_model_config(hf: dict, where: Path) -> ModelConfig:
                   tie_embeddings=bool(hf.get("tie_word_embeddings", True)), layer_norm_eps=1e-5,
                   pad_id=pad, bos_id=start, eos_id=eos, positions="halves",
                   scale_embeddings=bool(hf.get("scale_embedding", False)), logits_bias=True, final_norm=False,
-                  suppress_pad=True)
+                  suppress_pad=True, forced_eos=forced_eos(hf, eos, where))
     if not isinstance(fields["d_model"], int) or fields["d_model"] % 2:
         raise ImportRefused(f"{where}: d_model {fields['d_model']} must be an even integer")
     try:
@@ -219,7 +221,7 @@ def convert(directory: Path, options: ImportOptions) -> Converted:
     """The reference Transformer (eval mode) and SentencePieceTokenizer of a local Marian directory."""
     from toolkit.reference.model import Transformer
 
-    hf = read_json(directory / "config.json")
+    hf = with_generation_config(directory, read_json(directory / "config.json"))
     if hf.get("model_type") != "marian":
         raise ImportRefused(f"{directory}/config.json has model_type {hf.get('model_type')!r}, not 'marian'")
     config = marian_model_config(hf, directory / "config.json")

@@ -25,6 +25,32 @@ def read_json(path: Path) -> dict:
     return data
 
 
+def with_generation_config(directory: Path, hf: dict) -> dict:
+    """config.json's fields with what generate reads from generation_config.json where the directory has one:
+    forced_eos_token_id (that file decides it; absent there: none), and decoder_start_token_id where config.json
+    lacks it."""
+    path = directory / "generation_config.json"
+    if not path.is_file():
+        return hf
+    gen = read_json(path)
+    hf = {**hf, "forced_eos_token_id": gen.get("forced_eos_token_id")}
+    if hf.get("decoder_start_token_id") is None and gen.get("decoder_start_token_id") is not None:
+        hf["decoder_start_token_id"] = gen["decoder_start_token_id"]
+    return hf
+
+
+def forced_eos(hf: dict, eos: int, where: Path) -> bool:
+    """Whether generate ends a target at the length limit with EOS (forced_eos_token_id, the end token itself or
+    a one-id list of it); ImportRefused for another token, which the search cannot force."""
+    forced = hf.get("forced_eos_token_id")
+    if isinstance(forced, list) and len(forced) == 1:
+        forced = forced[0]
+    if forced is not None and forced != eos:
+        raise ImportRefused(f"{where}: forced_eos_token_id {forced!r} is not the end token {eos}; the search forces "
+                            f"only EOS at the length limit (set it to {eos} or null and import again)")
+    return forced is not None
+
+
 def is_hub_name(source: str | Path) -> bool:
     """A name such as Helsinki-NLP/opus-mt-en-de: no such local path, one slash, not a relative or absolute path."""
     text = str(source)

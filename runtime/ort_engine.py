@@ -16,9 +16,14 @@ Three data paths share the state logic (DecodeState) and differ only in where te
 Every input is built and every session run by runtime/feed.py; the paths decide where tensors live.
 
 All per-request state lives in the DecodeState, never on the engine: one engine serves many threads.
+The paths read the engine's `Facts`, never the engine: a path the engine owns that pointed back at it would make
+a cycle, and the engine, its sessions and their weights would then outlive their last use until Python's cyclic
+collector happened to run (optimize's gate sessions stayed alive while the bundle was written).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import onnxruntime as ort
@@ -29,10 +34,22 @@ from runtime.spec import DYNAMIC, empty_past, forces_eos, source_pad_id, source_
 from runtime.static_cache import StaticPath
 
 
+@dataclass(frozen=True)
+class Facts:
+    """What the data paths read of their engine (see the module docstring)."""
+
+    feed: Feed
+    n_heads: int
+    head_dim: int
+    past_names: list
+    max_len: int
+    vocab_size: int
+
+
 class HostPath:
     """Tensors are numpy arrays; `session.run` copies every output to the host."""
 
-    def __init__(self, engine: "OrtEngine"):
+    def __init__(self, engine: Facts):
         self.e = engine
 
     def encode(self, ids: np.ndarray, mask: np.ndarray) -> list:
@@ -56,7 +73,7 @@ class HostPath:
 class BoundPath:
     """Tensors are OrtValues on the session's device; IO binding feeds them back without a host copy."""
 
-    def __init__(self, engine: "OrtEngine"):
+    def __init__(self, engine: Facts):
         self.e = engine
         self.device = engine.feed.device
 
@@ -134,12 +151,13 @@ class OrtEngine:
         self.n_heads, self.head_dim = self.feed.n_heads, self.feed.head_dim
         self.cross_names, self.past_names = self.feed.cross_names, self.feed.past_names
         self.static_cache = layout != DYNAMIC
+        facts = Facts(self.feed, self.n_heads, self.head_dim, self.past_names, self.max_len, self.vocab_size)
         if self.static_cache:                                          # one buffer per cache, bound as past and present
             self.io_binding = True
-            self.path = StaticPath(self, HostPath(self) if provider == "cpu" else BoundPath(self), self.feed.device)
+            self.path = StaticPath(facts, HostPath(facts) if provider == "cpu" else BoundPath(facts), self.feed.device)
         else:
             self.io_binding = default_io_binding(provider) if io_binding is None else io_binding
-            self.path = BoundPath(self) if self.io_binding else HostPath(self)
+            self.path = BoundPath(facts) if self.io_binding else HostPath(facts)
         self.name = f"ort-{provider}" + ("-static-cache" if self.static_cache else
                                          "-iobinding" if self.io_binding else "")
 

@@ -39,7 +39,8 @@ class StaticPath:
     On the CPU the buffers are numpy arrays (IO binding wraps them without a copy); a beam reorder or dropped
     rows move only the filled part, in place. On CUDA they are OrtValues on the device, and a reorder gathers
     them into new buffers with the engine's Gather graph. The encoder, the cross K/V and the mask are handled by
-    `base`, the engine's path for the device (HostPath on CPU, BoundPath on CUDA).
+    `base`, the engine's path for the device (HostPath on CPU, BoundPath on CUDA). `engine`: the engine's
+    runtime.ort_engine.Facts (never the engine itself).
     """
 
     def __init__(self, engine, base, device: str):

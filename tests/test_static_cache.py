@@ -286,3 +286,32 @@ def test_static_rules_say_why_they_do_not_fire(bundles):
     assert set(reasons) == {"static_kv_cache", "past_len_from_input"}
     assert f"no {PAST_SEQUENCE_LENGTH} input" in reasons["static_kv_cache"], reasons
     assert reasons["past_len_from_input"].startswith("condition_failed"), reasons
+
+
+@pytest.mark.parametrize("which,io_binding", [("dynamic", False), ("dynamic", True), ("static", None)])
+def test_an_engine_is_freed_with_its_last_reference(bundles, which, io_binding):
+    """An engine (its sessions and their weights) goes when its last reference does, without waiting for Python's
+    cyclic collector: nothing it owns points back at it. A state still held keeps the sessions it reads, and
+    only them."""
+    import gc
+    import weakref
+
+    from runtime.bundle import load_bundle
+    from runtime.generate import generate_ids
+    from runtime.search import SearchOptions
+
+    path = {"dynamic": bundles[2], "static": bundles[3]}[which]
+    gc.disable()
+    try:
+        engine = load_bundle(path, "cpu", io_binding=io_binding).engine
+        generate_ids(engine, [[5, 6, 7]], SearchOptions(max_new_tokens=3))
+        state = engine.start(np.array([[5, 6, 7]]), np.ones((1, 3), dtype=np.int64), 1, 4)
+        state.step(np.array([engine.bos_id]), None)
+        ref, sessions = weakref.ref(engine), weakref.ref(engine.feed)
+        del engine
+        assert ref() is None and sessions() is not None               # the state still reads the sessions
+        state.step(np.array([5]), None)
+        del state
+        assert sessions() is None
+    finally:
+        gc.enable()

@@ -87,12 +87,14 @@ def test_bundle_ids_equal_generate(trained, beam, length_penalty):
 @pytest.mark.parametrize("beam", [1, 4])
 def test_text_in_text_out_equals_transformers(trained, beam):
     """`onnxformer generate BUNDLE TEXTS` prints what transformers' tokenizer + generate + decode give (the source
-    language code from the tokenizer's src_lang; the target's, which the trained model emits first itself, forced
-    on transformers' side as a user would)."""
+    language code from the tokenizer's src_lang; the target's given as --tgt-lang, which a multilingual bundle
+    needs, and forced on transformers' side as a user would: its max_new_tokens counts that token, ours the tokens
+    after it)."""
     name, _, model, tok, _, fused, forced = trained
     texts = TEXTS[:16]
-    result = CliRunner().invoke(main, ["generate", str(fused), *texts, "--beam", str(beam),
-                                       "--max-new-tokens", str(MAX_NEW)])
+    langs = [] if forced is None else ["--tgt-lang", tok.convert_ids_to_tokens(forced)]
+    result = CliRunner().invoke(main, ["generate", str(fused), *texts, "--beam", str(beam), *langs,
+                                       "--max-new-tokens", str(MAX_NEW - (forced is not None))])
     assert result.exit_code == 0, result.output
     batch = tok(texts, return_tensors="pt", padding=True)
     with warnings.catch_warnings():

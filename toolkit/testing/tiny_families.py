@@ -134,6 +134,8 @@ def trained_original(name: str, directory: str | Path, steps: int = 300, seed: i
     `count` sentences) to `translate` sentences of WORDS, and its tokenizer (whole words; NLLB and mBART-50 translate
     between the LANGS pair, the target being the language a caller forces first), both saved with save_pretrained
     in `directory`. Tens of seconds on one core."""
+    import torch
+
     from toolkit.testing.tiny_marian import train_pairs
 
     source, target = LANGS.get(TRAINED_TOKENIZER[name], (None, None))
@@ -143,8 +145,10 @@ def trained_original(name: str, directory: str | Path, steps: int = 300, seed: i
     model = family_model(name, len(tok))
     trainable(model, name, seed)
     lines = sentences(count, seed)
-    train_pairs(model, tok, lines, [translate(t) for t in lines], steps=steps, seed=seed, lr=lr, batch=batch,
-                warmup=steps // 10)
+    with torch.random.fork_rng():                      # dropout draws from torch's global generator: seeded here,
+        torch.manual_seed(seed)                        # the same model whatever ran before in the process
+        train_pairs(model, tok, lines, [translate(t) for t in lines], steps=steps, seed=seed, lr=lr, batch=batch,
+                    warmup=steps // 10)
     model.eval().save_pretrained(directory)
     tok.save_pretrained(directory)
     return model, tok

@@ -245,7 +245,8 @@ class InflightBatch:
         if end:                                                       # rows at their limit end with EOS, unscored
             nxt[end] = self.e.eos_id
             scores[end] = chosen_logprob(logits[end], nxt[end])
-            gains = np.where(np.isin(np.arange(n), end), 0.0, gains)
+            gains = gains.copy() if gains is scores else gains       # scores keep the model's log-probability
+            gains[end] = 0.0
         for r, token, score, gain in zip(self.rows, nxt, scores, gains):
             r.length += 1
             r.tokens.append(int(token))

@@ -140,7 +140,8 @@ class GreedySearch:
             if end is None or not end.any():
                 return nxt, logprob, None
             nxt[end] = self.eos
-            return nxt, chosen_logprob(logits, nxt), ~end
+            logprob[end] = chosen_logprob(logits[end], nxt[end])      # only the forced rows' change
+            return nxt, logprob, ~end
         nxt = c.forced(step, live)
         if end is not None:
             nxt[end] = self.eos

@@ -119,6 +119,73 @@ def test_teacher_forced_logits_catch_a_changed_model_whose_tokens_agree(random_m
     assert c.verdict == "failed" and c.teacher_forced["max_abs"] > 1e-4 and "FAILED" in report.summary()
 
 
+def test_teacher_forced_in_two_passes_equals_the_lockstep_comparison(random_model):
+    """teacher_forced runs the reference first (its logits spilled to a file) and then the candidate, given engines or
+    makers of them; its figures are those of feeding both side by side."""
+    from runtime.generate import pad_batch
+    from toolkit.parity.generation import teacher_forced
+    from toolkit.parity.tolerances import tolerance
+    from toolkit.reference.torch_engine import TorchEngine
+
+    model = load_checkpoint(random_model[0]).model
+    other = Transformer(model.config, seed=2)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(torch.randn_like(p) * 1e-3)
+    rng = np.random.default_rng(1)
+    seqs = [rng.integers(3, 64, int(n)).tolist() for n in rng.integers(1, 12, 70)]       # two chunks of 64
+    tokens = [rng.integers(3, 64, int(n)).tolist() for n in rng.integers(0, 7, 70)]      # some outputs empty
+    ref, got = TorchEngine(model), TorchEngine(other)
+    worst, same, rows = 0.0, 0, []
+    for start in range(0, 70, 64):                        # the lockstep comparison, written out
+        chunk, outs = seqs[start:start + 64], tokens[start:start + 64]
+        length = max(1, max(len(t) for t in outs))
+        ids, mask = pad_batch(chunk, ref.pad_id)
+        states = [e.start(ids, mask, 1, length) for e in (ref, got)]
+        feed = np.full(len(chunk), ref.bos_id, dtype=np.int64)
+        for pos in range(length):
+            a, b = (s.step(feed, None) for s in states)
+            keep = np.asarray([pos < len(t) for t in outs])
+            worst = max(worst, float(np.abs(b[keep].astype(np.float64) - a[keep]).max(initial=0.0)))
+            same += int((a[keep].argmax(-1) == b[keep].argmax(-1)).sum())
+            rows.append(a[keep])
+            feed = np.asarray([t[pos] if pos < len(t) else ref.eos_id for t in outs], dtype=np.int64)
+    positions = sum(len(t) for t in tokens)
+    tol = tolerance("fp32", "cpu")
+    for pair in ((ref, got), (lambda: TorchEngine(model), lambda: TorchEngine(other))):
+        tf = teacher_forced(*pair, seqs, tokens, tol)
+        assert tf["positions"] == positions and tf["max_abs"] == pytest.approx(worst, rel=1e-6) and worst > 1e-4
+        assert tf["argmax_equal"] == same / positions and tf["verdict"] == "failed"
+        assert tf["reference_std"] == pytest.approx(float(np.concatenate(rows).std(axis=0).mean()), rel=1e-4)
+
+
+def test_the_gate_holds_one_model_at_a_time(toy_exported, tmp_path, monkeypatch):
+    """optimize's gate compares the new graphs with the source bundle's: each side's sessions are made in its turn
+    and freed before the other's are made (graph comparison, token check), so its memory peak is one model's
+    sessions, not two."""
+    import weakref
+
+    import runtime.ort_engine
+    import toolkit.parity.graphs as graphs
+    from exporters.optimize import optimize_bundle
+
+    live, most = weakref.WeakSet(), []
+
+    def counted(cls):
+        class Counted(cls):
+            def __init__(self, *args, **kwargs):
+                most.append(len(live))                     # how many were alive when this one was made
+                super().__init__(*args, **kwargs)
+                live.add(self)
+        return Counted
+
+    monkeypatch.setattr(graphs, "Feed", counted(graphs.Feed))
+    monkeypatch.setattr(runtime.ort_engine, "Feed", counted(runtime.ort_engine.Feed))
+    _, report = optimize_bundle(toy_exported[1], tmp_path / "fp32", samples=16)
+    assert report.parity["verdict"] == "ok" and report.parity["generation"]["basis"] == "tokens"
+    assert len(most) == 4 and max(most) == 0, most      # graphs: source, candidate; tokens: source, candidate
+
+
 def test_optimize_int8_of_uniform_outputs_is_refused_unless_allowed(random_model, tmp_path):
     """Before: verified (100% equal tokens of one repeated output). Now: inconclusive, exit 1, nothing written."""
     _, bundle = random_model

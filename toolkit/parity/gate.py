@@ -57,7 +57,9 @@ def bundle_gate(src_paths: dict[str, Path], paths: dict[str, Path], manifest: di
     verdicts = {"graphs": record["verdict"]} if record["judged"] or record["verdict"] == "inconclusive" else {}
     tokenizer = load_tokenizer(bundle_dir / manifest["tokenizer"]) if manifest.get("tokenizer") else None
     inputs = choose_inputs(ModelConfig.from_dict(config), tokenizer, samples, texts)
-    reference, candidate = engine(src_paths, config, provider, source_layout), engine(paths, config, provider, layout)
+    # the engines as makers: each made in its turn and dropped before the other (one model in memory at a time)
+    reference = lambda: engine(src_paths, config, provider, source_layout)           # noqa: E731
+    candidate = lambda: engine(paths, config, provider, layout)                      # noqa: E731
     gen = generation_parity(reference, candidate, inputs.seqs, tol, provider, precision, beams=(1,),
                             max_new_tokens=min(32, config["max_len"]), source=inputs.source,
                             representative=inputs.representative)

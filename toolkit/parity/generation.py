@@ -15,6 +15,7 @@ stays "inconclusive", and a gate refuses it like a failure. Disagreeing tokens f
 
 from __future__ import annotations
 
+import tempfile
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -143,16 +144,31 @@ def _best_tokens(engine, seqs: list[list[int]], opts: SearchOptions) -> list[lis
     return out
 
 
+def _with_engine(engine, work):
+    """work(engine) for an Engine, or for the engine a zero-argument callable makes, which is dropped as soon as
+    work returns (work keeps no reference to it)."""
+    return work(engine if hasattr(engine, "start") else engine())
+
+
 def generation_parity(reference, candidate, seqs: list[list[int]], tolerance: Tolerance, provider: str,
                       precision: str, beams=(1, 4), max_new_tokens: int = 32,
                       source: str = "given inputs", representative: bool = True) -> GenerationReport:
     """Compare the best hypothesis of `candidate` with `reference` (both runtime.generate Engines) per search.
-    source, representative: where the inputs came from (toolkit.parity.inputs.ParityInputs)."""
-    max_new_tokens = min(max_new_tokens, reference.max_len)
+    source, representative: where the inputs came from (toolkit.parity.inputs.ParityInputs).
+
+    reference and candidate may also be zero-argument callables that make the engine (optimize's gate): each is
+    made when its turn comes, runs all its searches, and is dropped before the other is made, so two large models'
+    sessions are never in memory at once."""
     report = GenerationReport(provider, precision, tolerance, source, representative=representative)
+
+    def searches(engine) -> tuple[dict, int]:
+        limit = min(max_new_tokens, engine.max_len)
+        return {beam: _best_tokens(engine, seqs, SearchOptions(max_new_tokens=limit, beam=beam))
+                for beam in beams}, limit
+
+    (refs, max_new_tokens), (gots, _) = _with_engine(reference, searches), _with_engine(candidate, searches)
     for beam in beams:
-        opts = SearchOptions(max_new_tokens=max_new_tokens, beam=beam)
-        ref, got = _best_tokens(reference, seqs, opts), _best_tokens(candidate, seqs, opts)
+        ref, got = refs[beam], gots[beam]
         seq_eq, tok_eq, first = compare_tokens(ref, got)
         if first is not None:
             first["input"] = list(seqs[first["index"]])
@@ -164,29 +180,64 @@ def generation_parity(reference, candidate, seqs: list[list[int]], tolerance: To
     return report
 
 
-def teacher_forced(reference, candidate, seqs: list[list[int]], tokens: list[list[int]], tol: Tolerance) -> dict:
-    """Both engines fed the reference's output tokens (after the start token): their logits at every position
-    of every output, judged by tol.atol (None: report only, verdict "inconclusive"). The reference logits must
-    vary across inputs (std above MIN_REFERENCE_STD) or the verdict is "inconclusive" too."""
-    worst, total, positions, same, ref_rows = 0.0, 0.0, 0, 0, []
+def _forced_logits(engine, seqs: list[list[int]], tokens: list[list[int]], visit) -> None:
+    """Feed `engine` the output tokens after the start token, and call visit(offset, logits) with the logits of
+    every position an output has, in a fixed order (chunk, position, row): offset counts the rows visited before."""
+    offset = 0
     for start in range(0, len(seqs), BATCH):
         chunk, outs = seqs[start:start + BATCH], tokens[start:start + BATCH]
         length = max(1, max(len(t) for t in outs))
-        ids, mask = pad_batch(chunk, reference.pad_id)
-        states = [e.start(ids, mask, 1, length) for e in (reference, candidate)]
-        feed = np.full(len(chunk), reference.bos_id, dtype=np.int64)
+        ids, mask = pad_batch(chunk, engine.pad_id)
+        state = engine.start(ids, mask, 1, length)
+        feed = np.full(len(chunk), engine.bos_id, dtype=np.int64)
         for pos in range(length):
-            ref, got = (s.step(feed, None) for s in states)
+            logits = state.step(feed, None)
             rows = np.asarray([pos < len(t) for t in outs])          # positions this output has
             if rows.any():
-                diff = np.abs(got[rows].astype(np.float64) - ref[rows].astype(np.float64))
+                visit(offset, logits[rows])
+                offset += int(rows.sum())
+            feed = np.asarray([t[pos] if pos < len(t) else engine.eos_id for t in outs], dtype=np.int64)
+
+
+def teacher_forced(reference, candidate, seqs: list[list[int]], tokens: list[list[int]], tol: Tolerance) -> dict:
+    """Both engines fed the reference's output tokens (after the start token): their logits at every position
+    of every output, judged by tol.atol (None: report only, verdict "inconclusive"). The reference logits must
+    vary across inputs (std above MIN_REFERENCE_STD) or the verdict is "inconclusive" too.
+
+    The reference runs first and its logits wait in a temporary file (positions x vocabulary float32: 3.3 GB for
+    100 inputs of 32 tokens over NLLB's 256,206 entries, more than memory should hold), then the candidate runs;
+    engines may be given as callables that make them (generation_parity)."""
+    positions = sum(len(t) for t in tokens)
+    worst, total, same = 0.0, 0.0, 0
+    if positions == 0:
+        std = 0.0
+    else:
+        with tempfile.TemporaryFile(prefix="onnxformer-teacher-forced-") as spill:
+            stored = None
+            sums = None
+
+            def keep(offset: int, logits: np.ndarray) -> None:
+                nonlocal stored, sums
+                if stored is None:
+                    stored = np.memmap(spill, dtype=np.float32, mode="w+", shape=(positions, logits.shape[-1]))
+                    sums = np.zeros((2, logits.shape[-1]))
+                stored[offset:offset + len(logits)] = logits
+                wide = logits.astype(np.float64)
+                sums += (wide.sum(axis=0), np.square(wide).sum(axis=0))
+
+            def judge(offset: int, logits: np.ndarray) -> None:
+                nonlocal worst, total, same
+                ref = np.asarray(stored[offset:offset + len(logits)])
+                diff = np.abs(logits.astype(np.float64) - ref.astype(np.float64))
                 per_position = np.nan_to_num(diff, nan=np.inf).max(axis=-1)
                 worst, total = max(worst, float(per_position.max())), total + float(per_position.sum())
-                positions += int(rows.sum())
-                same += int((got[rows].argmax(-1) == ref[rows].argmax(-1)).sum())
-                ref_rows.append(ref[rows])
-            feed = np.asarray([t[pos] if pos < len(t) else reference.eos_id for t in outs], dtype=np.int64)
-    std = float(np.concatenate(ref_rows).std(axis=0).mean()) if ref_rows else 0.0
+                same += int((logits.argmax(-1) == ref.argmax(-1)).sum())
+
+            _with_engine(reference, lambda engine: _forced_logits(engine, seqs, tokens, keep))
+            _with_engine(candidate, lambda engine: _forced_logits(engine, seqs, tokens, judge))
+            mean = sums[0] / positions               # per-vocabulary-entry std over all positions, averaged
+            std = float(np.sqrt(np.maximum(sums[1] / positions - np.square(mean), 0.0)).mean())
+            del stored
     limit = tol.limit("logits", 0.0)
     if limit is None or not std > MIN_REFERENCE_STD:
         verdict = "inconclusive"

@@ -217,6 +217,10 @@ class TorchSide:
                                                    self.cross)
         return {"logits": _numpy(logits), **_named(self.past, SELF)}
 
+    def close(self) -> None:
+        """Its state goes; the model is the caller's."""
+        self.mask = self.cross = self.past = None
+
 
 def _numpy(t: torch.Tensor) -> np.ndarray:
     return t.float().cpu().numpy()
@@ -228,17 +232,28 @@ def _named(layers, attn: str) -> dict[str, np.ndarray]:
 
 class OrtSide:
     """A bundle's encoder and decoder graphs on ONNX Runtime, the decoder fed back its own presents (runtime.feed,
-    by the decoder's layout: a static graph is run in the dynamic contract)."""
+    by the decoder's layout: a static graph is run in the dynamic contract). Its sessions are made at its first
+    encode and dropped by close(), so compare() holds one bundle's weights at a time."""
 
     def __init__(self, paths: dict[str, Path], config: dict, provider: str, label: str = "onnxruntime",
                  layout: str = DYNAMIC):
-        self.label = label
-        provider = choose_provider(provider)
-        self.feed = Feed(make_session(paths["encoder"], provider), make_session(paths["decoder"], provider), config,
-                         layout, provider)
+        self.label, self.paths, self.config, self.layout = label, paths, config, layout
+        self.provider = choose_provider(provider)
+        self.feed = None
         self.encoder_names = graph_specs(config)["encoder"].output_names
 
+    def open(self) -> Feed:
+        if self.feed is None:
+            self.feed = Feed(make_session(self.paths["encoder"], self.provider),
+                             make_session(self.paths["decoder"], self.provider), self.config, self.layout,
+                             self.provider)
+        return self.feed
+
+    def close(self) -> None:
+        self.feed = self.mask = self.cross = self.past = None
+
     def encode(self, ids: np.ndarray, mask: np.ndarray) -> dict[str, np.ndarray]:
+        self.open()
         out = dict(zip(self.encoder_names, self.feed.encode(ids, mask, self.encoder_names)))
         self.mask, self.cross = mask, [out[name] for name in self.feed.cross_names]
         self.past = [empty_past(len(ids), self.feed.n_heads, self.feed.head_dim)] * len(self.feed.past_names)
@@ -254,46 +269,65 @@ def compare(reference, candidate, config: ModelConfig, tol: Tolerance | None, pr
             reference_name: str = "pytorch") -> ParityReport:
     """Run both sides (TorchSide / OrtSide) on the same inputs and fold every output into a report.
 
-    greedy: later tokens are the reference's greedy choice (else seeded random ids, the same for both)."""
+    greedy: later tokens are the reference's greedy choice (else seeded random ids, the same for both).
+    The sides run one after the other, not in step: the reference's outputs (a few MB: a small batch and a few
+    steps) are kept and the reference closed before the candidate starts, so two large models are never in
+    memory at once."""
     c, batch = config, len(src_lens)
     specs = graph_specs(c.to_dict())
     report = ParityReport(provider, precision, tol, batch, list(src_lens), steps, reference_name)
+    ids, mask = sample_inputs(c, src_lens, seed)
+    rng = np.random.default_rng(seed + 1)
+    low = min(3, c.vocab_size - 1)
+    first = np.concatenate([np.full((batch, 1), c.bos_id, dtype=np.int64),
+                            rng.integers(low, c.vocab_size, (batch, first_len - 1))], axis=1)
+
+    # the reference: encoder once on the padded batch, a first step (empty past, first_len tokens), then one-token
+    # cached steps; every output copied (a static-cache side writes its presents in place)
+    kept, fed = [], [first]
+    try:
+        kept.append(_copied(reference.encode(ids, mask)))
+        for step in range(steps + 1):
+            outs = _copied(reference.step(fed[-1]))
+            kept.append(outs)
+            if greedy:
+                fed.append(outs["logits"][:, -1].argmax(-1)[:, None].astype(np.int64))   # its choice, for both
+            else:
+                fed.append(rng.integers(low, c.vocab_size, (batch, 1)))                 # the same for both
+    finally:
+        reference.close()
+    report.reference_std["encoder_hidden_states"] = float(kept[0]["encoder_hidden_states"].std())
+    # per-vocabulary-entry std over all rows and positions, averaged: zero if logits ignore the input
+    report.reference_std["logits"] = float(np.concatenate([o["logits"].reshape(-1, c.vocab_size)
+                                                           for o in kept[1:]]).std(axis=0).mean())
+
     checks: dict[tuple[str, str], OutputCheck] = {}
 
-    def check(graph: str, outs: tuple[dict, dict], step: int | None) -> None:
+    def check(graph: str, ref: dict, got: dict, step: int | None) -> None:
         for name in specs[graph].output_names:
             if (graph, name) not in checks:
                 checks[graph, name] = OutputCheck(graph, name, sides=(candidate.label, reference.label))
                 report.checks.append(checks[graph, name])
-            checks[graph, name].fold(outs[0][name], outs[1][name], tol, step)
+            checks[graph, name].fold(ref[name], got[name], tol, step)
 
-    # encoder: once, on the padded batch
-    ids, mask = sample_inputs(c, src_lens, seed)
-    outs = reference.encode(ids, mask), candidate.encode(ids, mask)
-    check("encoder", outs, None)
-    report.reference_std["encoder_hidden_states"] = float(outs[0]["encoder_hidden_states"].std())
-
-    # decoder: first step (empty past, first_len tokens), then one-token cached steps
-    rng = np.random.default_rng(seed + 1)
-    low = min(3, c.vocab_size - 1)
-    tokens = np.concatenate([np.full((batch, 1), c.bos_id, dtype=np.int64),
-                             rng.integers(low, c.vocab_size, (batch, first_len - 1))], axis=1)
-    ref_logits, agree = [], 0
-    for step in range(steps + 1):
-        outs = reference.step(tokens), candidate.step(tokens)
-        check("decoder", outs, step)
-        ref_logits.append(outs[0]["logits"].reshape(-1, c.vocab_size))
-        if greedy:
-            chosen = [o["logits"][:, -1].argmax(-1) for o in outs]
-            agree += int((chosen[0] == chosen[1]).sum())
-            tokens = chosen[0][:, None].astype(np.int64)                # the reference's choice, for both
-        else:
-            tokens = rng.integers(low, c.vocab_size, (batch, 1))        # the same next token for both
-    # per-vocabulary-entry std over all rows and positions, averaged: zero if logits ignore the input
-    report.reference_std["logits"] = float(np.concatenate(ref_logits).std(axis=0).mean())
+    # the candidate, fed the same tokens, each output folded as it comes
+    agree = 0
+    try:
+        check("encoder", kept[0], candidate.encode(ids, mask), None)
+        for step in range(steps + 1):
+            got = candidate.step(fed[step])
+            check("decoder", kept[step + 1], got, step)
+            if greedy:
+                agree += int((got["logits"][:, -1].argmax(-1) == fed[step + 1][:, 0]).sum())
+    finally:
+        candidate.close()
     if greedy:
         report.teacher_forced_tokens_equal = agree / (batch * (steps + 1))
     return report
+
+
+def _copied(outs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return {name: np.array(value, copy=True) for name, value in outs.items()}
 
 
 def graph_paths(model: Transformer, bundle: str | Path | dict, precision: str | None = None,
@@ -365,10 +399,9 @@ def bundle_parity(reference: dict[str, Path], candidate: dict[str, Path], config
                   layouts: tuple[str, str] = (DYNAMIC, DYNAMIC)) -> ParityReport:
     """Candidate graphs against reference graphs, both on ONNX Runtime, fed the reference's greedy tokens;
     tol None = report only. labels and layouts (their decoders'): (candidate, reference)."""
-    sides = (OrtSide(reference, config, provider, labels[1], layouts[1]),
-             OrtSide(candidate, config, provider, labels[0], layouts[0]))
-    return compare(*sides, ModelConfig.from_dict(config), tol, provider, precision, steps, seed,
-                   default_src_lens(batch), greedy=True, reference_name=labels[1])
+    return compare(OrtSide(reference, config, provider, labels[1], layouts[1]),
+                   OrtSide(candidate, config, provider, labels[0], layouts[0]), ModelConfig.from_dict(config), tol,
+                   provider, precision, steps, seed, default_src_lens(batch), greedy=True, reference_name=labels[1])
 
 
 __all__ = ["OutputCheck", "ParityReport", "TorchSide", "OrtSide", "compare", "graph_parity", "bundle_parity",

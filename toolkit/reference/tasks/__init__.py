@@ -27,12 +27,14 @@ def task_parity_inputs(tokenizer, max_len: int, samples: int) -> tuple[list[list
 
 def task_accuracy(tokenizer, engines, samples: int) -> tuple[tuple[float, ...], str] | None:
     """((metric of each engine), what was measured) from the task that owns this tokenizer, or None (no task
-    owns it, or it has no metric)."""
+    owns it, or it has no metric). engines: Engines, or zero-argument callables that make them (each made in its
+    turn and dropped after its score: optimize's gate)."""
     if tokenizer is None:
         return None
     for name in TASKS:
         task = importlib.import_module(f"toolkit.reference.tasks.{name}")
         if task.owns(tokenizer) and hasattr(task, "accuracy"):
-            scores = tuple(task.accuracy(engine, tokenizer, samples) for engine in engines)
+            scores = tuple(task.accuracy(engine if hasattr(engine, "start") else engine(), tokenizer, samples)
+                           for engine in engines)
             return scores, f"{name} held-out exact match ({min(samples, task.HELD_OUT_SIZE)} examples)"
     return None

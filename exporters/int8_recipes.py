@@ -17,7 +17,7 @@ that agree with them; with --recipe they must agree with it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import onnx_ir as ir
 
@@ -39,10 +39,11 @@ class Recipe:
     float_projection: bool            # the output projection stays float32 (the 8-bit lookup table stays)
     step_cost: str                    # its decode-step cost against "default", where it was measured
     blocks: bool = False              # the decoder's MatMuls: 8-bit weight blocks (MatMulNBits), not per tensor
+    weight_bits: int = 8              # 7: |w| <= 64, exact on CPUs whose int8 kernel saturates (resolve_weight_bits)
 
     def options(self) -> dict:
         return {"recipe": self.name, "per_channel": self.per_channel, "activation_scales": self.activation_scales,
-                "float_projection": self.float_projection, "blocks": self.blocks}
+                "float_projection": self.float_projection, "blocks": self.blocks, "weight_bits": self.weight_bits}
 
 
 # Cheapest first, by decode-step cost (benchmarks/RESULTS.md, "int8 activation scales"): per-channel weight scales
@@ -70,9 +71,33 @@ NAMES = tuple(r.name for r in RECIPES)
 ALL_NAMES = NAMES + tuple(r.name for r in EXPLICIT)
 
 
-def recipes_for(recipe: str, per_channel: bool | None, activation_scales: str | None) -> list[Recipe]:
-    """The recipes to try, in order: one for a name, the ones agreeing with the flags for "auto". A flag that
-    contradicts --recipe, or flags no recipe has: OptimizeError naming both."""
+def recipes_for(recipe: str, per_channel: bool | None, activation_scales: str | None,
+                weight_bits: int = 8) -> list[Recipe]:
+    """The recipes to try, in order: one for a name, the ones agreeing with the flags for "auto", each with
+    `weight_bits` (resolve_weight_bits). A flag that contradicts --recipe, or flags no recipe has: OptimizeError
+    naming both."""
+    return [replace(r, weight_bits=weight_bits) for r in _recipes(recipe, per_channel, activation_scales)]
+
+
+WEIGHT_BITS = ("auto", "8", "7")
+
+
+def resolve_weight_bits(weight_bits: str | int, saturates) -> int:
+    """--weight-bits: 8 or 7 as given; "auto": 7 where this CPU's int8 kernel saturates 8-bit products (x86 without
+    VNNI: `saturates()`, runtime.session.int8_saturates), else 8.
+
+    Why 7: such kernels add pairs of uint8 x int8 products in int16, and full-range weights overflow it (255 x 127 x
+    2 > 32,767): results off by up to a quarter of their magnitude, about a tenth of the greedy tokens lost
+    (benchmarks/RESULTS.md, "int8 on CPUs without VNNI"). Weights within +-64 never overflow, so a 7-bit bundle
+    gives the same results on every CPU; elsewhere 8 bits are one bit more precise."""
+    if str(weight_bits) not in WEIGHT_BITS:
+        raise OptimizeError(f"--weight-bits {weight_bits} is not one of {', '.join(WEIGHT_BITS)}")
+    if str(weight_bits) == "auto":
+        return 7 if saturates() else 8
+    return int(weight_bits)
+
+
+def _recipes(recipe: str, per_channel: bool | None, activation_scales: str | None) -> list[Recipe]:
     flags = {"per_channel": (per_channel, "--per-channel" if per_channel else "--per-tensor"),
              "activation_scales": (activation_scales, f"--activation-scales {activation_scales}")}
     given = {k: v for k, v in flags.items() if v[0] is not None}
@@ -111,13 +136,15 @@ def prepare(model: ir.Model, recipe: Recipe,
     """Run the int8 pre-passes on `model` (in place) for a recipe; returns (model, its quantization pass, rewrites
     by rule, the pre-passes that changed it). `graph`: which graph (the blocks recipe puts the decoder only in
     blocks: the encoder's many rows a request run faster through DynamicQuantizeMatMul)."""
-    run = run_passes(quantization_prepasses(tied_projection=not recipe.float_projection), model, steps=2)
+    run = run_passes(quantization_prepasses(tied_projection=not recipe.float_projection,
+                                            weight_bits=recipe.weight_bits), model, steps=2)
     keep = []
     if recipe.float_projection:
         for i, node in enumerate(output_projections(run.model)):
             node.name = node.name or f"{PROJECTION}_{i}"
             keep.append(node.name)
-    step = precision_pass("int8", recipe.per_channel, recipe.activation_scales, keep_float=tuple(keep))
+    step = precision_pass("int8", recipe.per_channel, recipe.activation_scales, keep_float=tuple(keep),
+                          reduce_range=recipe.weight_bits == 7)
     if recipe.blocks and graph == "decoder":
         step = ConvertPass("quantize_int8_blocks", lambda m: to_blocks(m, 8, INT8_BLOCK))
     return run.model, step, dict(run.counts), list(run.applied)
@@ -163,5 +190,5 @@ def account(tried: list[tuple[Recipe, dict, int]], kept: int) -> tuple[dict, lis
     return record, notes
 
 
-__all__ = ["Recipe", "RECIPES", "NAMES", "AUTO", "recipes_for", "output_projections", "prepare", "figures", "pick",
-           "account"]
+__all__ = ["Recipe", "RECIPES", "NAMES", "ALL_NAMES", "WEIGHT_BITS", "resolve_weight_bits", "AUTO", "recipes_for",
+           "output_projections", "prepare", "figures", "pick", "account"]

@@ -25,7 +25,8 @@ import onnxruntime as ort
 
 from exporters.bundle import build_manifest, copy_tokenizer, graph_entry, op_counts, stage_bundle, write_manifest
 from exporters.fusions import attention_rules, fusion_passes, quantization_prepasses
-from exporters.int8_recipes import AUTO, Recipe, account, figures, pick, prepare, recipes_for
+from exporters.int8_recipes import (AUTO, Recipe, account, figures, pick, prepare, recipes_for,
+                                    resolve_weight_bits)
 from exporters.logs import quiet_loggers
 from exporters.optimize_options import (ATTENTION_OPS, STATIC_ATTENTION_OPS, TARGETS, OptimizeError, check_options,
                                         check_source, resolve_kv_cache)
@@ -37,6 +38,7 @@ from exporters.shared_weights import graph_data, inline_external, save_graph, sh
 from exporters.static_cache import StaticCachePass, StaticCacheError, per_row_for
 from exporters.validate import check_finite, ir_weights
 from runtime.manifest import GRAPHS, PRECISIONS, decoder_layout, read_manifest, verify_hashes
+from runtime.session import int8_saturates
 from runtime.spec import DYNAMIC
 from toolkit.parity import ParityError
 from toolkit.parity.gate import bundle_gate
@@ -166,7 +168,8 @@ def optimize_bundle(bundle_dir: str | Path, out_dir: str | Path, target: str = "
                     samples: int = DEFAULT_SAMPLES, progress: Callable[[str], None] | None = None,
                     ort_format: bool = False, kv_cache: str = "auto",
                     allow_unverified: bool = False, activation_scales: str | None = None,
-                    texts: list[str] | None = None, recipe: str = AUTO) -> tuple[Path, OptimizeReport]:
+                    texts: list[str] | None = None, recipe: str = AUTO,
+                    weight_bits: str | int = "auto") -> tuple[Path, OptimizeReport]:
     """Fuse and/or convert a bundle into out_dir; returns (out_dir, report). Bad input: OptimizeError/BundleError.
 
     Three steps, inside a staging folder renamed into place only when all succeed: transform (fusions, static
@@ -183,6 +186,8 @@ def optimize_bundle(bundle_dir: str | Path, out_dir: str | Path, target: str = "
     or per channel, activation ranges per tensor or per token row, the output projection kept float32) and keeps
     the first the gate passes; a name uses that recipe only. per_channel and activation_scales (None: not given)
     narrow "auto" to the recipes that agree; with a named recipe they must agree with it (else OptimizeError).
+    weight_bits (int8): 8, 7, or "auto": 7 where this CPU's int8 kernel saturates 8-bit products (x86 without VNNI),
+    8 elsewhere (exporters/int8_recipes.resolve_weight_bits).
 
     The gate (toolkit.parity.gate, the tolerance table's row for the precision): a verdict other than "ok"
     (failed, or inconclusive because the outputs do not vary) raises ParityError and writes nothing, unless
@@ -193,7 +198,7 @@ def optimize_bundle(bundle_dir: str | Path, out_dir: str | Path, target: str = "
     """
     start = time.perf_counter()
     bundle_dir, out_dir = Path(bundle_dir), Path(out_dir)
-    check_options(target, precision, attention, fuse, activation_scales, recipe)
+    check_options(target, precision, attention, fuse, activation_scales, recipe, weight_bits)
     if ort_format:                                        # .ort graphs are for the CPU provider's minimal builds
         check_convertible({"precision": precision, "target": target})
     manifest = read_manifest(bundle_dir)
@@ -204,7 +209,13 @@ def optimize_bundle(bundle_dir: str | Path, out_dir: str | Path, target: str = "
     if texts is not None and not manifest.get("tokenizer"):
         raise OptimizeError(f"{bundle_dir} has no tokenizer (it takes token ids), so gate input texts cannot be "
                             f"encoded; leave --input out and the gate uses random ids")
-    recipes = recipes_for(recipe, per_channel, activation_scales) if precision == "int8" else []
+    recipes = []
+    if precision == "int8":
+        bits = resolve_weight_bits(weight_bits, int8_saturates if target == "cpu" else lambda: False)
+        recipes = recipes_for(recipe, per_channel, activation_scales, bits)
+        if str(weight_bits) == "auto" and bits == 7:
+            report.notes.append("int8 weights in 7 bits: this CPU's int8 kernel saturates products of 8-bit weights "
+                                "(x86 without VNNI), and 7-bit ones are exact on every CPU")
     job = _Job(bundle_dir, out_dir, manifest, target, precision, fuse, attention, kv_cache, recipes, samples,
                ort_format, report, progress or (lambda msg: None), allow_unverified, texts)
     job.progress(f"optimizing {bundle_dir} -> {out_dir}")

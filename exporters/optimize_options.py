@@ -21,7 +21,7 @@ class OptimizeError(OnnxformerError):
 
 
 def check_options(target: str, precision: str, attention: str, fuse: bool,
-                  activation_scales: str | None = None, recipe: str = "auto") -> None:
+                  activation_scales: str | None = None, recipe: str = "auto", weight_bits: str | int = "auto") -> None:
     """Refuse option combinations that cannot work, before touching anything (the int8 recipe's own checks:
     exporters/int8_recipes.recipes_for)."""
     if activation_scales is not None and activation_scales not in ACTIVATION_SCALES:
@@ -31,6 +31,8 @@ def check_options(target: str, precision: str, attention: str, fuse: bool,
         raise OptimizeError(f"--activation-scales {activation_scales} is for --precision int8 (dynamically quantized "
                             f"activations); {precision} has none to scale" + (
                                 " (int4's kernel already quantizes each row on its own)" if precision == "int4" else ""))
+    if str(weight_bits) != "auto" and precision != "int8":
+        raise OptimizeError(f"--weight-bits {weight_bits} is for --precision int8; drop it for {precision}")
     if recipe != "auto" and precision != "int8":
         raise OptimizeError(f"--recipe {recipe} is for --precision int8 (the int8 recipes); drop it for {precision}")
     if target not in TARGETS:

@@ -17,9 +17,12 @@ weights (Q/K/V of a layer, the cross K/V of all decoder layers, exporters/fusion
 per-channel scales: one scale for matrices of different ranges is the error per-channel scales exist for.
 MatMuls between two activations (unfused attention scores) are left in float (MatMulConstBOnly).
 
-reduce_range stays off, by measurement (benchmarks/studies/int8_numerics.py, RESULTS.md "int8 numerics"): 7-bit
-weights raise the teacher-forced logits error on every variant measured, on a VNNI CPU, where 8-bit products
-cannot saturate, and on the AVX2-only (no VNNI) case, where u8 x s8 pairs can saturate int16.
+7-bit weights (reduce_range): off by default, because on a VNNI CPU, where 8-bit products cannot saturate, they
+raise the teacher-forced logits error on every variant measured (benchmarks/studies/int8_numerics.py, RESULTS.md
+"int8 numerics"). On x86 CPUs without VNNI ONNX Runtime's u8 x s8 kernel adds product pairs in int16 and saturates
+with 8-bit weights (runtime.session.int8_saturates; RESULTS.md "int8 on CPUs without VNNI": an earlier study under
+qemu's Haswell emulation did not show it, real AVX2 hardware does); there optimize's --weight-bits auto chooses 7 bits
+(exporters/int8_recipes.resolve_weight_bits), whose results are exact on every CPU.
 """
 
 from __future__ import annotations
@@ -106,7 +109,7 @@ def to_blocks(model: ir.Model, bits: int, block_size: int) -> ir.Model:
 
 
 def precision_pass(precision: str, per_channel: bool = True, activation_scales: str = "per-tensor",
-                   keep_float: tuple[str, ...] = ()) -> ConvertPass | None:
+                   keep_float: tuple[str, ...] = (), reduce_range: bool = False) -> ConvertPass | None:
     """The pass for a precision (None for fp32). int8 activation_scales "per-row": each token row gets its own
     activation range (exporters/row_activations), so a row's result does not depend on its batch neighbours;
     keep_float: MatMuls (by name) left in float32."""
@@ -114,9 +117,11 @@ def precision_pass(precision: str, per_channel: bool = True, activation_scales: 
         return ConvertPass("float16", to_fp16)
     if precision == "int8" and activation_scales == "per-row":
         return ConvertPass("quantize_int8",
-                           lambda model: per_row_activations(to_int8(model, per_channel, keep_float=keep_float)))
+                           lambda model: per_row_activations(to_int8(model, per_channel, reduce_range,
+                                                                     keep_float=keep_float)))
     if precision == "int8":
-        return ConvertPass("quantize_int8", lambda model: to_int8(model, per_channel, keep_float=keep_float))
+        return ConvertPass("quantize_int8", lambda model: to_int8(model, per_channel, reduce_range,
+                                                                  keep_float=keep_float))
     if precision == "int4":
         return ConvertPass("quantize_int4", to_int4)
     if precision == "fp32":

@@ -13,6 +13,7 @@ crash at run time.
 from __future__ import annotations
 
 import mmap
+import warnings
 from dataclasses import dataclass
 from itertools import zip_longest
 from pathlib import Path
@@ -25,7 +26,7 @@ from runtime.errors import BundleError, ProviderError, TokenizerError
 from runtime.manifest import GRAPHS, decoder_layout, manifest_specs, read_manifest, verify_hashes
 from runtime.ort_engine import OrtEngine
 from runtime.session import (Arg, OnDemandSession, SessionConfig, choose_provider, installed_onnxruntime,
-                             make_session)
+                             int8_saturates, make_session)
 from runtime.shortlist import FEEDS, Shortlist, ShortlistWeight
 from runtime.spec import (GraphSpec, config_field_of, graph_specs, parse_cache_name, shortlist_decoder_spec,
                           source_vocab_size)
@@ -84,7 +85,21 @@ def load_bundle(path: str | Path, provider: str = "auto", threads: int | None = 
     vocab = _shortlist(path, manifest, chosen, config) if shortlist and manifest.get("shortlist") else None
     engine = OrtEngine(sessions["encoder"], sessions["decoder"], manifest["model"], chosen, io_binding,
                        decoder_layout(manifest), vocab)
+    if chosen == "cpu" and weight_bits(manifest) == 8 and int8_saturates():
+        warnings.warn(f"bundle {path} has 8-bit int8 weights, and this CPU's int8 kernel saturates their products "
+                      f"(x86 without VNNI): its tokens will differ from what its gate measured (about a tenth of "
+                      f"them on the models measured); optimize the fp32 bundle again with --weight-bits 7 (the "
+                      f"default on such a CPU) for int8 weights exact on every CPU", RuntimeWarning,
+                      stacklevel=2)
     return Bundle(path, manifest, engine, _tokenizer(path, manifest), chosen, files)
+
+
+def weight_bits(manifest: dict) -> int | None:
+    """The bits of an int8 bundle's quantized weights (8 for bundles from before 7-bit recipes); None otherwise."""
+    if manifest.get("precision") != "int8":
+        return None
+    options = (manifest.get("source") or {}).get("options") or {}
+    return 8 if options.get("blocks") else options.get("weight_bits") or 8
 
 
 def _sessions(path: Path, manifest: dict, provider: str, config: SessionConfig,

@@ -237,3 +237,47 @@ def gather_model(elem_types: list[int], ranks: list[int]) -> bytes:
     graph = nodes + _msg(2, "gather_rows") + inputs + outputs                      # Graph: node 1, name 2, input 11, output 12
     opset = _msg(1, "") + _int(2, 13)                                              # OperatorSetId: domain 1, version 2
     return _int(1, 7) + _msg(2, "onnxformer.runtime") + _msg(7, graph) + _msg(8, opset)  # Model: ir_version 1, producer 2, graph 7, opset_import 8
+
+
+# --- does this CPU's int8 kernel saturate? a one-node DynamicQuantizeMatMul, serialized the same way ---
+
+INT8 = 3
+PROBE_K = 64
+
+
+def _probe_model() -> bytes:
+    """ModelProto: y = com.microsoft.DynamicQuantizeMatMul(a float [1, K], b int8 [K, 1], b_scale float [])."""
+    node = (_msg(1, "a") + _msg(1, "b") + _msg(1, "b_scale") + _msg(2, "y") + _msg(4, "DynamicQuantizeMatMul")
+            + _msg(7, "com.microsoft"))                                             # Node: domain 7
+    inputs = _msg(11, _value_info("a", FLOAT, 2)) + _msg(11, _value_info("b", INT8, 2))
+    inputs += _msg(11, _value_info("b_scale", FLOAT, 0))
+    graph = _msg(1, node) + _msg(2, "int8_probe") + inputs + _msg(12, _value_info("y", FLOAT, 2))
+    opsets = _msg(8, _msg(1, "") + _int(2, 17)) + _msg(8, _msg(1, "com.microsoft") + _int(2, 1))
+    return _int(1, 8) + _msg(2, "onnxformer.runtime") + _msg(7, graph) + opsets
+
+
+_SATURATES: dict[str, bool] = {}
+
+
+def int8_saturates() -> bool:
+    """Whether ONNX Runtime's CPU int8 kernel saturates products of 8-bit weights on this machine (measured once
+    a process, by running the kernel).
+
+    Dynamic quantization multiplies uint8 activations by int8 weights. x86 CPUs without VNNI (AVX2 and AVX-512
+    without VNNI: AMD before Zen 4, Intel before Cascade Lake) add pairs of those products in int16
+    (vpmaddubsw), which saturates: 255 x 127 x 2 = 64,770 > 32,767. With full-range weights the kernel's results
+    are then wrong by up to a quarter of their magnitude (benchmarks/RESULTS.md, "int8 on CPUs without VNNI"),
+    while 7-bit weights (|w| <= 64: 255 x 64 x 2 = 32,640) are exact. VNNI and ARM kernels accumulate in int32
+    and never saturate. The probe: activations of 1.0 (quantized to 255) times weights of 127, K of them: exact
+    K x 127, saturated about half of it."""
+    if "cpu" not in _SATURATES:
+        import numpy as np
+
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = 1
+        options.log_severity_level = 3
+        session = ort.InferenceSession(_probe_model(), options, providers=["CPUExecutionProvider"])
+        y = session.run(None, {"a": np.ones((1, PROBE_K), np.float32), "b": np.full((PROBE_K, 1), 127, np.int8),
+                               "b_scale": np.array(1.0, np.float32)})[0]
+        _SATURATES["cpu"] = not abs(float(y[0, 0]) - PROBE_K * 127) < 0.5
+    return _SATURATES["cpu"]

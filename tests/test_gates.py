@@ -269,7 +269,7 @@ def test_a_key_channel_outlier_costs_per_tensor_int8_its_tokens_but_not_packed_p
     import exporters.precision as P
     from exporters.optimize import optimize_bundle
 
-    tokens = {}
+    tokens = {}      # weight bits: auto (7 where 8-bit products saturate), so the outlier alone is judged
     for name, source, packed in (("plain", bundle, True), ("outlier", tmp_path / "fp32", True),
                                  ("outlier, one scale", tmp_path / "fp32", False)):
         real = P.to_int8

@@ -48,11 +48,12 @@ def fusion_passes(attention: str = "ort", opset: int = 20) -> list[Reporting]:
     return passes
 
 
-def quantization_prepasses(tied_projection: bool = True) -> list[Reporting]:
+def quantization_prepasses(tied_projection: bool = True, weight_bits: int = 8) -> list[Reporting]:
     """Before int8/int4 quantization: give every constant MatMul weight an initializer of its own, then 8-bit
-    embedding tables (the tied projection reads the same int8 matrix, unless tied_projection is False)."""
-    return [RewritePass("fold_transposed_weights", transposed_weight_rules()), Int8EmbeddingPass(tied_projection),
-            CleanupPass()]
+    embedding tables (the tied projection reads the same int8 matrix, unless tied_projection is False; weight_bits
+    7: values within the 7-bit range)."""
+    return [RewritePass("fold_transposed_weights", transposed_weight_rules()),
+            Int8EmbeddingPass(tied_projection, weight_bits), CleanupPass()]
 
 
 __all__ = ["AttentionFusion", "PackMatMulsPass", "attention_rules", "layernorm_rules", "skip_layernorm_rules",

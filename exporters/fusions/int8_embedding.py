@@ -30,11 +30,13 @@ from runtime.spec import INPUT_IDS
 ORT_DOMAIN = "com.microsoft"
 
 
-def quantize_rows(table: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Symmetric int8 per row: (q int8 [V, D], scale float32 [V]) with table ~= q * scale[:, None]."""
+def quantize_rows(table: np.ndarray, bits: int = 8) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric int8 per row: (q int8 [V, D], scale float32 [V]) with table ~= q * scale[:, None]; bits 7: |q| <= 64
+    (the range of onnxruntime's reduce_range, exact in int8 kernels that saturate: exporters/precision.py)."""
+    top = 127 if bits == 8 else 64
     peak = np.abs(table).max(axis=1)
-    scale = np.where(peak > 0, peak / 127.0, 1.0).astype(np.float32)
-    q = np.clip(np.rint(table / scale[:, None]), -127, 127).astype(np.int8)
+    scale = np.where(peak > 0, peak / top, 1.0).astype(np.float32)
+    q = np.clip(np.rint(table / scale[:, None]), -top, top).astype(np.int8)
     return q, scale
 
 
@@ -48,9 +50,10 @@ class Int8EmbeddingPass(Reporting, ir.passes.InPlacePass):
 
     name = "int8_embedding"
 
-    def __init__(self, tied_projection: bool = True):
+    def __init__(self, tied_projection: bool = True, weight_bits: int = 8):
         super().__init__()
         self.tied_projection = tied_projection          # False: the projection stays float (an int8 recipe)
+        self.weight_bits = weight_bits                  # 7: exporters/int8_recipes.resolve_weight_bits
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
@@ -63,7 +66,7 @@ class Int8EmbeddingPass(Reporting, ir.passes.InPlacePass):
             if (table is None or table.ndim != 2 or table.shape[1] < 2 or table.dtype != np.float32
                     or node.attributes.get_int("axis", 0) != 0):                    # [V, 1]: our own row scales
                 continue
-            q, scale = quantize_rows(table)
+            q, scale = quantize_rows(table, self.weight_bits)
             base = node.inputs[0].name or "embedding"
             qt = self._initializer(graph, f"{base}.int8_t", np.ascontiguousarray(q.T))
             s = self._initializer(graph, f"{base}.int8_scale", scale)

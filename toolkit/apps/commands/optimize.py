@@ -26,6 +26,9 @@ from toolkit.parity.inputs import DEFAULT_SAMPLES
                    "that order, cheapest first, and keep the first that passes the gate) | one of those names | "
                    "blocks (8-bit weight blocks in the decoder: batch 1 faster or slower by shape, batch 8 slower; "
                    "never tried by auto)")
+@click.option("--weight-bits", type=click.Choice(["auto", "8", "7"]), default="auto", show_default=True,
+              help="int8 weight bits: 7 is exact on every CPU, 8 is one bit more precise but saturates in the int8 "
+                   "kernel of x86 CPUs without VNNI (AVX2 / AVX-512 only); auto: 7 on such a CPU, else 8")
 @click.option("--per-channel/--per-tensor", default=None,
               help="int8 weight scales: only recipes with these [default: as the recipe says]")
 @click.option("--activation-scales", default=None, type=click.Choice(["per-tensor", "per-row"]),
@@ -46,8 +49,8 @@ from toolkit.parity.inputs import DEFAULT_SAMPLES
               help="inputs of the parity gate's token check (the same inputs `onnxformer parity` judges)")
 @click.option("--json", "as_json", is_flag=True, help="print the report as JSON")
 @friendly
-def command(bundle, out, target, precision, fuse, attention, kv_cache, recipe, per_channel, activation_scales,
-            ort_format, force, allow_unverified, input_file, samples, as_json):
+def command(bundle, out, target, precision, fuse, attention, kv_cache, recipe, weight_bits, per_channel,
+            activation_scales, ort_format, force, allow_unverified, input_file, samples, as_json):
     """Optimize a bundle for ONNX Runtime: attention/LayerNorm/GELU fusion, fp16 or int8, checked for parity."""
     require("export")
     from exporters.optimize import optimize_bundle
@@ -63,7 +66,7 @@ def command(bundle, out, target, precision, fuse, attention, kv_cache, recipe, p
                                     force=force, per_channel=per_channel, progress=progress,
                                     ort_format=ort_format, kv_cache=kv_cache, allow_unverified=allow_unverified,
                                     activation_scales=activation_scales, texts=texts, samples=samples,
-                                    recipe=recipe)
+                                    recipe=recipe, weight_bits=weight_bits)
     except ParityError as exc:
         if isinstance(exc.report, dict) and not as_json:
             from toolkit.parity.graphs import record_table

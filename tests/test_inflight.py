@@ -86,7 +86,7 @@ def test_rows_joining_and_leaving_get_their_unbatched_outputs(engine, toy_model_
     got = drive(batch, seqs, limits, per_join=2, check=lambda b: spreads.append(
         max((r.length for r in b.rows), default=0) - min((r.length for r in b.rows), default=0)))
     assert batch.joined == int((limits > 0).sum()) and batch.steps < int(limits.sum())   # rows shared steps
-    assert max(spreads) >= 10 and sum(s > 0 for s in spreads) > len(spreads) // 2    # rows at different lengths
+    assert max(spreads) >= 8 and sum(s > 0 for s in spreads) > len(spreads) // 2     # rows at different lengths
     assert_alone(engine, seqs, limits, got)
     assert len({tuple(h.tokens) for h in got.values()}) > 20, "outputs do not vary: equality proves nothing"
     assert len({len(h.tokens) for h in got.values()}) > 5 and any(h.finished for h in got.values())
@@ -209,7 +209,7 @@ def test_rows_with_their_own_options_get_their_unbatched_outputs(engine, toy_mod
         want = generate(engine, request)
         assert_answers(want, answer(rows[k], len(want[0])))
         changed += any(per[0].tokens != plain[2 * k + b][0].tokens[:len(per[0].tokens)] for b, per in enumerate(want))
-    assert changed >= len(options) - 3, "the controls changed too few outputs: equality proves little"
+    assert changed >= 2 * len(options) / 3, "the controls changed too few outputs: equality proves little"
 
 
 def test_processors_read_a_left_padded_history_as_each_row_alone():

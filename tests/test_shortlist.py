@@ -40,7 +40,7 @@ def _lines(rng, n: int) -> list[str]:
 @pytest.fixture(scope="module")
 def texts():
     rng = np.random.default_rng(2)
-    return _lines(rng, 200), _lines(rng, 40)                    # (corpus, held-out gate inputs)
+    return _lines(rng, 800), _lines(rng, 40)                    # (corpus, held-out gate inputs)
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +52,7 @@ def shortlisted(toy_exported, texts, tmp_path_factory):
     corpus, held = texts
     out = {}
     for layout, source in (("dynamic", Path(exported)), ("static", static)):
-        out[layout], _ = shortlist_bundle(source, corpus, root / f"{layout}_sl", sizes=(4, 16), always=4, texts=held)
+        out[layout], _ = shortlist_bundle(source, corpus, root / f"{layout}_sl", sizes=(4, 16, 24), always=4, texts=held)
     return out
 
 
@@ -105,7 +105,7 @@ def test_a_shortlist_too_small_changes_tokens_and_no_shortlist_turns_it_off(shor
 def test_the_manifest_records_the_shortlist_and_inspect_shows_it(shortlisted):
     manifest = json.loads((shortlisted["static"] / "manifest.json").read_text())
     record = manifest["shortlist"]
-    assert record["verified"] and record["gate"]["agreement"] >= 0.995 and record["size"] in (4, 16)
+    assert record["verified"] and record["gate"]["agreement"] >= 0.995 and record["size"] in (4, 16, 24)
     assert {record["file"], record["decoder"]["file"]} <= set(manifest["files"])
     assert record["gate"]["distinct_outputs"] >= 10 and record["sizes"]["always"] >= 3
     report = inspect_report(shortlisted["static"])

@@ -1,15 +1,15 @@
 """int8 on CPUs whose int8 kernel saturates (x86 without VNNI): the kernel's error, and what it costs the trained
 family models' int8 gate, 8-bit recipes against 7-bit ones.
 
-    .venv/bin/python benchmarks/int8_saturation.py [--families bart,mbart,m2m100,pegasus] [--json OUT]
+    .venv/bin/python benchmarks/int8_saturation.py [--families bart,mbart,m2m100,pegasus] [--steps N] [--json OUT]
 
 1. The kernel: one com.microsoft.DynamicQuantizeMatMul (512 x 256, random activations) against exact integer
    arithmetic on the same quantized activations, with full-range 8-bit weights and with 7-bit ones (|w| <= 64),
    and runtime.session.int8_saturates' verdict.
 2. The models: each family's trained test model (toolkit.testing.tiny_families.trained_original, as
-   tests/test_families_trained.py builds it) imported, exported, fused; then every int8 recipe with 8-bit and with
-   7-bit weights (--weight-bits) through optimize's gate on the 64 held-out texts (greedy tokens equal to the fp32
-   bundle's; the row: 98%).
+   tests/test_families_trained.py builds it, or trained for --steps) imported, exported, fused; then every int8
+   recipe with 8-bit and with 7-bit weights (--weight-bits) through optimize's gate on the 64 held-out texts
+   (greedy tokens equal to the fp32 bundle's; the row: 98%).
 Prints one table; --json writes the rows.
 """
 
@@ -39,7 +39,7 @@ def kernel_errors() -> dict:
             "error_7bit": _int8_error(rng.integers(-64, 65, (512, 256)).astype(np.int8), x)}
 
 
-def family_rows(names: list[str], work: Path) -> list[dict]:
+def family_rows(names: list[str], work: Path, steps: int) -> list[dict]:
     from exporters.export import export_checkpoint
     from exporters.int8_recipes import RECIPES
     from exporters.optimize import optimize_bundle
@@ -50,7 +50,7 @@ def family_rows(names: list[str], work: Path) -> list[dict]:
     texts, rows = held_out(64), []
     for name in names:
         root = work / name
-        trained_original(name, root / "hf")
+        trained_original(name, root / "hf", steps=steps)
         ckpt = import_model(root / "hf", root / "ckpt")
         fused, _ = optimize_bundle(export_checkpoint(ckpt, root / "bundle"), root / "fused")
         for bits, recipe in ((bits, recipe) for bits in (8, 7) for recipe in RECIPES):
@@ -62,7 +62,7 @@ def family_rows(names: list[str], work: Path) -> list[dict]:
             except ParityError as exc:
                 parity = exc.report or {"verdict": "error"}
             gen = parity.get("generation") or {}
-            rows.append({"family": name, "recipe": recipe.name, "weight_bits": bits,
+            rows.append({"family": name, "steps": steps, "recipe": recipe.name, "weight_bits": bits,
                          "tokens_equal": gen.get("tokens_equal"), "verdict": parity.get("verdict")})
             print(f"{name:<8} {recipe.name:<20} {bits} bits {gen.get('tokens_equal', float('nan')):8.2%} "
                   f"{parity.get('verdict')}", flush=True)
@@ -72,13 +72,18 @@ def family_rows(names: list[str], work: Path) -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--families", default="bart,mbart,m2m100,pegasus")
+    ap.add_argument("--steps", type=int, default=None, help="training steps [default: the tests' TRAINED_STEPS]")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     kernel = kernel_errors()
     print(f"int8_saturates: {kernel['saturates']}; DynamicQuantizeMatMul error / magnitude: 8-bit weights "
           f"{kernel['error_8bit']:.3g}, 7-bit weights {kernel['error_7bit']:.3g}", flush=True)
     with tempfile.TemporaryDirectory() as work:
-        rows = family_rows([n for n in args.families.split(",") if n], Path(work))
+        from toolkit.testing.tiny_families import TRAINED_STEPS
+
+        steps = args.steps or TRAINED_STEPS
+        print(f"trained models: {steps} steps", flush=True)
+        rows = family_rows([n for n in args.families.split(",") if n], Path(work), steps)
     best = {}
     for r in rows:
         key = (r["family"], r["weight_bits"])

@@ -87,7 +87,7 @@ def resolve_weight_bits(weight_bits: str | int, saturates) -> int:
     VNNI: `saturates()`, runtime.session.int8_saturates), else 8.
 
     Why 7: such kernels add pairs of uint8 x int8 products in int16, and full-range weights overflow it (255 x 127 x
-    2 > 32,767): results off by up to a quarter of their magnitude, about a tenth of the greedy tokens lost
+    2 > 32,767): results off by up to a quarter of their magnitude, up to 22% of the greedy tokens lost
     (benchmarks/RESULTS.md, "int8 on CPUs without VNNI"). Weights within +-64 never overflow, so a 7-bit bundle
     gives the same results on every CPU; elsewhere 8 bits are one bit more precise."""
     if str(weight_bits) not in WEIGHT_BITS:

@@ -87,7 +87,7 @@ def load_bundle(path: str | Path, provider: str = "auto", threads: int | None = 
                        decoder_layout(manifest), vocab)
     if chosen == "cpu" and weight_bits(manifest) == 8 and int8_saturates():
         warnings.warn(f"bundle {path} has 8-bit int8 weights, and this CPU's int8 kernel saturates their products "
-                      f"(x86 without VNNI): its tokens will differ from what its gate measured (about a tenth of "
+                      f"(x86 without VNNI): its tokens will differ from what its gate measured (up to 22% of "
                       f"them on the models measured); optimize the fp32 bundle again with --weight-bits 7 (the "
                       f"default on such a CPU) for int8 weights exact on every CPU", RuntimeWarning,
                       stacklevel=2)

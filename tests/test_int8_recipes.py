@@ -117,7 +117,7 @@ def _int8_error(weights: np.ndarray, x: np.ndarray) -> float:
 
 def test_the_saturation_probe_agrees_with_the_kernel_and_7_bit_weights_are_exact():
     """runtime.session.int8_saturates says what a full-range matrix measures on this CPU (x86 without VNNI: True,
-    errors of a tenth of the result; VNNI and ARM: False), and 7-bit weights are exact on every CPU."""
+    errors of a quarter of the result; VNNI and ARM: False), and 7-bit weights are exact on every CPU."""
     from runtime.session import int8_saturates
 
     rng = np.random.default_rng(0)

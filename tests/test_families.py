@@ -245,6 +245,7 @@ def test_parity_against_each_familys_original(name, tmp_path):
     result = CliRunner().invoke(main, ["parity", str(tmp_path / name), str(tmp_path / "ckpt"), "--input",
                                        str(tmp_path / "texts.txt"), "--json"])
     assert result.exit_code == 0, result.output
+    assert "Loading weights" not in result.output            # transformers' progress bar stays out of the report
     report = json.loads(result.output[result.output.index("{"):])
     checks = {c["what"]: c for c in report["checks"]}
     assert report["verdict"] == "ok" and set(checks) == {"tokenizer", "logits", "greedy", "beam 4"}

@@ -117,15 +117,22 @@ def require_transformers(what: str):
 
 
 def quiet_from_pretrained(load, path: Path):
-    """load(str(path)) with transformers' logging and warnings silenced (their advice is not for our users)."""
+    """load(str(path)) with transformers' logging, warnings and progress bars silenced (their advice is not for our
+    users; the bar would land in the middle of our reports)."""
     import warnings
 
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return load(str(path))
+    bar = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return load(str(path))
+    finally:
+        if bar:
+            hf_logging.enable_progress_bar()
 
 
 __all__ = ["read_json", "is_hub_name", "download", "read_state", "require_transformers", "quiet_from_pretrained",

@@ -20,14 +20,14 @@ import time
 FIELDS = ("VmRSS", "RssAnon", "RssFile")
 
 
-def rss() -> dict[str, float]:
-    """This process's resident memory by kind, in GiB (/proc/self/status)."""
+def rss(fields: tuple[str, ...] = FIELDS, unit: int = 1024 ** 3) -> dict[str, float]:
+    """This process's resident memory by kind (/proc/self/status `fields`), in `unit` bytes (GiB)."""
     out = {}
     with open("/proc/self/status") as status:
         for line in status:
             key, _, value = line.partition(":")
-            if key in FIELDS:
-                out[key] = int(value.split()[0]) / 1024 ** 2
+            if key in fields:
+                out[key] = int(value.split()[0]) * 1024 / unit
     return out
 
 

@@ -10,6 +10,7 @@ as protobuf bytes by hand so that the runtime needs no `onnx` package.
 from __future__ import annotations
 
 import ctypes
+import functools
 import gc
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -256,9 +257,7 @@ def _probe_model() -> bytes:
     return _int(1, 8) + _msg(2, "onnxformer.runtime") + _msg(7, graph) + opsets
 
 
-_SATURATES: dict[str, bool] = {}
-
-
+@functools.cache
 def int8_saturates() -> bool:
     """Whether ONNX Runtime's CPU int8 kernel saturates products of 8-bit weights on this machine (measured once
     a process, by running the kernel).
@@ -270,14 +269,9 @@ def int8_saturates() -> bool:
     while 7-bit weights (|w| <= 64: 255 x 64 x 2 = 32,640) are exact. VNNI and ARM kernels accumulate in int32
     and never saturate. The probe: activations of 1.0 (quantized to 255) times weights of 127, K of them: exact
     K x 127, saturated about half of it."""
-    if "cpu" not in _SATURATES:
-        import numpy as np
+    import numpy as np
 
-        options = ort.SessionOptions()
-        options.intra_op_num_threads = 1
-        options.log_severity_level = 3
-        session = ort.InferenceSession(_probe_model(), options, providers=["CPUExecutionProvider"])
-        y = session.run(None, {"a": np.ones((1, PROBE_K), np.float32), "b": np.full((PROBE_K, 1), 127, np.int8),
-                               "b_scale": np.array(1.0, np.float32)})[0]
-        _SATURATES["cpu"] = not abs(float(y[0, 0]) - PROBE_K * 127) < 0.5
-    return _SATURATES["cpu"]
+    session = make_session(_probe_model(), "cpu", SessionConfig(intra_op_threads=1))
+    y = session.run(None, {"a": np.ones((1, PROBE_K), np.float32), "b": np.full((PROBE_K, 1), 127, np.int8),
+                           "b_scale": np.array(1.0, np.float32)})[0]
+    return not abs(float(y[0, 0]) - PROBE_K * 127) < 0.5

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A real shape with random weights through the whole path, each step's peak resident memory measured
-# (/usr/bin/time -v): build the save_pretrained directory (toolkit.testing.tiny_families.SHAPES), import, export,
-# optimize fp32 and int8 (random weights pass no token gate: --allow-unverified), then generate 16 tokens with the
+# (benchmarks/step_memory.py: the peak, and how much of it was anonymous and file-backed): build the save_pretrained
+# directory (toolkit.testing.tiny_families.SHAPES), import, export, optimize fp32 and int8 (random weights pass no token gate: --allow-unverified), then generate 16 tokens with the
 # Python API (a random model with tied embeddings ends at once: min_new_tokens).
 #
 #   SHAPE=nllb-600m WORK=/tmp/big bash benchmarks/big_models.sh   # $WORK/models/$SHAPE/{hf,checkpoint,onnxformer-*}
@@ -9,7 +9,7 @@
 #
 # The folder names are race_peers.py's: `race_peers.py --model $SHAPE` with ONNXFORMER_PEERS=$WORK reuses them.
 #
-# Prints one line per step: seconds, peak RSS, and the sizes of what it wrote.
+# Prints one line per step: seconds, peak RSS (anonymous, file-backed), and the size of what it wrote.
 set -euo pipefail
 SHAPE=${SHAPE:-nllb-600m}
 WORK=${WORK:-out/peers}
@@ -24,14 +24,12 @@ case $SHAPE in            # multilingual shapes generate into a target language 
   *) TGT= ;;
 esac
 
-step() {   # step NAME OUTPUT COMMAND...: run it under /usr/bin/time -v, report wall time, peak RSS and output size
+step() {   # step NAME OUTPUT COMMAND...: run it under benchmarks/step_memory.py, report wall time, peak RSS (and
+           # its anonymous and file-backed parts) and output size
   local name=$1 out=$2; shift 2
   if [ -n "${STEPS:-}" ] && [[ " $STEPS " != *" $name "* ]]; then return; fi
-  /usr/bin/time -v "$@" > "$D/$name.log" 2>&1 || { tail -20 "$D/$name.log"; exit 1; }
-  local rss wall
-  rss=$(awk -F': ' '/Maximum resident/ {printf "%.2f", $2 / 1048576}' "$D/$name.log")
-  wall=$(awk -F': ' '/Elapsed \(wall/ {print $2}' "$D/$name.log")
-  echo "$name: wall $wall, peak RSS $rss GiB, $(du -sh --apparent-size "$out" | cut -f1) written"
+  $PY benchmarks/step_memory.py --label "$name" -- "$@" > "$D/$name.log" 2>&1 || { tail -20 "$D/$name.log"; exit 1; }
+  echo "$(tail -1 "$D/$name.log"), $(du -sh --apparent-size "$out" | cut -f1) written"
 }
 
 [ -f "$D/hf/config.json" ] || step build "$D" $PY -c \

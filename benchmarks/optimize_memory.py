@@ -20,10 +20,11 @@ import time
 FIELDS = ("VmRSS", "RssAnon", "RssFile")
 
 
-def rss(fields: tuple[str, ...] = FIELDS, unit: int = 1024 ** 3) -> dict[str, float]:
-    """This process's resident memory by kind (/proc/self/status `fields`), in `unit` bytes (GiB)."""
+def rss(fields: tuple[str, ...] = FIELDS, unit: int = 1024 ** 3, pid: int | str = "self") -> dict[str, float]:
+    """A process's resident memory by kind (/proc/PID/status `fields`; this one's by default), in `unit` bytes
+    (GiB)."""
     out = {}
-    with open("/proc/self/status") as status:
+    with open(f"/proc/{pid}/status") as status:
         for line in status:
             key, _, value = line.partition(":")
             if key in fields:

@@ -29,16 +29,39 @@ class NonFiniteWeightsError(OnnxformerError):
 def check_finite(weights: Iterable[tuple[str, np.ndarray]], graph: str) -> None:
     """Refuse the first float weight (name, values) that holds a NaN or an Inf, naming it."""
     for name, values in weights:
-        if values.dtype.kind == "f" and not np.isfinite(values).all():
+        if values.dtype.kind == "f" and not finite(values):
             bad = int(np.size(values) - np.isfinite(values).sum())
             raise NonFiniteWeightsError(f"{graph}: weight {name} holds {bad} NaN/Inf value(s), so every output would "
                                         f"be garbage; fix the checkpoint's weights (or choose a precision whose range "
                                         f"holds them) and run again; nothing was written")
 
 
+def finite(values: np.ndarray, chunk: int = 1 << 24) -> bool:
+    """Whether every value is finite, a slice at a time (isfinite's mask of a 1 GB embedding would be 256 MB)."""
+    flat = values.reshape(-1)
+    return all(bool(np.isfinite(flat[i:i + chunk]).all()) for i in range(0, flat.size, chunk))
+
+
 def proto_weights(model: onnx.ModelProto, base_dir: str | Path = "") -> Iterable[tuple[str, np.ndarray]]:
-    """(name, values) of an onnx graph's initializers, one at a time (external data read from base_dir)."""
-    return ((t.name, numpy_helper.to_array(t, str(base_dir))) for t in model.graph.initializer)
+    """(name, values) of an onnx graph's initializers, one at a time. External data is mapped read-only from
+    base_dir, not read: file pages the kernel can drop, where a read copy of a large embedding would be heap."""
+    for t in model.graph.initializer:
+        yield t.name, mapped_array(t, Path(base_dir)) if uses_external_data(t) else numpy_helper.to_array(t)
+
+
+def uses_external_data(t: onnx.TensorProto) -> bool:
+    return t.data_location == onnx.TensorProto.EXTERNAL
+
+
+def mapped_array(t: onnx.TensorProto, base_dir: Path) -> np.ndarray:
+    """An external tensor's values as a read-only np.memmap of its data file (onnx's location/offset/length)."""
+    info = {e.key: e.value for e in t.external_data}
+    dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(t.data_type))
+    shape = tuple(t.dims)
+    if int(np.prod(shape, dtype=np.int64)) == 0:
+        return np.zeros(shape, dtype)
+    return np.memmap(base_dir / info["location"], dtype=dtype, mode="r", offset=int(info.get("offset", 0)),
+                     shape=shape)
 
 
 def ir_weights(model: ir.Model) -> Iterable[tuple[str, np.ndarray]]:

@@ -194,3 +194,45 @@ def test_loading_rejects_a_bundle_and_a_bad_tokenizer(tmp_path, tiny):
     (tmp_path / "ckpt" / "manifest.json").write_text("{}")
     with pytest.raises(CheckpointError, match="bundle"):
         load_checkpoint(tmp_path / "ckpt")
+
+
+def test_a_loaded_checkpoint_holds_the_file_weights_once_without_drawing_random_ones(tmp_path, tiny, monkeypatch):
+    """load_checkpoint and the importers build the model from the state itself (Transformer.from_state): no random
+    weights drawn first and copied over (for NLLB-600M that was 16 s and a second 2.3 GiB), the state's tensors
+    are the model's (safetensors' mapped file pages), and the derived sinusoid table is the model's own."""
+    from toolkit.reference.model import PositionalEncoding, sinusoid_table
+
+    save_checkpoint(tmp_path / "ckpt", tiny)
+    monkeypatch.setattr(Transformer, "init_weights", lambda self, seed: pytest.fail("random weights drawn"))
+    loaded = load_checkpoint(tmp_path / "ckpt").model
+    for name, value in tiny.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], value), name
+    assert not loaded.training
+    tables = [m.pe for m in loaded.modules() if isinstance(m, PositionalEncoding)]
+    assert tables and all(torch.equal(t, sinusoid_table(tiny.config)) for t in tables)
+    state = {k: v.clone() for k, v in tiny.state_dict().items()}
+    model = Transformer.from_state(tiny.config, state)
+    assert all(model.state_dict()[k].data_ptr() == v.data_ptr() for k, v in state.items())    # held, not copied
+    ids = torch.tensor([[5, 6, 7, 2]])
+    mask = torch.ones_like(ids)
+    assert torch.equal(model.encode(ids, mask)[0], tiny.eval().encode(ids, mask)[0])
+    half = {k: v.half() for k, v in state.items()}                 # a half-precision source is made float32
+    assert all(p.dtype == torch.float32 for p in Transformer.from_state(tiny.config, half).parameters())
+    with pytest.raises(RuntimeError, match="Missing key"):
+        Transformer.from_state(tiny.config, {k: v for k, v in state.items() if "decoder.layers.0" not in k})
+
+
+def test_the_finite_check_reads_a_slice_at_a_time_and_finds_the_last_value():
+    """nonfinite checks a tensor in slices (isfinite on NLLB's whole embedding made 1.5 GB of temporaries); a NaN
+    in the last element of the last slice is still found."""
+    import numpy as np
+
+    from exporters.validate import finite as finite_array
+    from toolkit.reference.checkpoint import finite
+
+    t = torch.zeros(10, 7)
+    assert finite(t, chunk=4) and finite_array(t.numpy(), chunk=4)
+    t[9, 6] = float("nan")
+    assert not finite(t, chunk=4) and not finite_array(t.numpy(), chunk=4)
+    assert not finite(torch.full((3,), float("inf")), chunk=2) and finite(torch.zeros(0))
+    assert finite_array(np.zeros(0, np.float32))

@@ -162,7 +162,7 @@ def test_teacher_forced_in_two_passes_equals_the_lockstep_comparison(random_mode
 def test_the_gate_holds_one_model_at_a_time(toy_exported, tmp_path, monkeypatch):
     """optimize's gate compares the new graphs with the source bundle's: each side's sessions are made in its turn
     and freed before the other's are made (graph comparison, token check), so its memory peak is one model's
-    sessions, not two."""
+    sessions, not two; in the graph comparison, one graph's."""
     import weakref
 
     import runtime.ort_engine
@@ -179,11 +179,24 @@ def test_the_gate_holds_one_model_at_a_time(toy_exported, tmp_path, monkeypatch)
                 live.add(self)
         return Counted
 
+    sessions, alive = weakref.WeakSet(), []
+    make_session = graphs.make_session
+
+    def made(*args, **kwargs):                             # the graph comparison's sessions
+        alive.append(len(sessions))
+        session = make_session(*args, **kwargs)
+        sessions.add(session)
+        return session
+
     monkeypatch.setattr(graphs, "Feed", counted(graphs.Feed))
+    monkeypatch.setattr(graphs, "make_session", made)
     monkeypatch.setattr(runtime.ort_engine, "Feed", counted(runtime.ort_engine.Feed))
     _, report = optimize_bundle(toy_exported[1], tmp_path / "fp32", samples=16)
     assert report.parity["verdict"] == "ok" and report.parity["generation"]["basis"] == "tokens"
     assert len(most) == 4 and max(most) == 0, most      # graphs: source, candidate; tokens: source, candidate
+    # within a side, one graph at a time: the encoder's session is gone before the decoder's is made (export's
+    # gate too: NLLB's embedding is in both graphs)
+    assert alive == [0, 0, 0, 0], alive
 
 
 def test_optimize_int8_of_uniform_outputs_is_refused_unless_allowed(random_model, tmp_path):

@@ -232,8 +232,9 @@ def _named(layers, attn: str) -> dict[str, np.ndarray]:
 
 class OrtSide:
     """A bundle's encoder and decoder graphs on ONNX Runtime, the decoder fed back its own presents (runtime.feed,
-    by the decoder's layout: a static graph is run in the dynamic contract). Its sessions are made at its first
-    encode and dropped by close(), so compare() holds one bundle's weights at a time."""
+    by the decoder's layout: a static graph is run in the dynamic contract). Its sessions are made when needed, the
+    encoder's at its (single) encode, then the decoder's in place of it, and dropped by close(): compare() holds one
+    graph's weights at a time."""
 
     def __init__(self, paths: dict[str, Path], config: dict, provider: str, label: str = "onnxruntime",
                  layout: str = DYNAMIC):
@@ -243,9 +244,9 @@ class OrtSide:
         self.encoder_names = graph_specs(config)["encoder"].output_names
 
     def open(self) -> Feed:
+        """The feed with its encoder session (the decoder's is made by encode, once the encoder is done)."""
         if self.feed is None:
-            self.feed = Feed(make_session(self.paths["encoder"], self.provider),
-                             make_session(self.paths["decoder"], self.provider), self.config, self.layout,
+            self.feed = Feed(make_session(self.paths["encoder"], self.provider), None, self.config, self.layout,
                              self.provider)
         return self.feed
 
@@ -255,6 +256,10 @@ class OrtSide:
     def encode(self, ids: np.ndarray, mask: np.ndarray) -> dict[str, np.ndarray]:
         self.open()
         out = dict(zip(self.encoder_names, self.feed.encode(ids, mask, self.encoder_names)))
+        # one session at a time: compare() encodes once, then steps; the encoder's weights (the embedding
+        # included) go before the decoder's are loaded
+        self.feed.encoder = None
+        self.feed.decoder = make_session(self.paths["decoder"], self.provider)
         self.mask, self.cross = mask, [out[name] for name in self.feed.cross_names]
         self.past = [empty_past(len(ids), self.feed.n_heads, self.feed.head_dim)] * len(self.feed.past_names)
         return out

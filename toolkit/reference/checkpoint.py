@@ -95,7 +95,7 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
         config = ModelConfig.load(path / CONFIG)
     except ConfigError as exc:
         raise CheckpointError(f"checkpoint {path}: {exc}") from None
-    model = Transformer(config, seed=0)
+    model = Transformer.empty(config)                 # shapes only: the weights are the file's (from_state)
     state = _load_state(path)
     expected = set(model.state_dict())
     missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
@@ -111,8 +111,7 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
     if broken:
         raise CheckpointError(f"checkpoint {path}: {broken}; the model is broken (a diverged training run?), "
                               f"retrain it or import it again from a sound source")
-    model.load_state_dict(state)
-    model.eval()
+    model = Transformer.from_state(config, state)
     tokenizer = None
     if (path / TOKENIZER).exists():
         try:
@@ -166,7 +165,8 @@ def read_weights(file: Path, fix: str):
         except (SafetensorError, OSError, ValueError) as exc:
             raise CheckpointError(f"{file} is unreadable ({exc}); {fix}") from None
     try:
-        return torch.load(file, map_location="cpu", weights_only=True)
+        import zipfile                              # torch.save's zip format maps in place, as safetensors does
+        return torch.load(file, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(file))
     except Exception as exc:  # torch raises several types for corrupt or unsafe files
         raise CheckpointError(f"{file} cannot be loaded safely with weights_only=True ({type(exc).__name__}); "
                               f"{fix}") from None
@@ -206,9 +206,16 @@ def truncation(file: Path) -> str | None:
     return f"{size} of {need} bytes" if size < need else None
 
 
+def finite(t: torch.Tensor, chunk: int = 1 << 24) -> bool:
+    """Whether every value of t is finite, checked a slice at a time: isfinite makes temporaries of the tensor's
+    size (its absolute values, two masks), 1.5 GB beside NLLB's 1 GB embedding if done at once."""
+    flat = t.reshape(-1)
+    return all(bool(torch.isfinite(flat[i:i + chunk]).all()) for i in range(0, flat.numel(), chunk))
+
+
 def nonfinite(state: dict[str, torch.Tensor]) -> str | None:
     """Which weights hold NaN or infinite values ('weight NAME holds ...'), or None when all are finite."""
-    bad = [name for name, t in state.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    bad = [name for name, t in state.items() if t.is_floating_point() and not finite(t)]
     if not bad:
         return None
     t = state[bad[0]]

@@ -263,7 +263,32 @@ class Transformer(nn.Module):
         self.encoder = Encoder(config)
         self.decoder = Decoder(config)
         self.generator = Generator(config, self.embed)
-        self.init_weights(seed)
+        if not (self.embed.lut.weight.is_meta):          # empty(): no weights to draw
+            self.init_weights(seed)
+
+    @classmethod
+    def empty(cls, config: ModelConfig) -> "Transformer":
+        """The model's structure with no weights behind it (meta tensors: shapes and names only), for checking a
+        state dict against the config and for from_state."""
+        with torch.device("meta"):
+            return cls(config)
+
+    @classmethod
+    def from_state(cls, config: ModelConfig, state: dict[str, torch.Tensor]) -> "Transformer":
+        """The model holding STATE's tensors themselves (made float32 and contiguous; a copy only where they were
+        not), in eval mode, without drawing random weights first. So a model of N GB is held once, not twice, and
+        tensors mapped from a safetensors file stay file pages (which the kernel can drop) until written to: what
+        lets import and export of the largest models fit in memory. STATE must match the config (callers check it
+        with empty().state_dict() first, for their own messages)."""
+        model = cls.empty(config)
+        model.load_state_dict({k: v.detach().to(torch.float32).contiguous() for k, v in state.items()}, assign=True)
+        for module in model.modules():                  # derived buffers (the sinusoid tables) are not in a state
+            if isinstance(module, PositionalEncoding) and module.pe.is_meta:
+                module.pe = sinusoid_table(config)
+        left = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+        if left:
+            raise ValueError(f"from_state: no tensor for {', '.join(left[:4])}")
+        return model.eval()
 
     def init_weights(self, seed: int | None) -> None:
         """Xavier-uniform matrices and zero biases, drawn from a private generator seeded by `seed`."""

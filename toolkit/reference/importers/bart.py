@@ -202,15 +202,13 @@ def convert_state(arch: Architecture, hf: dict, state: dict[str, torch.Tensor], 
     if not arch.logits_bias:
         mapped.pop("generator.bias")                  # map_state's zeros: this family has no bias
     mapped.update({k: v.detach().to(torch.float32).contiguous() for k, v in extra.items()})
-    model = Transformer(config, seed=0)
-    expected = model.state_dict()
+    expected = Transformer.empty(config).state_dict()
     wrong = [k for k, v in mapped.items() if k not in expected or tuple(expected[k].shape) != tuple(v.shape)]
     missing = sorted(set(expected) - set(mapped))
     if wrong or missing:
         raise ImportRefused(f"{where}: the weights do not match config.json (shape or name: "
                             f"{', '.join((wrong + missing)[:4])})")
-    model.load_state_dict(mapped)
-    return model.eval()
+    return Transformer.from_state(config, mapped)
 
 
 def load_family(directory: str | Path, arch: Architecture | None = None, progress=None):

@@ -227,8 +227,7 @@ def convert(directory: Path, options: ImportOptions) -> Converted:
     config = marian_model_config(hf, directory / "config.json")
     tokenizer = marian_tokenizer(directory, config)
     state = map_state(load_state(directory, options.progress), config, directory)
-    model = Transformer(config, seed=0)
-    expected = model.state_dict()
+    expected = Transformer.empty(config).state_dict()
     for name, tensor in state.items():
         if name not in expected or tuple(expected[name].shape) != tuple(tensor.shape):
             want = tuple(expected[name].shape) if name in expected else "absent"
@@ -237,7 +236,7 @@ def convert(directory: Path, options: ImportOptions) -> Converted:
     missing = sorted(set(expected) - set(state))
     if missing:
         raise ImportRefused(f"{directory}: no Marian weight maps to {', '.join(missing[:4])}")
-    model.load_state_dict(state)
+    model = Transformer.from_state(config, state)
     record = {"files": sorted(p.name for p in directory.iterdir() if p.is_file())}
     return Converted(model.eval(), tokenizer, record)
 

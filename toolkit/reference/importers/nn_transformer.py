@@ -197,8 +197,7 @@ def convert(source: Path, options: ImportOptions) -> Converted:
     hp = read_config(options.config_file)
     state = read_state(source, "save it with torch.save(model.state_dict(), PATH)", options.progress)
     config = tutorial_config(state, hp, source)
-    model = Transformer(config, seed=0)
-    model.load_state_dict(map_state(state, config))
+    model = Transformer.from_state(config, map_state(state, config))
     tokenizer = None
     if hp.get("source_spm") or hp.get("target_spm"):
         if not (hp.get("source_spm") and hp.get("target_spm")):

@@ -263,7 +263,7 @@ class Transformer(nn.Module):
         self.encoder = Encoder(config)
         self.decoder = Decoder(config)
         self.generator = Generator(config, self.embed)
-        if not (self.embed.lut.weight.is_meta):          # empty(): no weights to draw
+        if not self.embed.lut.weight.is_meta:            # empty(): no weights to draw
             self.init_weights(seed)
 
     @classmethod

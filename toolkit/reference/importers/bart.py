@@ -187,8 +187,6 @@ def take_norms(arch: Architecture, state: dict, config: ModelConfig, where: Path
 def convert_state(arch: Architecture, hf: dict, state: dict[str, torch.Tensor], where: Path = Path("config.json")):
     """The reference Transformer (eval mode) holding a family checkpoint's weights: config.json as a dict and the
     state dict of its *ForConditionalGeneration (keys with or without the "model." prefix)."""
-    import torch
-
     from toolkit.reference.model import Transformer
 
     if hf.get("model_type") != arch.model_type:
@@ -201,7 +199,7 @@ def convert_state(arch: Architecture, hf: dict, state: dict[str, torch.Tensor], 
     mapped = map_state(state, config, where)          # embeddings, output matrix, logits bias, every layer
     if not arch.logits_bias:
         mapped.pop("generator.bias")                  # map_state's zeros: this family has no bias
-    mapped.update({k: v.detach().to(torch.float32).contiguous() for k, v in extra.items()})
+    mapped.update(extra)                              # from_state makes every tensor float32 and contiguous
     expected = Transformer.empty(config).state_dict()
     wrong = [k for k, v in mapped.items() if k not in expected or tuple(expected[k].shape) != tuple(v.shape)]
     missing = sorted(set(expected) - set(mapped))

@@ -38,7 +38,7 @@ from exporters.shared_weights import graph_data, inline_external, save_graph, sh
 from exporters.static_cache import StaticCachePass, StaticCacheError, per_row_for
 from exporters.validate import check_finite, ir_weights
 from runtime.manifest import GRAPHS, PRECISIONS, decoder_layout, read_manifest, verify_hashes
-from runtime.session import int8_saturates
+from runtime.session import int8_saturates, return_freed_memory
 from runtime.spec import DYNAMIC
 from toolkit.parity import ParityError
 from toolkit.parity.gate import bundle_gate
@@ -269,7 +269,8 @@ def convert(job: _Job, models: dict[str, ir.Model], tmp: Path) -> Recipe | None:
     for recipe in candidates:
         folder = tmp if len(candidates) == 1 else tmp / f".recipe_{recipe.name}"
         folder.mkdir(exist_ok=True)
-        applied, counts = _convert_graphs(job, models, recipe, folder, files, clone=len(candidates) > 1)
+        last = recipe is candidates[-1]             # the last recipe rewrites the fused graphs themselves
+        applied, counts = _convert_graphs(job, models, recipe, folder, files, clone=not last)
         parity = _parity(job, {g: folder / files[g] for g in GRAPHS})
         tried.append((recipe, folder, parity, applied, counts))
         if parity.get("verified") or parity.get("verdict") in ("inconclusive", "not run"):
@@ -303,7 +304,8 @@ def convert(job: _Job, models: dict[str, ir.Model], tmp: Path) -> Recipe | None:
 def _convert_graphs(job: _Job, models: dict[str, ir.Model], recipe: Recipe | None, folder: Path, files: dict,
                     clone: bool) -> tuple[list[str], dict[str, dict[str, int]]]:
     """Convert each graph (an int8 recipe: its pre-passes first, on a copy when other recipes follow) into folder;
-    returns (the passes applied, the pre-passes' rewrites by graph)."""
+    returns (the passes applied, the pre-passes' rewrites by graph). Without clone the graphs are converted in
+    place and released once saved (int8 frees each float weight the fusions made as it quantizes it)."""
     applied, counts = [], {}
     for g in GRAPHS:
         model, step = models[g], precision_pass(job.precision)
@@ -317,6 +319,11 @@ def _convert_graphs(job: _Job, models: dict[str, ir.Model], recipe: Recipe | Non
         save_graph(converted, folder / files[g])
         if step is not None and step.name not in applied:
             applied.append(step.name)
+        if not clone:                                     # the gate that follows loads the saved graphs
+            for value in converted.graph.initializers.values():
+                value.const_value = None                  # the arrays go now (the graph itself is cyclic garbage)
+            models[g] = model = converted = None
+            return_freed_memory()
     if recipe is not None and recipe.activation_scales == "per-row":
         applied.append(RowActivationsPass.name)
     return applied, counts

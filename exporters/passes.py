@@ -95,6 +95,19 @@ class ConvertPass(Reporting, ir.passes.FunctionalPass):
         return ir.passes.PassResult(self.fn(model), True)
 
 
+class ConvertInPlacePass(Reporting, ir.passes.InPlacePass):
+    """A conversion that rewrites its input model (int8: exporters/int8_weights, a weight at a time)."""
+
+    def __init__(self, name: str, fn: Callable[[ir.Model], ir.Model]):
+        super().__init__()
+        self.name, self.fn = name, fn
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        result = self.fn(model)
+        assert result is model, "an in-place conversion returns its input model"
+        return ir.passes.PassResult(model, True)
+
+
 @dataclass
 class PassRun:
     """What a run of passes did: the model, whether it changed, rewrites by rule, the passes that changed it."""
@@ -135,5 +148,5 @@ def explain_misses(model: ir.Model, rules: Sequence[pattern.RewriteRule]) -> dic
     return reasons
 
 
-__all__ = ["Reporting", "RewritePass", "CleanupPass", "OpsetPass", "ConvertPass", "PassRun", "run_passes",
+__all__ = ["Reporting", "RewritePass", "CleanupPass", "OpsetPass", "ConvertPass", "ConvertInPlacePass", "PassRun", "run_passes",
            "explain_misses"]

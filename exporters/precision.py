@@ -7,9 +7,9 @@ LayerNormalization / SkipLayerNormalization / Softmax / MultiHeadAttention accum
 CUDA kernels, so they need no blocking. Constants the fusion passes created (the attention bias fill and zero)
 follow the graph's float type and are converted with it.
 
-int8 (onnxruntime.quantization.quantize_dynamic): MatMul weights only (op_types_to_quantize=["MatMul"]:
-quantizing the ONNX Attention op would turn it into QAttention, which no longer loads), int8 weights with one
-scale per tensor or per output channel (optimize chooses: per tensor is faster, per channel follows
+int8 (onnxruntime.quantization.quantize_dynamic's graph, made a weight at a time by exporters/int8_weights): MatMul
+weights only (op_types_to_quantize=["MatMul"]: quantizing the ONNX Attention op would turn it into QAttention,
+which no longer loads), int8 weights with one scale per tensor or per output channel (optimize chooses: per tensor is faster, per channel follows
 each output column's range; RESULTS.md, "int8 activation scales" and "int8 numerics"), activations quantized at run time: one range per MatMul input tensor (onnxruntime's
 dynamic quantization, so a row's rounding depends on the rest of its batch), or, with activation_scales
 "per-row", one per token row (exporters/row_activations; slower: RESULTS.md, "int8 activation scales"). Packed
@@ -27,15 +27,11 @@ qemu's Haswell emulation did not show it, real AVX2 hardware does); there optimi
 
 from __future__ import annotations
 
-import tempfile
-from pathlib import Path
-
-import onnx
 import onnx_ir as ir
 
-from exporters.passes import ConvertPass
+from exporters.int8_weights import quantize_matmul_weights
+from exporters.passes import ConvertInPlacePass, ConvertPass
 from exporters.row_activations import per_row_activations
-from exporters.shared_weights import inline_external, save_graph
 
 
 def to_fp16(model: ir.Model) -> ir.Model:
@@ -53,34 +49,27 @@ PACKED = ".packed.weight"           # the joined weights of exporters/fusions/pa
 
 def to_int8(model: ir.Model, per_channel: bool = True, reduce_range: bool = False,
             packed_per_channel: bool = True, keep_float: tuple[str, ...] = ()) -> ir.Model:
-    """A copy with MatMul weights quantized to int8 (dynamic quantization of activations).
+    """The model with its MatMul weights quantized to int8 (dynamic quantization of activations), in place
+    (exporters/int8_weights: onnxruntime's quantize_dynamic graph, a weight at a time).
 
     per_channel False still gives packed weights one scale per output channel (packed_per_channel): Q, K and V
     of a layer, and the cross-attention K/V of every decoder layer, joined into one matrix have different
     ranges, and one scale for all of them rounds the narrow ones away. The other weights keep one scale per
     tensor (faster). reduce_range: 7-bit weights (see the module docstring for why it is off). keep_float: names
     of MatMuls left in float32."""
-    from onnxruntime.quantization import QuantType, quantize_dynamic
+    keep = set(keep_float)
 
-    for i, node in enumerate(model.graph):                       # the quantizer selects nodes by name
+    def scales(node: ir.Node) -> bool | None:
+        if node.name in keep:
+            return None
+        packed = (node.inputs[1].name or "").endswith(PACKED)
+        return True if per_channel or (packed and packed_per_channel) else False
+
+    for i, node in enumerate(model.graph):                       # names the new nodes are named after
         if node.op_type == "MatMul" and not node.name:
             node.name = f"MatMul_{i}"
-    packed = [n.name for n in model.graph if n.op_type == "MatMul" and n.inputs[1] is not None
-              and (n.inputs[1].name or "").endswith(PACKED)] if packed_per_channel else []
-    with tempfile.TemporaryDirectory() as tmp:                   # weights in data files: models past 2 GB
-        src, dst = Path(tmp) / "float.onnx", Path(tmp) / "int8.onnx"
-        save_graph(model, src)
-        common = dict(op_types_to_quantize=["MatMul"], reduce_range=reduce_range, weight_type=QuantType.QInt8,
-                      extra_options={"MatMulConstBOnly": True}, use_external_data_format=True)
-        if per_channel or not packed:
-            quantize_dynamic(src, dst, per_channel=per_channel, nodes_to_exclude=list(keep_float), **common)
-        else:
-            mid = Path(tmp) / "packed.onnx"
-            quantize_dynamic(src, mid, per_channel=True, nodes_to_quantize=packed, **common)
-            quantize_dynamic(mid, dst, per_channel=False, nodes_to_exclude=packed + list(keep_float), **common)
-        quantized = ir.load(dst)
-        inline_external(quantized, copy=True)
-        return quantized
+    quantize_matmul_weights(model, scales, reduce_range)
+    return model
 
 
 INT4_BLOCK = 32          # weights per scale along K (the quantizer's default)
@@ -109,19 +98,19 @@ def to_blocks(model: ir.Model, bits: int, block_size: int) -> ir.Model:
 
 
 def precision_pass(precision: str, per_channel: bool = True, activation_scales: str = "per-tensor",
-                   keep_float: tuple[str, ...] = (), reduce_range: bool = False) -> ConvertPass | None:
+                   keep_float: tuple[str, ...] = (),
+                   reduce_range: bool = False) -> ConvertPass | ConvertInPlacePass | None:
     """The pass for a precision (None for fp32). int8 activation_scales "per-row": each token row gets its own
     activation range (exporters/row_activations), so a row's result does not depend on its batch neighbours;
     keep_float: MatMuls (by name) left in float32."""
     if precision == "fp16":
         return ConvertPass("float16", to_fp16)
     if precision == "int8" and activation_scales == "per-row":
-        return ConvertPass("quantize_int8",
-                           lambda model: per_row_activations(to_int8(model, per_channel, reduce_range,
-                                                                     keep_float=keep_float)))
+        return ConvertInPlacePass("quantize_int8", lambda model: per_row_activations(
+            to_int8(model, per_channel, reduce_range, keep_float=keep_float)))
     if precision == "int8":
-        return ConvertPass("quantize_int8", lambda model: to_int8(model, per_channel, reduce_range,
-                                                                  keep_float=keep_float))
+        return ConvertInPlacePass("quantize_int8",
+                                  lambda model: to_int8(model, per_channel, reduce_range, keep_float=keep_float))
     if precision == "int4":
         return ConvertPass("quantize_int4", to_int4)
     if precision == "fp32":

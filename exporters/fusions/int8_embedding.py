@@ -34,10 +34,26 @@ def quantize_rows(table: np.ndarray, bits: int = 8) -> tuple[np.ndarray, np.ndar
     """Symmetric int8 per row: (q int8 [V, D], scale float32 [V]) with table ~= q * scale[:, None]; bits 7: |q| <= 64
     (the range of onnxruntime's reduce_range, exact in int8 kernels that saturate: exporters/precision.py)."""
     top = 127 if bits == 8 else 64
-    peak = np.abs(table).max(axis=1)
-    scale = np.where(peak > 0, peak / top, 1.0).astype(np.float32)
-    q = np.clip(np.rint(table / scale[:, None]), -top, top).astype(np.int8)
+    q, scale = np.empty(table.shape, np.int8), np.empty(table.shape[0], np.float32)
+    for rows in _slices(table):                  # a slice at a time: the NLLB-3.3B table is 2.1 GB of float32
+        part = table[rows]
+        peak = np.abs(part).max(axis=1)
+        scale[rows] = np.where(peak > 0, peak / top, 1.0).astype(np.float32)
+        q[rows] = np.clip(np.rint(part / scale[rows, None]), -top, top)
     return q, scale
+
+
+def _slices(table: np.ndarray, values: int = 1 << 24):
+    """Row slices of a [R, C] table of at most `values` values each."""
+    step = max(1, values // max(1, table.shape[1]))
+    for start in range(0, table.shape[0], step):
+        yield slice(start, start + step)
+
+
+def _same_transposed(weight: np.ndarray, table: np.ndarray) -> bool:
+    """weight == table.T, compared a slice of table rows at a time."""
+    return weight.shape == table.shape[::-1] and all(np.array_equal(weight[:, rows], table[rows].T)
+                                                     for rows in _slices(table))
 
 
 def _const(value: ir.Value | None) -> np.ndarray | None:
@@ -93,7 +109,7 @@ class Int8EmbeddingPass(Reporting, ir.passes.InPlacePass):
             if node.op_type != "MatMul" or node.domain not in ("", "ai.onnx"):
                 continue
             weight = _const(node.inputs[1])
-            if weight is None or weight.shape != table.shape[::-1] or not np.array_equal(weight, table.T):
+            if weight is None or not _same_transposed(weight, table):
                 continue
             if unit is None:
                 unit = self._initializer(graph, f"{qt.name}.unit_scale", np.array(1.0, np.float32))

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import mmap
 import warnings
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import zip_longest
 from pathlib import Path
@@ -120,11 +122,32 @@ def _sessions(path: Path, manifest: dict, provider: str, config: SessionConfig,
             _check_session(file, session, spec)
             return session
 
-        sessions[name] = OnDemandSession(make, *_interface(recorded[name])) if on_demand else make()
+        sessions[name] = make
         files[name] = file
     if on_demand:
-        sessions["encoder"].before, sessions["decoder"].before = sessions["decoder"].release, sessions["encoder"].release
-    return sessions, files
+        return one_at_a_time(sessions, recorded), files
+    return {name: make() for name, make in sessions.items()}, files
+
+
+def one_at_a_time(makers: dict[str, Callable[[], ort.InferenceSession]],
+                  specs: dict[str, GraphSpec]) -> dict[str, OnDemandSession]:
+    """The encoder's and the decoder's sessions as OnDemandSessions that release each other: each made when first
+    used, the other dropped (and its memory given back) first, so one graph's weights are in memory at a time.
+    specs: each graph's interface (answered until its session exists)."""
+    sessions = {name: OnDemandSession(makers[name], *_interface(specs[name])) for name in GRAPHS}
+    for name, other in (("encoder", "decoder"), ("decoder", "encoder")):
+        sessions[name].before = _release(weakref.ref(sessions[other]))
+    return sessions
+
+
+def _release(other: weakref.ref) -> Callable[[], None]:
+    """Release the other graph's session, which is held weakly: a pair that held each other would be a reference
+    cycle, and a dropped engine's sessions would wait for Python's cyclic collector instead of going at once."""
+    def release() -> None:
+        session = other()
+        if session is not None:
+            session.release()
+    return release
 
 
 def _shortlist(path: Path, manifest: dict, provider: str,

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import gc
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -186,8 +185,9 @@ class OnDemandSession:
 
 
 def return_freed_memory() -> None:
-    """Give the memory of dropped sessions back to the system: glibc keeps freed heap for reuse (malloc_trim)."""
-    gc.collect()
+    """Give the memory of dropped sessions back to the system: glibc keeps freed heap for reuse (malloc_trim).
+    What was dropped must be freed already, by reference counting: no collection runs here (a cyclic collection in
+    a large process takes a good part of a second, and the gate's engines switch graphs once a batch)."""
     try:
         ctypes.CDLL(None).malloc_trim(0)
     except (OSError, AttributeError):                 # not glibc (musl, macOS): nothing to trim

@@ -353,6 +353,24 @@ def test_one_graph_at_a_time_gives_the_same_tokens_and_holds_one_session(bundles
     assert type(bound).__name__ == "InferenceSession"               # bound outputs must not outlive their session
 
 
+def test_a_dropped_one_graph_engine_frees_its_session_without_the_cyclic_collector(bundles, seqs):
+    """The two on-demand sessions release each other through weak references: a dropped engine's session goes
+    with its last reference (the optimize gate drops an engine per check), not when Python's cyclic collector
+    next runs."""
+    import gc
+    import weakref
+
+    gc.disable()
+    try:
+        lean = load_bundle(bundles["int8"], provider="cpu", one_graph_at_a_time=True)
+        generate_ids(lean.engine, seqs, SearchOptions(max_new_tokens=4))
+        session = weakref.ref(lean.engine.decoder.session())
+        del lean
+        assert session() is None
+    finally:
+        gc.enable()
+
+
 def test_generate_checks_each_graph_against_the_manifest_when_it_is_made(bundles, tmp_path):
     """generate makes each session on first use: a graph whose interface differs from the manifest is still a
     one-line error (exit 2), before any output."""

@@ -19,9 +19,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from runtime.manifest import decoder_layout
+from runtime.bundle import one_at_a_time
+from runtime.manifest import GRAPHS, decoder_layout
 from runtime.ort_engine import OrtEngine
-from runtime.session import SessionConfig, make_session
+from runtime.session import SessionConfig, choose_provider, make_session
+from runtime.spec import graph_specs
 from runtime.tokenizer import load_tokenizer
 from toolkit.reference.config import ModelConfig
 from toolkit.parity.generation import generation_parity
@@ -36,11 +38,16 @@ ACCURACY_SAMPLES = 1000             # held-out examples for the task metric: 1 p
 
 def engine(paths: dict[str, Path], config: dict, provider: str, layout: str) -> OrtEngine:
     """A runtime engine over a pair of graph files whose decoder has `layout` (sessions made as the runtime makes
-    them)."""
+    them). On CPU its sessions hold one graph at a time (runtime.bundle.one_at_a_time, as `onnxformer generate`):
+    the gate's searches encode a batch of at most 64 inputs, then decode it, so each graph's session is made once a
+    batch, and a model's encoder weights are gone before its decoder's load (NLLB-3.3B shape: 4 GiB less at the
+    gate's peak; benchmarks/RESULTS.md)."""
     options = SessionConfig()
-    return OrtEngine(make_session(paths["encoder"], provider, options.for_graph("encoder")),
-                     make_session(paths["decoder"], provider, options.for_graph("decoder")), config, provider,
-                     layout=layout)
+    makers = {g: (lambda g=g: make_session(paths[g], provider, options.for_graph(g))) for g in GRAPHS}
+    if choose_provider(provider) == "cpu":
+        sessions = one_at_a_time(makers, graph_specs(config, layout=layout))
+        return OrtEngine(sessions["encoder"], sessions["decoder"], config, provider, io_binding=False, layout=layout)
+    return OrtEngine(makers["encoder"](), makers["decoder"](), config, provider, layout=layout)
 
 
 def bundle_gate(src_paths: dict[str, Path], paths: dict[str, Path], manifest: dict, bundle_dir: Path,

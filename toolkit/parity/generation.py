@@ -22,6 +22,7 @@ import numpy as np
 
 from runtime.generate import generate_ids, pad_batch
 from runtime.search import SearchOptions
+from runtime.session import return_freed_memory
 from toolkit.parity.inputs import UNREPRESENTATIVE, parity_inputs  # parity_inputs: where callers found it
 from toolkit.parity.report import Report, combine, mismatch_window, needed_distinct, shout, token_verdict
 from toolkit.parity.tolerances import MIN_REFERENCE_STD, Tolerance
@@ -146,8 +147,13 @@ def _best_tokens(engine, seqs: list[list[int]], opts: SearchOptions) -> list[lis
 
 def _with_engine(engine, work):
     """work(engine) for an Engine, or for the engine a zero-argument callable makes, which is dropped as soon as
-    work returns (work keeps no reference to it)."""
-    return work(engine if hasattr(engine, "start") else engine())
+    work returns (work keeps no reference to it) and its memory given back to the system."""
+    if hasattr(engine, "start"):
+        return work(engine)
+    try:
+        return work(engine())
+    finally:
+        return_freed_memory()
 
 
 def generation_parity(reference, candidate, seqs: list[list[int]], tolerance: Tolerance, provider: str,

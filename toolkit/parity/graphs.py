@@ -35,7 +35,7 @@ from runtime.errors import BundleError, InputError
 from runtime.feed import Feed
 from runtime.generate import pad_batch
 from runtime.manifest import decoder_layout, read_manifest, verify_hashes
-from runtime.session import SessionConfig, choose_provider, make_session
+from runtime.session import SessionConfig, choose_provider, make_session, return_freed_memory
 from runtime.spec import CROSS, DYNAMIC, KV, PRESENT, SELF, cache_name, empty_past, graph_specs, source_pad_id
 from toolkit.reference.config import ModelConfig
 from toolkit.reference.model import Transformer
@@ -252,6 +252,7 @@ class OrtSide:
 
     def close(self) -> None:
         self.feed = self.mask = self.cross = self.past = None
+        return_freed_memory()
 
     def encode(self, ids: np.ndarray, mask: np.ndarray) -> dict[str, np.ndarray]:
         self.open()
@@ -259,6 +260,7 @@ class OrtSide:
         # one session at a time: compare() encodes once, then steps; the encoder's weights (the embedding
         # included) go before the decoder's are loaded
         self.feed.encoder = None
+        return_freed_memory()                 # glibc keeps a dropped session's heap unless asked (malloc_trim)
         self.feed.decoder = make_session(self.paths["decoder"], self.provider)
         self.mask, self.cross = mask, [out[name] for name in self.feed.cross_names]
         self.past = [empty_past(len(ids), self.feed.n_heads, self.feed.head_dim)] * len(self.feed.past_names)

@@ -232,3 +232,19 @@ def test_the_kind_recognises_only_complete_checkpoints(tmp_path, model):
     (out / "weights.safetensors").write_bytes(b"x")
     (out / "config.json").write_text("{not json")
     assert CHECKPOINT_KIND.files(out) is None
+
+
+def test_a_full_disk_is_one_line_and_leaves_no_bundle(toy_exported, tmp_path, monkeypatch):
+    """optimize (export likewise) on a disk that fills while the bundle is written: exit 2, one line naming the
+    disk and the fix, no traceback, nothing at --out and no staging folder beside it."""
+    import exporters.optimize as optimize
+    import exporters.shared_weights as shared
+
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(shared, "share_weights", full)
+    monkeypatch.setattr(optimize, "share_weights", full)
+    result = run("optimize", str(toy_exported[1]), "--out", str(tmp_path / "fp32"))
+    user_error(result, "the disk is full", "free space", "--out on another disk")
+    assert not (tmp_path / "fp32").exists() and staged(tmp_path) == []

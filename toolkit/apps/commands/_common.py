@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import functools
 import sys
 
@@ -23,6 +24,15 @@ def friendly(fn):
         except KeyboardInterrupt:
             click.echo("interrupted; nothing was left half-written", err=True)
             sys.exit(130)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            where = f" writing {exc.filename}" if exc.filename else ""
+            click.echo(f"error: the disk is full ({exc.strerror or 'no space left on device'}{where}); what this "
+                       f"command was writing was removed, nothing else was touched: free space (a bundle's "
+                       f"weights.data is as large as its weights, and export and optimize write a second copy "
+                       f"before it) or choose --out on another disk, and run it again", err=True)
+            sys.exit(2)
 
     return wrapper
 

@@ -95,6 +95,9 @@ def quantize_matmul_weights(model: ir.Model, per_channel: Callable[[ir.Node], bo
         channels = per_channel(node)
         if channels is None:
             continue
+        for role, value in (("input", a), ("weight", w), ("output", node.outputs[0])):
+            if not value.name:                    # the new values are named after these (a rewrite may leave none)
+                value.name = f"{node.name or 'MatMul'}_{role}"
         new: list[ir.Node] = []
         if a.name not in activations:
             dql = ir.Node("", "DynamicQuantizeLinear", [a], name=a.name + "_QuantizeLinear", outputs=[

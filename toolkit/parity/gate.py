@@ -40,7 +40,7 @@ def engine(paths: dict[str, Path], config: dict, provider: str, layout: str) -> 
     """A runtime engine over a pair of graph files whose decoder has `layout` (sessions made as the runtime makes
     them). On CPU its sessions hold one graph at a time (runtime.bundle.one_at_a_time, as `onnxformer generate`):
     the gate's searches encode a batch of at most 64 inputs, then decode it, so each graph's session is made once a
-    batch, and a model's encoder weights are gone before its decoder's load (NLLB-3.3B shape: 4 GiB less at the
+    batch, and a model's encoder weights are gone before its decoder's load (NLLB-3.3B shape: 5 GiB less at the
     gate's peak; benchmarks/RESULTS.md)."""
     options = SessionConfig()
     makers = {g: (lambda g=g: make_session(paths[g], provider, options.for_graph(g))) for g in GRAPHS}

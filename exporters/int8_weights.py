@@ -32,19 +32,20 @@ SLICE = 1 << 24                         # float values read at a time (64 MB)
 QUANTIZED, SCALE, ZERO_POINT = "_quantized", "_scale", "_zero_point"       # onnxruntime's suffixes
 
 
-def _rows(flat: np.ndarray):
-    """Row slices of a [R, N] array of at most SLICE values each."""
-    step = max(1, SLICE // max(1, flat.shape[1]))
-    for start in range(0, flat.shape[0], step):
+def row_slices(table: np.ndarray, values: int | None = None):
+    """Row slices of a [R, C] array of at most `values` values each (default SLICE): what large weights are read
+    by, so no temporary is the size of a whole weight."""
+    step = max(1, (values or SLICE) // max(1, table.shape[1]))
+    for start in range(0, table.shape[0], step):
         yield slice(start, start + step)
 
 
 def weight_scale(weight: np.ndarray, per_channel: bool, reduce_range: bool) -> np.ndarray:
     """The float32 scale of a symmetric int8 weight: [] per tensor, [N] per output column (last axis)."""
-    flat = weight.reshape(-1, weight.shape[-1]) if weight.ndim else weight.reshape(1, 1)
+    flat = weight.reshape(-1, weight.shape[-1])
     axis = 0 if per_channel else None
     lo = hi = None
-    for rows in _rows(flat):
+    for rows in row_slices(flat):
         part = flat[rows]
         lo = part.min(axis=axis) if lo is None else np.minimum(lo, part.min(axis=axis))
         hi = part.max(axis=axis) if hi is None else np.maximum(hi, part.max(axis=axis))
@@ -57,9 +58,9 @@ def weight_scale(weight: np.ndarray, per_channel: bool, reduce_range: bool) -> n
 
 def quantize_weight(weight: np.ndarray, scale: np.ndarray) -> np.ndarray:
     """int8 q = clip(round(w / scale), -128, 127) (numpy's round: halves to even), a slice of rows at a time."""
-    flat = weight.reshape(-1, weight.shape[-1]) if weight.ndim else weight.reshape(1, 1)
+    flat = weight.reshape(-1, weight.shape[-1])
     out = np.empty(flat.shape, np.int8)
-    for rows in _rows(flat):
+    for rows in row_slices(flat):
         part = (flat[rows].astype(np.float32) / scale).round()
         np.clip(part, -128, 127, out=part)
         out[rows] = part
@@ -129,11 +130,6 @@ def quantize_matmul_weights(model: ir.Model, per_channel: Callable[[ir.Node], bo
         result.outputs[0].name = name
         if not w.uses() and not w.is_graph_output():         # the float weight goes (and its memory, if it owned it)
             graph.initializers.pop(w.name)
-            if isinstance(w.const_value, ir.ExternalTensor):
-                try:
-                    w.const_value.release()               # its mapping of weights.data (mapped again if read)
-                except BufferError:                       # a view of it is still held elsewhere: leave it mapped
-                    pass
             w.const_value = None
         done += 1
     return done
@@ -148,4 +144,4 @@ def _quantized(graph: ir.Graph, weight: ir.Value, per_channel: bool,
             _initializer(graph, weight.name + ZERO_POINT, np.zeros(scale.shape, np.int8)))
 
 
-__all__ = ["quantize_matmul_weights", "quantize_weight", "weight_scale"]
+__all__ = ["quantize_matmul_weights", "quantize_weight", "weight_scale", "row_slices"]

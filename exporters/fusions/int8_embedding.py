@@ -24,6 +24,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
+from exporters.int8_weights import row_slices
 from exporters.passes import Reporting
 from runtime.spec import INPUT_IDS
 
@@ -35,7 +36,7 @@ def quantize_rows(table: np.ndarray, bits: int = 8) -> tuple[np.ndarray, np.ndar
     (the range of onnxruntime's reduce_range, exact in int8 kernels that saturate: exporters/precision.py)."""
     top = 127 if bits == 8 else 64
     q, scale = np.empty(table.shape, np.int8), np.empty(table.shape[0], np.float32)
-    for rows in _slices(table):                  # a slice at a time: the NLLB-3.3B table is 2.1 GB of float32
+    for rows in row_slices(table):                  # a slice at a time: the NLLB-3.3B table is 2.1 GB of float32
         part = table[rows]
         peak = np.abs(part).max(axis=1)
         scale[rows] = np.where(peak > 0, peak / top, 1.0).astype(np.float32)
@@ -43,17 +44,10 @@ def quantize_rows(table: np.ndarray, bits: int = 8) -> tuple[np.ndarray, np.ndar
     return q, scale
 
 
-def _slices(table: np.ndarray, values: int = 1 << 24):
-    """Row slices of a [R, C] table of at most `values` values each."""
-    step = max(1, values // max(1, table.shape[1]))
-    for start in range(0, table.shape[0], step):
-        yield slice(start, start + step)
-
-
 def _same_transposed(weight: np.ndarray, table: np.ndarray) -> bool:
     """weight == table.T, compared a slice of table rows at a time."""
     return weight.shape == table.shape[::-1] and all(np.array_equal(weight[:, rows], table[rows].T)
-                                                     for rows in _slices(table))
+                                                     for rows in row_slices(table))
 
 
 def _const(value: ir.Value | None) -> np.ndarray | None:

@@ -34,6 +34,7 @@ from exporters.ort_format import add_ort_format, check_convertible
 from exporters.passes import explain_misses, run_passes
 from exporters.precision import precision_pass
 from exporters.row_activations import RowActivationsPass
+from exporters.tied_table import TiedTablePass
 from exporters.shared_weights import graph_data, inline_external, save_graph, share_weights, shared_bytes
 from exporters.static_cache import StaticCachePass, StaticCacheError, per_row_for
 from exporters.validate import check_finite, ir_weights
@@ -314,6 +315,11 @@ def _convert_graphs(job: _Job, models: dict[str, ir.Model], recipe: Recipe | Non
             applied += prepasses
         with quiet_loggers("root", "onnxruntime", "onnxruntime.quantization"):
             converted = step(model).model if step is not None else model
+        if job.precision in ("int8", "int4"):             # the 8-bit tied table read by rows, held once
+            table = TiedTablePass()
+            table(converted)
+            if table.changed and table.name not in applied:
+                applied.append(table.name)
         drop_stack_traces(converted)
         check_finite(ir_weights(converted), f"the {job.precision} {files[g]}")
         save_graph(converted, folder / files[g])
@@ -404,7 +410,8 @@ def _fuse_graph(path: Path, fuse: bool, attention: str, precision: str, opset: i
 
 PIPELINE = ("opset_23", "fuse_attention", "fuse_layer_norm", "fuse_erf_gelu", "fuse_skip_layer_norm", "fuse_bias_gelu",
             "fuse_silu", "pack_matmuls", "cleanup", "static_kv_cache", "fold_transposed_weights", "int8_embedding",
-            "float16", "quantize_int8", "quantize_int8_blocks", "per_row_activations", "quantize_int4")
+            "float16", "quantize_int8", "quantize_int8_blocks", "per_row_activations", "quantize_int4",
+            "tied_table_rows")
 
 
 def _pass_rank(name: str) -> tuple[int, str]:

@@ -16,6 +16,10 @@ read-only mapping (runtime.bundle.shared_initializers, SessionOptions.add_initia
 once and not once per session's mapping; they must stay page-aligned views of the file: OrtValues of tensors read
 into memory raise the peak instead.
 
+A tensor the model's metadata names as a part of another (exporters/tied_table: the projection's row slices of
+the 8-bit table) is pointed at that tensor's bytes in weights.data, after they are checked to be the same, and
+not stored again.
+
 Models past protobuf's 2 GB: export and optimize save every graph with save_graph, its weights in GRAPH.onnx.data
 beside it (never inside one protobuf message), and share_weights reads them from there a tensor at a time, so no
 step holds a graph's weights in one message.
@@ -26,13 +30,16 @@ ORT-format (.ort) graphs cannot reference external data: the converter embeds th
 from __future__ import annotations
 
 import hashlib
+import json
 import mmap
+import os
 from pathlib import Path
 
 import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from exporters.tied_table import VIEWS
 from runtime.manifest import GRAPHS, sha256_file
 
 MIN_BYTES = 1024             # smaller tensors found in both graphs (shapes, scalars) stay inside each graph
@@ -80,19 +87,27 @@ def share_weights(paths: dict[str, Path], min_bytes: int = MIN_BYTES, external_b
     models = {g: onnx.load(str(paths[g]), load_external_data=False) for g in GRAPHS}
     folder = paths["encoder"].parent
     out, part = folder / SHARED_FILE, folder / (SHARED_FILE + ".partial")
-    with _Sources(folder) as sources, open(part, "wb") as f:
+    with _Sources(folder) as sources, open(part, "w+b") as f:
         weights = _WeightsFile(f, external_bytes)
-        tensors = _store_common(models, min_bytes, weights, sources)
+        placed = {g: {} for g in GRAPHS}                                      # graph -> tensor name -> offset
+        tensors = _store_common(models, min_bytes, weights, sources, placed)
         shared = {t["name"] for t in tensors}
         for g in GRAPHS:                                                      # the rest of the large weights
+            views, parts = _views(models[g]), []
             for tensor in models[g].graph.initializer:
                 if tensor.name in shared:
                     continue
+                if tensor.name in views:
+                    parts.append(tensor)
+                    continue
                 data = sources.read(tensor)
                 if len(data) >= external_bytes:
-                    _point(tensor, weights.place(data), len(data))
+                    placed[g][tensor.name] = weights.place(data)
+                    _point(tensor, placed[g][tensor.name], len(data))
                 elif tensor.data_location == onnx.TensorProto.EXTERNAL:       # small: back inside the graph
                     _inline(tensor, data)
+            for tensor in parts:                                              # after the tensors they are part of
+                _store_view(tensor, views[tensor.name], placed[g], weights, sources, external_bytes)
         stale = sources.files() - {out}
     if weights.offset == 0:                                                   # nothing large, nothing common
         part.unlink()
@@ -176,6 +191,11 @@ class _WeightsFile:
         start, self.offset = self.offset + pad, self.offset + pad + len(data)
         return start
 
+    def read(self, start: int, length: int) -> bytes:
+        """`length` bytes written from `start` (fewer where the file ends before)."""
+        self.f.flush()
+        return os.pread(self.f.fileno(), length, start)
+
 
 def _point(tensor: onnx.TensorProto, start: int, length: int) -> None:
     """Make `tensor` read its values from the weights file at [start, start + length)."""
@@ -187,7 +207,36 @@ def _point(tensor: onnx.TensorProto, start: int, length: int) -> None:
         entry.key, entry.value = key, value
 
 
-def _store_common(models: dict, min_bytes: int, weights: _WeightsFile, sources: _Sources) -> list[dict]:
+def _views(model: onnx.ModelProto) -> dict[str, dict]:
+    """{initializer: {"tensor": name, "offset": bytes}}: the initializers whose bytes are a part of another one's
+    (exporters/tied_table), taken out of the model's metadata."""
+    entry = next((e for e in model.metadata_props if e.key == VIEWS), None)
+    if entry is None:
+        return {}
+    model.metadata_props.remove(entry)
+    return json.loads(entry.value)
+
+
+def _store_view(tensor: onnx.TensorProto, view: dict, placed: dict, weights: _WeightsFile, sources: _Sources,
+                external_bytes: int) -> None:
+    """Point a part of another tensor at that tensor's bytes in the weights file (stored once), where it was
+    placed there and the bytes are the same; else store it like any other tensor."""
+    data = sources.read(tensor)
+    if view["tensor"] in placed:                                      # (placed: names before sharing)
+        start = placed[view["tensor"]] + int(view["offset"])
+        if int(view["offset"]) >= 0 and weights.read(start, len(data)) == data:     # the bytes written there
+            _point(tensor, start, len(data))
+            return
+        raise ValueError(f"initializer {tensor.name} is not the part of {view['tensor']} its metadata says; "
+                         f"this is a bug in onnxformer: please report it")
+    if len(data) >= external_bytes:
+        _point(tensor, weights.place(data), len(data))
+    elif tensor.data_location == onnx.TensorProto.EXTERNAL:
+        _inline(tensor, data)
+
+
+def _store_common(models: dict, min_bytes: int, weights: _WeightsFile, sources: _Sources,
+                  placed: dict) -> list[dict]:
     """Write each tensor found in both graphs (>= min_bytes) once, both graphs reading it under one name; returns
     the manifest's records of them."""
     index = {g: {} for g in GRAPHS}
@@ -206,6 +255,7 @@ def _store_common(models: dict, min_bytes: int, weights: _WeightsFile, sources: 
         start = weights.place(data)
         for g in GRAPHS:
             tensor = index[g][digest]
+            placed[g][tensor.name] = start
             if tensor.name != name:
                 _rename_inputs(models[g].graph, tensor.name, name)
                 tensor.name = name

@@ -15,8 +15,9 @@ gathered for vocab_ids (fp32):
     hidden [B,T,D] --> Reshape [B*T,D] --> Concat(a zero row) [B*T+1,D] --> Gemm(transB) --> Slice [B*T,V']
         --> Reshape [B,T,V'] --> (+ Gather(bias, vocab_ids)) --> logits [B,T,V']
 
-int8 (DynamicQuantizeMatMul by W [D,V] int8): shortlist_weight is [D,V'] int8, its scale and zero point gathered
-where they are per column; integer sums need no padding.
+int8 (DynamicQuantizeMatMul by W [D,V] int8, or exporters/tied_table's QGemms by row slices of the tied table
+[V,D], made one DynamicQuantizeMatMul again): shortlist_weight is [D,V'] int8, its scale and zero point gathered
+where they are per column; integer sums need no padding. The tied table's rows already lie in weights.data.
 
 shortlist_weight is gathered by the runtime once per request (runtime/shortlist.py ShortlistWeight) from the table
 W^T [V,D], rows contiguous, that `weight` describes for the manifest (file, offset, length, shape, dtype, feed): a
@@ -73,11 +74,11 @@ class ShortlistGraphError(ValueError):
 PRODUCTS = ("MatMul", "DynamicQuantizeMatMul")       # fp32; int8 (optimize --precision int8)
 
 
-def _tail(graph: onnx.GraphProto) -> tuple[onnx.NodeProto, list[onnx.NodeProto]]:
+def _tail(graph: onnx.GraphProto, table: str | None = None) -> tuple[onnx.NodeProto, list[onnx.NodeProto]]:
     """(the projection's product node, the elementwise Mul/Add nodes by constants between it and `logits`, in
-    graph order): the int8 column scales, the logits bias."""
+    graph order): the int8 column scales, the logits bias. `table`: the weight _unslice left (not an initializer)."""
     producer = {o: n for n in graph.node for o in n.output}
-    inits = {t.name for t in graph.initializer}
+    inits = {t.name for t in graph.initializer} | ({table} if table else set())
     node, tail = producer.get("logits"), []
     while node is not None and node.op_type in ("Mul", "Add") and sum(i in inits for i in node.input) == 1:
         tail.insert(0, node)
@@ -165,10 +166,68 @@ def _int8_product(graph: onnx.GraphProto, product: onnx.NodeProto, vocab: int, o
     return [helper.make_node("DynamicQuantizeMatMul", inputs, [out], "shortlist.projection", domain=product.domain)]
 
 
+def _unslice(graph: onnx.GraphProto, base: Path) -> tuple[str, dict, np.ndarray] | None:
+    """exporters/tied_table's projection, x -> Reshape -> DynamicQuantizeLinear -> QGemm(transB) by row slices of
+    the table [V, D] -> Concat -> Reshape, made one DynamicQuantizeMatMul(x, TABLE, b_scale, b_zero_point) node
+    again, where it is the logits' projection: (its weight's name, where the table lies in the bundle's weights
+    file, the table [D, V] as a view of that file), or None. The slices' initializers are removed."""
+    producer = {o: n for n in graph.node for o in n.output}
+    inits = {t.name: t for t in graph.initializer}
+    node = producer.get("logits")
+    while node is not None and node.op_type in ("Mul", "Add") and sum(i in inits for i in node.input) == 1:
+        node = producer.get(next(i for i in node.input if i not in inits))
+    if node is None or node.op_type != "Reshape":
+        return None
+    joined = producer.get(node.input[0])
+    gemms = [producer.get(i) for i in joined.input] if joined is not None and joined.op_type == "Concat" else [joined]
+    if not gemms or any(g is None or g.op_type != "QGemm" or len(g.input) != 6 for g in gemms):
+        return None
+    quantize = producer.get(gemms[0].input[0])
+    flat = producer.get(quantize.input[0]) if quantize is not None else None
+    if (quantize is None or quantize.op_type != "DynamicQuantizeLinear" or flat is None or flat.op_type != "Reshape"
+            or any(list(g.input[:3]) != list(quantize.output) or g.input[3] not in inits for g in gemms)):
+        return None
+    places = [_external(graph, g.input[3]) for g in gemms]
+    if any(p is None or p["file"] != places[0]["file"] for p in places) or any(
+            b["offset"] != a["offset"] + a["length"] for a, b in zip(places, places[1:])):
+        return None                                                   # not one table's contiguous rows
+    parts = [inits[g.input[3]] for g in gemms]
+    width = parts[0].dims[1]
+    rows = sum(p.dims[0] for p in parts)
+    where = {"file": places[0]["file"], "offset": places[0]["offset"], "length": sum(p["length"] for p in places)}
+    weight = np.memmap(base / where["file"], np.int8, "r", where["offset"], (rows, width)).T
+    scales = [[_array(graph, g.input[k], base) for g in gemms] for k in (4, 5)]
+    inputs = [flat.input[0], "shortlist.table"]
+    for k, (values, name) in enumerate(zip(scales, ("scale", "zero_point"))):
+        if all(v.ndim == 0 for v in values) and all(v == values[0] for v in values):
+            inputs.append(gemms[0].input[4 + k])                       # one scalar for every slice
+        else:
+            graph.initializer.append(numpy_helper.from_array(np.concatenate([np.broadcast_to(v, (p.dims[0],)) for v, p
+                                                                             in zip(values, parts)]), f"shortlist.table_{name}"))
+            inputs.append(f"shortlist.table_{name}")
+    shape = producer.get(node.input[1])
+    gone = [n for n in [flat, quantize, joined, *gemms, shape, node] if n is not None]
+    gone += [producer[i] for i in (shape.input if shape is not None else []) if i in producer]
+    product = helper.make_node("DynamicQuantizeMatMul", inputs, [node.output[0]], "shortlist.unsliced",
+                               domain="com.microsoft")
+    kept = [product if n is node else n for n in graph.node if n is node or all(n is not g for g in gone)]
+    del graph.node[:]
+    graph.node.extend(kept)
+    used = {i for n in graph.node for i in n.input}
+    read = {i for n in gone for i in n.input}
+    for t in [t for t in graph.initializer if t.name in read and t.name not in used]:
+        graph.initializer.remove(t)                                   # the slices, their scales, the shapes
+    return "shortlist.table", where, weight
+
+
 def shortlist_decoder(model: onnx.ModelProto, base: Path) -> tuple[onnx.ModelProto, ShortlistTable]:
     """The decoder model rewritten in place as its shortlist variant, and the table its shortlist_weight input is
     gathered from (module docstring); `base`: the folder its external data lives in."""
     graph = model.graph
+    sliced = _unslice(graph, base)
+    if sliced is not None:                                             # the table's rows lie in the weights file
+        product, tail = _tail(graph, sliced[0])
+        return _rewrite(model, product, tail, sliced[2], sliced[0], sliced[1])
     product, tail = _tail(graph)
     weight_name = product.input[1]
     transpose = _transposed(graph, product) if weight_name not in {t.name for t in graph.initializer} else None

@@ -111,16 +111,17 @@ def _sessions(path: Path, manifest: dict, provider: str, config: SessionConfig,
     recorded = manifest_specs(manifest)
     expected = graph_specs(manifest["model"], layout=decoder_layout(manifest))
     sessions, files = {}, {}
-    shared = shared_initializers(path, manifest) if provider == "cpu" else {}
+    shared, pages = shared_tables(path, manifest) if provider == "cpu" else ({}, None)
     for name in GRAPHS:
         _check_recorded(path, name, recorded[name], expected[name])
         file = graph_file(manifest, name, provider)
-        given = shared if file.endswith(".onnx") else None             # .ort graphs embed their weights
+        onnx_graph = file.endswith(".onnx")                            # .ort graphs embed their weights
 
-        def make(file=path / file, options=config.for_graph(name), given=given, spec=recorded[name]):
+        def make(file=path / file, options=config.for_graph(name), given=shared if onnx_graph else None,
+                 spec=recorded[name], pages=pages if onnx_graph else None):
             session = _session(file, provider, options, given)
             _check_session(file, session, spec)
-            return session
+            return session if pages is None else PagesReturned(session, pages)
 
         sessions[name] = make
         files[name] = file
@@ -164,9 +165,10 @@ def _shortlist(path: Path, manifest: dict, provider: str,
     expected = shortlist_decoder_spec(graph_specs(model, layout=decoder_layout(manifest))["decoder"], weight)
     _check_recorded(path, "shortlist decoder", recorded, expected)
     file = path / record["decoder"]["file"]
-    session = _session(file, provider, config.for_graph("decoder"),
-                       shared_initializers(path, manifest) if provider == "cpu" else None)
+    shared, pages = shared_tables(path, manifest) if provider == "cpu" else (None, None)
+    session = _session(file, provider, config.for_graph("decoder"), shared)
     _check_session(file, session, recorded)
+    session = session if pages is None else PagesReturned(session, pages)
     table = None
     if weight is not None:
         array = _mapped_tensors(path, weight["file"], [{**weight, "name": "shortlist weight"}], "shortlist",
@@ -193,8 +195,60 @@ def graph_file(manifest: dict, name: str, provider: str) -> str:
 
 
 def shared_initializers(path: Path, manifest: dict) -> dict[str, ort.OrtValue]:
+    """shared_tables' OrtValues."""
+    return shared_tables(path, manifest)[0]
+
+
+RETURNED_BYTES = 16 * 1024 * 1024       # shared tables at least this large get their pages back after each run
+
+
+class LookupPages:
+    """The pages of the large shared tables (an int8 bundle's token table [V, D]) that a run touched, given back
+    after each run (madvise MADV_DONTNEED on the read-only mapping: the file's pages stay in the page cache, a
+    later lookup maps them again).
+
+    A token lookup reads one row of the table, but the kernel maps more than that page (fault-around, and on
+    recent kernels a whole large folio of the page cache: up to 2 MiB a lookup), so a process that looked up
+    the tokens of a few requests held most of the table mapped beside the projection's packed copy: the NLLB-600M
+    int8 table twice. Giving them back costs tens of microseconds a run (benchmarks/RESULTS.md, "The tied table
+    held once"), which is why only tables of RETURNED_BYTES or more get it, and only tables with a row per token:
+    a bundle made before exporters/tied_table keeps its table [D, V], where every lookup reads a byte of each row,
+    and giving those pages back would cost a fault per row each step."""
+
+    def __init__(self, mapped: mmap.mmap, spans: list[tuple[int, int]]):
+        self.mapped, self.spans = mapped, spans
+
+    def give_back(self) -> None:
+        for start, length in self.spans:
+            self.mapped.madvise(mmap.MADV_DONTNEED, start, length)
+
+
+class PagesReturned:
+    """An InferenceSession that gives the shared tables' pages back after each run (LookupPages)."""
+
+    def __init__(self, session: ort.InferenceSession, pages: LookupPages):
+        self.session, self.pages = session, pages
+
+    def run(self, *args, **kwargs):
+        try:
+            return self.session.run(*args, **kwargs)
+        finally:
+            self.pages.give_back()
+
+    def run_with_iobinding(self, *args, **kwargs):
+        try:
+            return self.session.run_with_iobinding(*args, **kwargs)
+        finally:
+            self.pages.give_back()
+
+    def __getattr__(self, name):
+        return getattr(self.session, name)
+
+
+def shared_tables(path: Path, manifest: dict) -> tuple[dict[str, ort.OrtValue], LookupPages | None]:
     """One OrtValue per tensor both graphs read from weights.data (the int8 embedding table, the positional table),
-    over one read-only mapping of the file, for both sessions.
+    over one read-only mapping of the file, for both sessions; and where some of them are large, their
+    LookupPages.
 
     Each session otherwise maps the file itself: the same page-cache pages, but resident in each mapping, so a
     process's resident memory counts the table twice (base int8 bundle: 4 MiB of 8000 x 512 int8; 30 MiB at the
@@ -202,17 +256,22 @@ def shared_initializers(path: Path, manifest: dict) -> dict[str, ort.OrtValue]:
     was verified before); a record that does not fit the file is a BundleError."""
     record = manifest.get("shared_weights")
     if not isinstance(record, dict) or not isinstance(record.get("tensors"), list) or not isinstance(record.get("file"), str):
-        return {}                                   # (a named file is listed, hashed and verified by read_manifest)
+        return {}, None                             # (a named file is listed, hashed and verified by read_manifest)
     wanted = [t for t in record["tensors"] if isinstance(t, dict) and isinstance(t.get("graphs"), list)
               and len(t["graphs"]) > 1]
     if not wanted:
-        return {}
-    arrays = _mapped_tensors(path, record["file"], wanted, "shared_weights")
-    return {name: ort.OrtValue.ortvalue_from_numpy(array) for name, array in arrays.items()}
+        return {}, None
+    arrays, mapped = _mapped_tensors(path, record["file"], wanted, "shared_weights", mapping=True)
+    model = manifest.get("model") or {}
+    vocabularies = {model.get("vocab_size"), source_vocab_size(model) if model.get("vocab_size") else None}
+    spans = [(t["offset"], t["length"]) for t in wanted if t["length"] >= RETURNED_BYTES    # a row per token: a
+             and t["shape"] and t["shape"][0] in vocabularies and t["offset"] % mmap.PAGESIZE == 0]   # lookup is a row
+    pages = LookupPages(mapped, spans) if spans and hasattr(mapped, "madvise") and hasattr(mmap, "MADV_DONTNEED") else None
+    return {name: ort.OrtValue.ortvalue_from_numpy(array) for name, array in arrays.items()}, pages
 
 
 def _mapped_tensors(path: Path, name: str, tensors: list[dict], record: str,
-                    fix: str = "re-export or re-optimize the bundle") -> dict[str, np.ndarray]:
+                    fix: str = "re-export or re-optimize the bundle", mapping: bool = False):
     """Read-only arrays over one mapping of the bundle's file `name`, one per entry of `tensors` (name, dtype,
     shape, offset, length: the manifest's `record` describes them; the file's hash was verified before); an entry
     that does not fit the file is a BundleError."""
@@ -239,7 +298,7 @@ def _mapped_tensors(path: Path, name: str, tensors: list[dict], record: str,
             raise BundleError(f"bundle {path}: the manifest's {record} entry {t.get('name')!r} does not describe "
                               f"a tensor of {name} ({(str(exc).splitlines() or [type(exc).__name__])[0]}); "
                               f"{fix}") from None
-    return values
+    return (values, mapped) if mapping else values
 
 
 def _session(file: Path, provider: str, config: SessionConfig,

@@ -221,7 +221,7 @@ def test_int8_bundle_stores_one_int8_embedding_both_graphs_read(bundles, toy_exp
     record = manifest["shared_weights"]
     assert record["file"] == "weights.data" and record["sha256"] == sha256_file(path / "weights.data")
     tables = [t for t in record["tensors"] if t["dtype"] == "int8"]
-    assert [t["shape"] for t in tables] == [[config["d_model"], config["vocab_size"]]]     # one table, [D, V]
+    assert [t["shape"] for t in tables] == [[config["vocab_size"], config["d_model"]]]     # one table, [V, D]
     assert tables[0]["graphs"] == ["encoder", "decoder"]
     for g in ("encoder", "decoder"):
         model = onnx.load(str(path / f"{g}.onnx"), load_external_data=False)
@@ -231,7 +231,8 @@ def test_int8_bundle_stores_one_int8_embedding_both_graphs_read(bundles, toy_exp
         assert {e.key: e.value for e in table.external_data}["location"] == "weights.data"
         assert "model.embed.lut.weight" not in by_name and "model.embed.lut.weight.T" not in by_name, g
     ops = {g: manifest["graphs"][g]["op_counts"] for g in ("encoder", "decoder")}
-    assert ops["decoder"]["com.microsoft.DynamicQuantizeMatMul"] == 1                       # the tied projection
+    assert ops["decoder"]["com.microsoft.QGemm"] >= 1                                      # the tied projection
+    assert "com.microsoft.QGemm" not in ops["encoder"]
     assert "com.microsoft.DynamicQuantizeMatMul" not in ops["encoder"]
     source = sum(f.stat().st_size for f in toy_exported[1].iterdir() if f.name != "manifest.json")
     stored = sum((path / f).stat().st_size for f in ("encoder.onnx", "decoder.onnx", "weights.data"))
@@ -242,17 +243,26 @@ def test_int8_bundle_stores_one_int8_embedding_both_graphs_read(bundles, toy_exp
     # the int8 lookup reproduces the float table to half a quantization step, row by row
     decoder = onnx.load(str(path / "decoder.onnx"))                       # the projection's scales: one per row
     values = {t.name: onnx.numpy_helper.to_array(t) for t in decoder.graph.initializer}
-    q = values[tables[0]["name"]].T
+    q = values[tables[0]["name"]]
     scale = next(v for k, v in values.items() if k.endswith(".int8_scale"))
     exported = onnx.load(str(toy_exported[1] / "encoder.onnx"))
     table = next(onnx.numpy_helper.to_array(t) for t in exported.graph.initializer if t.name == "model.embed.lut.weight")
     assert np.all(np.abs(q * scale[:, None] - table) <= scale[:, None] / 2 + 1e-6)
-    # the tied projection: DynamicQuantizeMatMul with a scalar b_scale of 1, then one Mul by the row scales (the
-    # per-column b_scale path of onnxruntime is slower at a large vocabulary)
-    (dqmm,) = [n for n in decoder.graph.node if n.op_type == "DynamicQuantizeMatMul"]
-    assert dqmm.input[1] == tables[0]["name"] and values[dqmm.input[2]].shape == () and values[dqmm.input[2]] == 1.0
-    (mul,) = [n for n in decoder.graph.node if dqmm.output[0] in n.input]
-    assert mul.op_type == "Mul" and next(k for k in mul.input if k != dqmm.output[0]).endswith(".int8_scale")
+    # the tied projection: QGemm by slices of the table's rows, each read from the table's own bytes in
+    # weights.data (stored once), a scalar b_scale of 1, then one Mul of the logits by the row scales
+    raw = onnx.load(str(path / "decoder.onnx"), load_external_data=False)
+    where = {t.name: {e.key: e.value for e in t.external_data} for t in raw.graph.initializer}
+    start = tables[0]["offset"]
+    rows = 0
+    for gemm in [n for n in decoder.graph.node if n.op_type == "QGemm"]:
+        part = values[gemm.input[3]]
+        assert np.array_equal(part, q[rows:rows + len(part)]) and values[gemm.input[4]] == 1.0
+        assert where[gemm.input[3]]["location"] == "weights.data"
+        assert int(where[gemm.input[3]]["offset"]) == start + rows * q.shape[1]             # the table's bytes
+        rows += len(part)
+    assert rows == len(q)
+    (mul,) = [n for n in decoder.graph.node if n.output[0] == "logits"]
+    assert mul.op_type == "Mul" and next(k for k in mul.input if k in values).endswith(".int8_scale")
 
 
 def test_int8_tokens_with_8bit_embeddings_stay_near_pytorch(bundles, seqs, toy_model_factory):
@@ -312,12 +322,38 @@ def test_both_sessions_read_the_shared_tensors_from_one_buffer(bundles, seqs, mo
     assert given[table["name"]].numpy().tobytes() == data and list(given[table["name"]].shape()) == table["shape"]
     opts = SearchOptions(max_new_tokens=12)
     got = tokens(generate_ids(loaded.engine, seqs, opts))
-    monkeypatch.setattr(bundle_module, "shared_initializers", lambda *args: {})
+    monkeypatch.setattr(bundle_module, "shared_tables", lambda *args: ({}, None))
     own = load_bundle(path, provider="cpu")
     assert not own.engine.encoder.onnxformer_initializers
     assert got == tokens(generate_ids(own.engine, seqs, opts))
     monkeypatch.undo()
     assert load_bundle(bundles["int8-ort"], provider="cpu").engine.encoder.onnxformer_initializers is None
+
+
+def test_large_lookup_tables_give_their_pages_back_after_each_run(bundles, seqs, monkeypatch):
+    """runtime/bundle.LookupPages: a shared table with a row per token of RETURNED_BYTES or more gets its mapped
+    pages back after every run of either session (the toy's is small: the threshold is lowered); tokens unchanged.
+    A [D, V] table (bundles made before exporters/tied_table) never does: each lookup reads a byte of every row."""
+    import runtime.bundle as bundle_module
+
+    opts = SearchOptions(max_new_tokens=12)
+    plain = load_bundle(bundles["int8"], provider="cpu")
+    assert not isinstance(plain.engine.decoder, bundle_module.PagesReturned)          # the toy's table is small
+    calls = []
+    monkeypatch.setattr(bundle_module, "RETURNED_BYTES", 0)
+    monkeypatch.setattr(bundle_module.LookupPages, "give_back",
+                        lambda self, real=bundle_module.LookupPages.give_back: (calls.append(self.spans), real(self)))
+    paged = load_bundle(bundles["int8"], provider="cpu")
+    assert isinstance(paged.engine.encoder, bundle_module.PagesReturned)
+    assert isinstance(paged.engine.decoder, bundle_module.PagesReturned)
+    table = next(t for t in paged.manifest["shared_weights"]["tensors"] if t["dtype"] == "int8")
+    got = tokens(generate_ids(paged.engine, seqs, opts))
+    assert got == tokens(generate_ids(plain.engine, seqs, opts))
+    assert len(calls) >= 1 + 2 and all((table["offset"], table["length"]) in spans for spans in calls)  # each run
+    old = json.loads(json.dumps(paged.manifest))
+    for t in old["shared_weights"]["tensors"]:
+        t["shape"] = t["shape"][::-1]                                      # as a [D, V] table would be
+    assert bundle_module.shared_tables(bundles["int8"], old)[1] is None
 
 
 def test_a_shared_weights_record_that_does_not_fit_the_file_is_refused(bundles, tmp_path):
@@ -413,11 +449,11 @@ def test_int4_bundle_is_weight_only_4bit_and_gated_on_its_row(bundles, toy_expor
     out, report = optimize_bundle(toy_exported[1], tmp_path / "int4", precision="int4", samples=16,
                                   allow_unverified=True)             # the toy model may miss the row: the same gate
     manifest = json.loads((out / "manifest.json").read_text())
-    assert manifest["precision"] == "int4" and manifest["passes"][-1] == "quantize_int4"
+    assert manifest["precision"] == "int4" and manifest["passes"][-2:] == ["quantize_int4", "tied_table_rows"]
     for g in ("encoder", "decoder"):
         ops = manifest["graphs"][g]["op_counts"]
         assert ops.get("com.microsoft.MatMulNBits", 0) > 0 and "MatMul" not in ops and "MatMulInteger" not in ops
-    assert manifest["graphs"]["decoder"]["op_counts"]["com.microsoft.DynamicQuantizeMatMul"] == 1  # tied, 8-bit
+    assert manifest["graphs"]["decoder"]["op_counts"]["com.microsoft.QGemm"] >= 1        # tied, 8-bit
     row = tolerance("int4", "cpu")
     gen = manifest["parity"]["generation"]
     assert gen["token_match"] == row.token_match and manifest["parity"]["tolerance"] is None     # logits: reported

@@ -28,7 +28,7 @@ def test_auto_tries_every_recipe_cheapest_first_and_flags_narrow_it():
 
 def test_the_blocks_recipe_puts_the_decoder_in_8_bit_blocks_and_the_encoder_as_default(toy_exported, tmp_path):
     """--recipe blocks: the decoder's MatMuls become 8-bit MatMulNBits (the tied projection stays the 8-bit
-    embedding's DynamicQuantizeMatMul), the encoder is quantized as default; recorded in the manifest."""
+    embedding's, exporters/tied_table), the encoder is quantized as default; recorded in the manifest."""
     _, bundle = toy_exported
     out, report = optimize_bundle(bundle, tmp_path / "blocks", precision="int8", recipe="blocks",
                                   allow_unverified=True)
@@ -36,7 +36,7 @@ def test_the_blocks_recipe_puts_the_decoder_in_8_bit_blocks_and_the_encoder_as_d
     assert manifest["source"]["options"]["recipe"] == "blocks" and manifest["source"]["options"]["blocks"]
     decoder, encoder = (manifest["graphs"][g]["op_counts"] for g in ("decoder", "encoder"))
     assert decoder.get("com.microsoft.MatMulNBits", 0) >= 4 and not decoder.get("MatMul")
-    assert decoder.get("com.microsoft.DynamicQuantizeMatMul") == 1                      # the tied projection
+    assert decoder.get("com.microsoft.QGemm", 0) >= 1                                   # the tied projection
     assert encoder.get("MatMulInteger", 0) >= 4 and not encoder.get("com.microsoft.MatMulNBits")
     assert {"quantize_int8", "quantize_int8_blocks"} <= set(manifest["passes"])
     nbits = next(n for n in ir.load(out / "decoder.onnx").graph if n.op_type == "MatMulNBits")

@@ -168,18 +168,18 @@ def test_int8_on_fused_bundle_is_allowed_and_reports_token_agreement(toy, tmp_pa
                                   allow_unverified=True)
     embedding = {"int8_embedding": 2, "int8_tied_projection": 1}       # the lookups of both graphs, the tied logits
     assert {k: v for k, v in report.totals.items() if v} == embedding
-    assert report.passes == ["cleanup", "int8_embedding", "quantize_int8"]
+    assert report.passes == ["cleanup", "int8_embedding", "quantize_int8", "tied_table_rows"]
     manifest = read_manifest(out)
-    assert manifest["precision"] == "int8" and manifest["passes"][-1] == "quantize_int8"
+    assert manifest["precision"] == "int8" and manifest["passes"][-2:] == ["quantize_int8", "tied_table_rows"]
     assert manifest["fusions"] == {**read_manifest(fused)["fusions"], **embedding}   # the fusions carried over
     dec = manifest["graphs"]["decoder"]["op_counts"]
     # every weight MatMul quantized: per decoder layer packed q/k/v, self out, cross q/out, two FFN; the logits read
-    # the int8 embedding (one matrix, shared with the encoder's lookup)
+    # the int8 embedding (one matrix [V, D], shared with the encoder's lookup) by row slices (exporters/tied_table)
     assert "MatMul" not in dec and dec["MatMulInteger"] == 6 * model.config.n_decoder_layers
-    assert dec["com.microsoft.DynamicQuantizeMatMul"] == 1
+    assert dec["com.microsoft.QGemm"] >= 1 and "com.microsoft.DynamicQuantizeMatMul" not in dec
     shared = {t["name"]: t for t in manifest["shared_weights"]["tensors"]}
-    table = next(t for name, t in shared.items() if name.endswith(".int8_t"))
-    assert table["dtype"] == "int8" and table["shape"] == [model.config.d_model, model.config.vocab_size]
+    table = next(t for name, t in shared.items() if name.endswith(".int8_t.rows"))
+    assert table["dtype"] == "int8" and table["shape"] == [model.config.vocab_size, model.config.d_model]
     assert dec["com.microsoft.MultiHeadAttention"] == model.config.n_decoder_layers             # cross
     assert dec["com.microsoft.GroupQueryAttention"] == model.config.n_decoder_layers  # self, static (per row)
     assert manifest["kv_cache"] == "static"

@@ -115,11 +115,13 @@ def test_optimize_per_row_records_the_option_and_rows_ignore_neighbours(toy_expo
     out, report = optimize_bundle(bundle, tmp_path / "row", precision="int8", activation_scales="per-row",
                                   allow_unverified=True)
     manifest = read_manifest(out)
-    assert manifest["passes"][-2:] == ["quantize_int8", "per_row_activations"]
+    assert manifest["passes"][-3:] == ["quantize_int8", "per_row_activations", "tied_table_rows"]
     assert manifest["source"]["options"]["activation_scales"] == "per-row"
     for g in ("encoder", "decoder"):
         counts = manifest["graphs"][g]["op_counts"]
-        assert "DynamicQuantizeLinear" not in counts and counts.get("com.microsoft.DynamicQuantizeMatMul", 0) > 0
+        tied = counts.get("com.microsoft.QGemm", 0)                      # exporters/tied_table's projection
+        assert counts.get("DynamicQuantizeLinear", 0) == (1 if tied else 0) == (1 if g == "decoder" else 0)
+        assert counts.get("com.microsoft.DynamicQuantizeMatMul", 0) > 0
     tensor, _ = optimize_bundle(bundle, tmp_path / "tensor", precision="int8", recipe="default",
                                 allow_unverified=True)
     assert read_manifest(tensor)["source"]["options"]["activation_scales"] == "per-tensor"

@@ -210,15 +210,21 @@ def test_an_int8_bundle_gets_a_shortlist_equal_to_its_full_vocabulary_when_it_co
                                                                                           tmp_path, recipe):
     _, exported = toy_exported
     int8, made = optimize_bundle(exported, tmp_path / "int8", precision="int8", allow_unverified=True,
-                                 recipe=recipe)        # its projection: DynamicQuantizeMatMul, or MatMul in fp32
+                                 recipe=recipe)        # its projection: QGemms by the table's row slices, or MatMul in fp32
     corpus, held = texts
     out, report = shortlist_bundle(int8, corpus, tmp_path / "int8_sl", sizes=(16,), always=4, texts=held,
                                    allow_unverified=True)
     assert report.tried[0]["agreement"] > 0.9
-    weight = json.loads((out / "manifest.json").read_text())["shortlist"]["weight"]
-    feed = "rows" if recipe == "fp32-projection" else "columns"
-    assert (weight["file"], weight["feed"], weight["offset"]) == ("shortlist.weight.bin", feed, 0)
-    assert weight["length"] == (out / "shortlist.weight.bin").stat().st_size      # W^T, written once
+    manifest = json.loads((out / "manifest.json").read_text())
+    weight = manifest["shortlist"]["weight"]
+    if recipe == "fp32-projection":
+        assert (weight["file"], weight["feed"], weight["offset"]) == ("shortlist.weight.bin", "rows", 0)
+        assert weight["length"] == (out / "shortlist.weight.bin").stat().st_size      # W^T, written once
+    else:                          # the tied int8 table [V, D] where it lies in weights.data (exporters/tied_table)
+        table = next(t for t in manifest["shared_weights"]["tensors"] if t["dtype"] == "int8")
+        assert (weight["file"], weight["feed"], weight["offset"], weight["length"]) == \
+               ("weights.data", "columns", table["offset"], table["length"])
+        assert not (out / "shortlist.weight.bin").exists()
     engine = load_bundle(out, provider="cpu").engine
     whole = Shortlist(np.zeros(engine.src_vocab_size + 1, np.int64), np.zeros(0, np.int64),
                       np.arange(engine.vocab_size))

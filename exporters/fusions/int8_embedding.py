@@ -10,9 +10,10 @@ int8 scale (max |row| / 127), which is per-column quantization of the projection
 projection reads the same int8 matrix and the same scales as the lookup: com.microsoft.DynamicQuantizeMatMul with a
 scalar b_scale of 1, then one Mul by s [V] (the same numbers up to float rounding). DynamicQuantizeMatMul could take
 s itself as a per-column b_scale [N], but onnxruntime's per-column path is slower at batch 1 (RESULTS.md, "Leaner
-edge bundles"). The matrix is stored in the projection's [D, V] layout (a lookup then
-reads one strided column per token: a few hundred bytes), and it is the same tensor in both graphs, so
-exporters/shared_weights stores it once.
+edge bundles"). Here the matrix is in the projection's [D, V] layout (a lookup reads one strided column per
+token), the same tensor in both graphs; after quantization exporters/tied_table turns it into [V, D] rows, read
+by the lookups and, through row slices of its own bytes, by the projection (so that onnxruntime holds the table
+once), and exporters/shared_weights stores it once.
 
 The token lookup is the Gather whose indices are the graph input `input_ids`; the positional table (read by position,
 not by token) keeps float32. Untied models: the lookup is quantized, the separate projection is left to dynamic

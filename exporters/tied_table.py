@@ -1,0 +1,180 @@
+"""The 8-bit tied table held once in memory: token lookups read rows of Q [V, D], and the output projection reads
+the same bytes through row slices of its own (int8 bundles; runs after quantization).
+
+    before (exporters/fusions/int8_embedding, then quantization and per-row activations):
+        Gather(Q^T [D,V], ids, axis=1) -> Transpose(1, 2, 0) -> ...
+        DynamicQuantizeMatMul(x, Q^T, b_scale) -> ...
+    after:
+        Gather(Q [V,D], ids) -> ...
+        x -> Reshape [M,D] -> DynamicQuantizeLinear -> QGemm(., Q[a:b], b_scale, transB=1) for each slice a:b of rows
+          -> Concat -> Reshape [..., V] -> ...
+
+Why: onnxruntime packs the constant weight of a quantized product into memory of its own when a session is made,
+and releases the initializer only when no other node reads it. The lookup read Q^T too, so the table stayed
+mapped beside its packed copy, and a column lookup (one byte in every row of [D, V]) brought all of it into
+memory: the NLLB-600M int8 process held its 250 MiB table twice (benchmarks/RESULTS.md, "The tied table held
+once"). Now each slice is an initializer of its own whose bytes are the table's own bytes in weights.data
+(the model's metadata VIEWS says so, and exporters/shared_weights stores the slice as a part of the table); onnxruntime maps a slice,
+packs it (transposing it: QGemm's transB) and releases it before the next, so the packed copy is the one resident
+copy of the projection, and loading holds one slice beside it, not the table. A lookup reads one row of Q per
+token; runtime/bundle.LookupPages gives those pages back after each run.
+
+Same numbers: DynamicQuantizeLinear gives the activation scale and zero point that DynamicQuantizeMatMul computes
+inside, QGemm scales the exact integer sums by a_scale * b_scale as DynamicQuantizeMatMul does, and a slice's sums
+are those of its columns: the logits are bit-identical (tests/test_tied_table.py).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import onnx_ir as ir
+
+from exporters.fusions.int8_embedding import _const
+from exporters.passes import Reporting
+
+ORT_DOMAIN = "com.microsoft"
+VIEWS = "onnxformer.views"              # the model's metadata: {initializer: {"tensor": name, "offset": bytes}} of
+                                        # the initializers whose bytes are a part of another one's
+SLICE_BYTES = 16 * 1024 * 1024          # a slice of the projection's rows: what loading holds beside the packed copy
+PAGE = 4096                             # slices start on a page of the table: onnxruntime maps them
+
+
+def slice_rows(rows: int, row_bytes: int, slice_bytes: int = SLICE_BYTES) -> list[tuple[int, int]]:
+    """[(start, stop)] row slices of a [rows, ...] table of about slice_bytes each, each starting on a page."""
+    align = PAGE // math.gcd(row_bytes, PAGE)
+    step = max(align, slice_bytes // max(row_bytes, 1) // align * align)
+    return [(a, min(a + step, rows)) for a in range(0, rows, step)]
+
+
+class TiedTablePass(Reporting, ir.passes.InPlacePass):
+    """Token lookups of an 8-bit [D, V] table read a [V, D] one; its DynamicQuantizeMatMuls become sliced QGemms."""
+
+    name = "tied_table_rows"
+
+    def __init__(self, slice_bytes: int = SLICE_BYTES):
+        super().__init__()
+        self.slice_bytes = slice_bytes
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        graph, lookups, projections = model.graph, 0, 0
+        self._views = json.loads(model.metadata_props.get(VIEWS, "{}"))
+        if graph.opset_imports.get("", 1) < 15:                  # Shape(start, end) below
+            return ir.passes.PassResult(model, False)
+        for table in [v for v in graph.initializers.values() if self._int8_matrix(v)]:
+            gathers = [u.node for u in table.uses() if self._lookup(u.node, u.idx)]
+            products = [u.node for u in table.uses() if self._product(u.node, u.idx)]
+            if not gathers or len(gathers) + len(products) != len(list(table.uses())) or table.is_graph_output():
+                continue                                         # not (only) our lookup and projection
+            rows = self._register(graph, f"{table.name}.rows", np.ascontiguousarray(_const(table).T))
+            for gather in gathers:
+                lookups += self._rewrite_lookup(graph, gather, rows)
+            for product in products:
+                projections += self._rewrite_product(graph, product, rows)
+            graph.initializers.pop(table.name)
+        if projections and ORT_DOMAIN not in graph.opset_imports:
+            graph.opset_imports[ORT_DOMAIN] = 1
+        if self._views:
+            model.metadata_props[VIEWS] = json.dumps(self._views)
+        self.counts.update({"tied_table_lookup": lookups, "tied_table_projection": projections})
+        return ir.passes.PassResult(model, lookups > 0)
+
+    @staticmethod
+    def _int8_matrix(value: ir.Value) -> bool:
+        tensor = value.const_value
+        return tensor is not None and tensor.dtype == ir.DataType.INT8 and len(tensor.shape) == 2
+
+    @staticmethod
+    def _lookup(node: ir.Node, idx: int) -> bool:
+        """Gather(table, ids, axis=1) whose only use is Transpose(perm [1, 2, 0]): int8_embedding's column lookup."""
+        if node.op_type != "Gather" or node.domain not in ("", "ai.onnx") or idx != 0:
+            return False
+        if node.attributes.get_int("axis", 0) != 1 or node.outputs[0].is_graph_output():
+            return False
+        uses = list(node.outputs[0].uses())
+        return (len(uses) == 1 and uses[0].node.op_type == "Transpose"
+                and list(uses[0].node.attributes.get_ints("perm", [])) == [1, 2, 0])
+
+    @staticmethod
+    def _product(node: ir.Node, idx: int) -> bool:
+        """DynamicQuantizeMatMul(x, table, constant b_scale[, constant b_zero_point]) without a bias."""
+        if node.op_type != "DynamicQuantizeMatMul" or node.domain != ORT_DOMAIN or idx != 1:
+            return False
+        extra = list(node.inputs[2:]) + [None] * (3 - len(node.inputs[2:]))
+        scale, zero, bias = extra[:3]
+        return (scale is not None and _const(scale) is not None and bias is None
+                and (zero is None or _const(zero) is not None))
+
+    def _rewrite_lookup(self, graph: ir.Graph, gather: ir.Node, rows: ir.Value) -> int:
+        transpose = next(iter(gather.outputs[0].uses())).node
+        new = ir.node("Gather", [rows, gather.inputs[1]], attributes={"axis": 0})
+        graph.insert_before(gather, [new])
+        old = transpose.outputs[0]
+        name, new.outputs[0].shape, new.outputs[0].type = old.name, old.shape, old.type
+        ir.convenience.replace_all_uses_with(old, new.outputs[0], replace_graph_outputs=True)
+        graph.remove([transpose, gather], safe=True)
+        new.outputs[0].name = name
+        return 1
+
+    def _rewrite_product(self, graph: ir.Graph, product: ir.Node, rows: ir.Value) -> int:
+        x, scale = product.inputs[0], _const(product.inputs[2]).astype(np.float32)
+        zero = product.inputs[3] if len(product.inputs) > 3 else None
+        zero = np.zeros((), np.int8) if zero is None else _const(zero).astype(np.int8)
+        table = rows.const_value.numpy()
+        vocab, width = table.shape
+        if scale.size > 1 or zero.size > 1:                  # per column: both [V] (QGemm wants the same shapes)
+            scale, zero = (np.broadcast_to(a.reshape(-1), (vocab,)) for a in (scale, zero))
+        else:
+            scale, zero = scale.reshape(()), zero.reshape(())
+        base = rows.name
+        flat = self._register(graph, f"{base}.flat_shape", np.array([-1, width], np.int64))
+        last = self._register(graph, f"{base}.vocab", np.array([vocab], np.int64))
+        nodes = [ir.node("Reshape", [x, flat]), ir.node("Shape", [x], attributes={"start": 0, "end": -1})]
+        quantize = ir.node("DynamicQuantizeLinear", [nodes[0].outputs[0]], num_outputs=3)
+        nodes.append(quantize)
+        slices = []
+        for a, b in slice_rows(vocab, width * table.itemsize, self.slice_bytes):
+            weight = self._register(graph, f"{base}.{a}_{b}", table[a:b])
+            self._views[weight.name] = {"tensor": base, "offset": a * width * table.itemsize}
+            s = self._register(graph, f"{base}.{a}_{b}.scale", scale[a:b] if scale.ndim else scale)
+            z = self._register(graph, f"{base}.{a}_{b}.zero_point", zero[a:b] if zero.ndim else zero)
+            gemm = ir.node("QGemm", [*quantize.outputs, weight, s, z], attributes={"transB": 1}, domain=ORT_DOMAIN)
+            nodes.append(gemm)
+            slices.append(gemm.outputs[0])
+        if len(slices) > 1:
+            nodes.append(ir.node("Concat", slices, attributes={"axis": 1}))
+        nodes.append(ir.node("Concat", [nodes[1].outputs[0], last], attributes={"axis": 0}))
+        nodes.append(ir.node("Reshape", [nodes[-2].outputs[0], nodes[-1].outputs[0]]))
+        graph.insert_before(product, nodes)
+        old, new = product.outputs[0], nodes[-1].outputs[0]
+        name, new.shape, new.type = old.name, old.shape, old.type
+        ir.convenience.replace_all_uses_with(old, new, replace_graph_outputs=True)
+        consts = [v for v in product.inputs[2:] if v is not None]
+        graph.remove(product, safe=True)
+        for value in consts:                               # its b_scale (and zero point), unless read elsewhere
+            if value.name in graph.initializers and not list(value.uses()) and not value.is_graph_output():
+                graph.initializers.pop(value.name)
+        new.name = name
+        return 1
+
+    @staticmethod
+    def _free_name(graph: ir.Graph, name: str) -> str:
+        while name in graph.initializers:
+            name += "_"
+        return name
+
+    def _register(self, graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
+        value = ir.Value(name=self._free_name(graph, name), const_value=ir.tensor(array))
+        graph.register_initializer(value)
+        return value
+
+
+def tied_table_rows(model: ir.Model) -> ir.Model:
+    """The model with its 8-bit tied table read by rows (in place; returned): see the module docstring."""
+    TiedTablePass()(model)
+    return model
+
+
+__all__ = ["TiedTablePass", "tied_table_rows", "slice_rows", "VIEWS"]

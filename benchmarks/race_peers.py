@@ -225,6 +225,10 @@ def main() -> None:
         return
     if args.only:
         wanted = [w.strip() for w in args.only.split(",")]
+        unknown = [w for w in wanted if w not in {e[0] for e in engines}]
+        if unknown:
+            ap.error(f"--only: no engine labelled {', '.join(map(repr, unknown))}; the labels are: "
+                     f"{', '.join(e[0] for e in engines)}")
         engines = [e for e in engines if e[0] in wanted or e[0] == "transformers (PyTorch eager)"]
     results = {}
     load = os.getloadavg()

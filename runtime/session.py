@@ -41,6 +41,9 @@ class SessionConfig:
     execution_mode: str = "sequential"    # "sequential" | "parallel"
     log_severity: int = 3                 # 0 verbose .. 3 errors only (CUDA's "nodes placed on CPU" notes are noise)
     profile_prefix: str | None = None     # write an ORT profile (JSON, per-node kernel times) with this file prefix
+    cpu_memory_arena: bool = False        # ORT's CPU arena keeps what it grew to (a large model's process peak grew
+                                          # 843 -> 894 MB over four batches), and decoding was no faster with it
+                                          # (RESULTS.md, "The tied table held once")
 
     def for_graph(self, graph: str) -> "SessionConfig":
         """The options for one graph. The encoder runs once a request and then its threads, spinning, would take
@@ -65,6 +68,7 @@ class SessionConfig:
         opts.execution_mode = _MODES[self.execution_mode]
         opts.log_severity_level = int(self.log_severity)
         opts.add_session_config_entry("session.intra_op.allow_spinning", "1" if self.spinning else "0")
+        opts.enable_cpu_mem_arena = bool(self.cpu_memory_arena)
         if self.profile_prefix:
             opts.enable_profiling = True
             opts.profile_file_prefix = self.profile_prefix

@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/studies/tied_table_rows.py projection [--rounds 5]
     .venv/bin/python benchmarks/studies/tied_table_rows.py decode NAME=BUNDLE [NAME=BUNDLE[:nodrop] ...] [--rounds 4]
+    .venv/bin/python benchmarks/studies/tied_table_rows.py arena BUNDLE [--rounds 6] [--new-tokens 64] [--repeat 1]
 
 projection: the tied projection alone at the NLLB-600M shape (random int8 weights [256206, 1024], 2 threads):
     one com.microsoft.DynamicQuantizeMatMul by Q^T [D, V] (what bundles made before hold) against
@@ -11,6 +12,9 @@ decode: greedy decoding of several bundles in one process, 64 new tokens (EOS ig
     ids: 3 sources one at a time (batch 1) and all 8 at once (batch 8) per round, the bundles' order reversed every
     other round. BUNDLE:nodrop loads it without runtime/bundle.LookupPages (giving the lookup pages back after
     each run).
+arena: the same, for one bundle loaded twice: with onnxruntime's CPU memory arena and without (the runtime's
+    default, runtime.session.SessionConfig.cpu_memory_arena); --repeat decodes each part that many times a round
+    (for a small model, whose decode is short).
 """
 
 from __future__ import annotations
@@ -79,8 +83,6 @@ def projection(rounds: int) -> None:
 
 def decode(bundles: list[str], rounds: int) -> None:
     import runtime.bundle as runtime_bundle
-    from runtime.generate import generate_ids
-    from runtime.search import SearchOptions
 
     engines = {}
     default = runtime_bundle.RETURNED_BYTES
@@ -89,9 +91,26 @@ def decode(bundles: list[str], rounds: int) -> None:
         runtime_bundle.RETURNED_BYTES = 1 << 62 if path.endswith(":nodrop") else default
         engines[name] = runtime_bundle.load_bundle(path.removesuffix(":nodrop"), "cpu", threads=2).engine
     runtime_bundle.RETURNED_BYTES = default
+    race(engines, rounds, 64, 1)
+
+
+def arena(bundle: str, rounds: int, new_tokens: int, repeat: int) -> None:
+    from runtime.bundle import load_bundle
+    from runtime.session import SessionConfig
+
+    engines = {f"arena {'on' if on else 'off'}": load_bundle(bundle, "cpu", session_options=SessionConfig(cpu_memory_arena=on),
+                                          threads=2).engine for on in (True, False)}
+    race(engines, rounds, new_tokens, repeat)
+
+
+def race(engines: dict, rounds: int, new_tokens: int, repeat: int) -> None:
+    from runtime.generate import generate_ids
+    from runtime.search import SearchOptions
+
+    vocab = min(e.src_vocab_size for e in engines.values())
     rng = np.random.default_rng(0)
-    sources = [rng.integers(3, 256000, size=24).tolist() for _ in range(8)]
-    options = SearchOptions(max_new_tokens=64, ignore_eos=True)
+    sources = [rng.integers(3, vocab - 1, size=24).tolist() for _ in range(8)]
+    options = SearchOptions(max_new_tokens=new_tokens, ignore_eos=True)
     times = {name: {1: [], 8: []} for name in engines}
     for engine in engines.values():
         generate_ids(engine, sources[:1], options)                  # warm-up
@@ -99,12 +118,14 @@ def decode(bundles: list[str], rounds: int) -> None:
         order = list(engines.items()) if r % 2 == 0 else list(engines.items())[::-1]
         for name, engine in order:
             start = time.perf_counter()
-            for source in sources[:3]:
-                generate_ids(engine, [source], options)
-            times[name][1].append((time.perf_counter() - start) / 3 * 1e3)
+            for _ in range(repeat):
+                for source in sources[:3]:
+                    generate_ids(engine, [source], options)
+            times[name][1].append((time.perf_counter() - start) / 3 / repeat * 1e3)
             start = time.perf_counter()
-            generate_ids(engine, sources, options)
-            times[name][8].append((time.perf_counter() - start) * 1e3)
+            for _ in range(repeat):
+                generate_ids(engine, sources, options)
+            times[name][8].append((time.perf_counter() - start) / repeat * 1e3)
     print(f"{'bundle':<12} {'batch 1 ms':>10} {'batch 8 ms':>10}  (median of {rounds} rounds; each round's figures)")
     for name, t in times.items():
         print(f"{name:<12} {np.median(t[1]):>10.1f} {np.median(t[8]):>10.1f}  "
@@ -113,16 +134,21 @@ def decode(bundles: list[str], rounds: int) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=("projection", "decode"))
-    ap.add_argument("bundles", nargs="*", help="decode: NAME=BUNDLE (add :nodrop to load it without LookupPages)")
+    ap.add_argument("what", choices=("projection", "decode", "arena"))
+    ap.add_argument("bundles", nargs="*", help="decode: NAME=BUNDLE (add :nodrop to load it without LookupPages); "
+                                               "arena: one BUNDLE")
     ap.add_argument("--rounds", type=int, default=None)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--repeat", type=int, default=1)
     args = ap.parse_args()
     if args.what == "projection":
         projection(args.rounds or 5)
-    elif not args.bundles:
-        ap.error("decode needs NAME=BUNDLE arguments")
-    else:
+    elif not args.bundles or (args.what == "arena" and len(args.bundles) != 1):
+        ap.error(f"{args.what} needs {'one BUNDLE' if args.what == 'arena' else 'NAME=BUNDLE arguments'}")
+    elif args.what == "decode":
         decode(args.bundles, args.rounds or 4)
+    else:
+        arena(args.bundles[0], args.rounds or 6, args.new_tokens, args.repeat)
 
 
 if __name__ == "__main__":

@@ -41,9 +41,10 @@ class SessionConfig:
     execution_mode: str = "sequential"    # "sequential" | "parallel"
     log_severity: int = 3                 # 0 verbose .. 3 errors only (CUDA's "nodes placed on CPU" notes are noise)
     profile_prefix: str | None = None     # write an ORT profile (JSON, per-node kernel times) with this file prefix
-    cpu_memory_arena: bool = False        # ORT's CPU arena keeps what it grew to (a large model's process peak grew
-                                          # 843 -> 894 MB over four batches), and decoding was no faster with it
-                                          # (RESULTS.md, "The tied table held once")
+    cpu_memory_arena: bool = True         # ORT's CPU arena keeps what it grew to: off, a large model's process peak
+                                          # grows less over many batches (NLLB-600M int8: 895 -> 870 MB), decoding
+                                          # measured level there and within noise on a small model (RESULTS.md,
+                                          # "The tied table held once"); on, as before, until that noise is settled
 
     def for_graph(self, graph: str) -> "SessionConfig":
         """The options for one graph. The encoder runs once a request and then its threads, spinning, would take

@@ -12,7 +12,7 @@ ONNX next to that file (any ONNX tool opens them), and the manifest hashes it li
 In memory (RESULTS.md, "Leaner edge bundles"): ONNX Runtime maps external data that starts on a page (PAGE)
 instead of reading it, so both sessions map the same file pages (one copy in the page cache) and the large weights
 never pass through a parsed protobuf, which lowers the peak resident memory of `onnxformer generate`. The tensors both graphs read are then handed to both sessions as one OrtValue each over one
-read-only mapping (runtime.bundle.shared_initializers, SessionOptions.add_initializer), so that they are resident
+read-only mapping (runtime.bundle.shared_tables, SessionOptions.add_initializer), so that they are resident
 once and not once per session's mapping; they must stay page-aligned views of the file: OrtValues of tensors read
 into memory raise the peak instead.
 

@@ -76,15 +76,17 @@ def load_bundle(path: str | Path, provider: str = "auto", threads: int | None = 
         raise BundleError(f"bundle {path}: the manifest's model config lacks {', '.join(bad)}; re-export the bundle")
     config = (session_options or SessionConfig()).with_(intra_op_threads=threads)
     chosen = choose_provider(provider)
+    tables = shared_tables(path, manifest) if chosen == "cpu" else ({}, None)   # one mapping for every session
     try:
-        sessions, files = _sessions(path, manifest, chosen, config, one_graph_at_a_time and chosen == "cpu"
+        sessions, files = _sessions(path, manifest, chosen, config, tables, one_graph_at_a_time and chosen == "cpu"
                                     and not io_binding)               # host outputs: they outlive the session
     except ProviderError:
         if provider != "auto" or chosen == "cpu":
             raise
         chosen = "cpu"                                                # onnxruntime-gpu whose CUDA libraries are missing
-        sessions, files = _sessions(path, manifest, chosen, config)
-    vocab = _shortlist(path, manifest, chosen, config) if shortlist and manifest.get("shortlist") else None
+        tables = shared_tables(path, manifest)
+        sessions, files = _sessions(path, manifest, chosen, config, tables)
+    vocab = _shortlist(path, manifest, chosen, config, tables) if shortlist and manifest.get("shortlist") else None
     engine = OrtEngine(sessions["encoder"], sessions["decoder"], manifest["model"], chosen, io_binding,
                        decoder_layout(manifest), vocab)
     if chosen == "cpu" and weight_bits(manifest) == 8 and int8_saturates():
@@ -105,13 +107,14 @@ def weight_bits(manifest: dict) -> int | None:
 
 
 def _sessions(path: Path, manifest: dict, provider: str, config: SessionConfig,
-              on_demand: bool = False) -> tuple[dict, dict]:
+              tables: tuple[dict, LookupPages | None], on_demand: bool = False) -> tuple[dict, dict]:
     """Both graphs' sessions, each checked against the manifest and against the interface the engine feeds
-    (on_demand: OnDemandSessions that release each other, each checked when made)."""
+    (tables: shared_tables' answer, or ({}, None); on_demand: OnDemandSessions that release each other, each
+    checked when made)."""
     recorded = manifest_specs(manifest)
     expected = graph_specs(manifest["model"], layout=decoder_layout(manifest))
     sessions, files = {}, {}
-    shared, pages = shared_tables(path, manifest) if provider == "cpu" else ({}, None)
+    shared, pages = tables
     for name in GRAPHS:
         _check_recorded(path, name, recorded[name], expected[name])
         file = graph_file(manifest, name, provider)
@@ -151,10 +154,10 @@ def _release(other: weakref.ref) -> Callable[[], None]:
     return release
 
 
-def _shortlist(path: Path, manifest: dict, provider: str,
-               config: SessionConfig) -> tuple[Shortlist, object, ShortlistWeight | None]:
+def _shortlist(path: Path, manifest: dict, provider: str, config: SessionConfig,
+               tables: tuple[dict, LookupPages | None]) -> tuple[Shortlist, object, ShortlistWeight | None]:
     """The bundle's shortlist map, its decoder's session and the projection table its rows are gathered from, each
-    checked against the manifest like the graphs."""
+    checked against the manifest like the graphs (tables: the shared ones the main sessions read)."""
     record, model = manifest["shortlist"], manifest["model"]
     weight = record.get("weight")
     if weight is not None and (not isinstance(weight, dict) or weight.get("feed") not in FEEDS
@@ -165,7 +168,7 @@ def _shortlist(path: Path, manifest: dict, provider: str,
     expected = shortlist_decoder_spec(graph_specs(model, layout=decoder_layout(manifest))["decoder"], weight)
     _check_recorded(path, "shortlist decoder", recorded, expected)
     file = path / record["decoder"]["file"]
-    shared, pages = shared_tables(path, manifest) if provider == "cpu" else (None, None)
+    shared, pages = tables if provider == "cpu" else (None, None)
     session = _session(file, provider, config.for_graph("decoder"), shared)
     _check_session(file, session, recorded)
     session = session if pages is None else PagesReturned(session, pages)
@@ -192,11 +195,6 @@ def graph_file(manifest: dict, name: str, provider: str) -> str:
     if provider == "cpu" and name in ort_graphs:                      # .ort files are converted for the CPU provider
         return ort_graphs[name]["file"]
     return manifest["graphs"][name]["file"]
-
-
-def shared_initializers(path: Path, manifest: dict) -> dict[str, ort.OrtValue]:
-    """shared_tables' OrtValues."""
-    return shared_tables(path, manifest)[0]
 
 
 RETURNED_BYTES = 16 * 1024 * 1024       # shared tables at least this large get their pages back after each run

@@ -41,10 +41,12 @@ class SessionConfig:
     execution_mode: str = "sequential"    # "sequential" | "parallel"
     log_severity: int = 3                 # 0 verbose .. 3 errors only (CUDA's "nodes placed on CPU" notes are noise)
     profile_prefix: str | None = None     # write an ORT profile (JSON, per-node kernel times) with this file prefix
-    cpu_memory_arena: bool = True         # ORT's CPU arena keeps what it grew to: off, a large model's process peak
-                                          # grows less over many batches (NLLB-600M int8: 895 -> 870 MB), decoding
-                                          # measured level there and within noise on a small model (RESULTS.md,
-                                          # "The tied table held once"); on, as before, until that noise is settled
+    cpu_memory_arena: bool = False        # ORT's CPU arena keeps the most it ever grew to; without it and without
+                                          # memory patterns (one block per input shape, kept), a large model's peak
+                                          # is what a request needs, at the same speed (RESULTS.md, "The memory
+                                          # arena and memory patterns")
+    memory_pattern: bool = False          # ORT's mem pattern: each run's tensors planned into one block per input
+                                          # shape, kept; the CUDA device's own arena is not affected by either
 
     def for_graph(self, graph: str) -> "SessionConfig":
         """The options for one graph. The encoder runs once a request and then its threads, spinning, would take
@@ -70,6 +72,7 @@ class SessionConfig:
         opts.log_severity_level = int(self.log_severity)
         opts.add_session_config_entry("session.intra_op.allow_spinning", "1" if self.spinning else "0")
         opts.enable_cpu_mem_arena = bool(self.cpu_memory_arena)
+        opts.enable_mem_pattern = bool(self.memory_pattern)
         if self.profile_prefix:
             opts.enable_profiling = True
             opts.profile_file_prefix = self.profile_prefix

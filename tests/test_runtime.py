@@ -242,6 +242,8 @@ def test_session_options_in_one_place():
     assert opts.graph_optimization_level.name == "ORT_ENABLE_ALL"
     assert opts.execution_mode.name == "ORT_SEQUENTIAL"
     assert opts.get_session_config_entry("session.intra_op.allow_spinning") == "1"
+    assert not opts.enable_cpu_mem_arena and not opts.enable_mem_pattern      # a large model's peak: what a run needs
+    assert SessionConfig(cpu_memory_arena=True, memory_pattern=True).to_ort().enable_mem_pattern
     custom = SessionConfig().with_(intra_op_threads=3, spinning=False, graph_optimization="basic").to_ort()
     assert custom.intra_op_num_threads == 3 and custom.graph_optimization_level.name == "ORT_ENABLE_BASIC"
     assert custom.get_session_config_entry("session.intra_op.allow_spinning") == "0"

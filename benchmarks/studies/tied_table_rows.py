@@ -12,9 +12,10 @@ decode: greedy decoding of several bundles in one process, 64 new tokens (EOS ig
     ids: 3 sources one at a time (batch 1) and all 8 at once (batch 8) per round, the bundles' order reversed every
     other round. BUNDLE:nodrop loads it without runtime/bundle.LookupPages (giving the lookup pages back after
     each run).
-arena: the same, for one bundle loaded twice: with onnxruntime's CPU memory arena and without (the runtime's
-    default, runtime.session.SessionConfig.cpu_memory_arena); --repeat decodes each part that many times a round
-    (for a small model, whose decode is short).
+arena: the same, for one bundle loaded three times: with onnxruntime's CPU memory arena and memory patterns, with
+    the arena off, and with both off (the runtime's default since 2026-12-05: runtime.session.SessionConfig's
+    cpu_memory_arena and memory_pattern); --repeat decodes each part that many times a round (for a small model,
+    whose decode is short). Their memory: benchmarks/studies/session_memory.py.
 """
 
 from __future__ import annotations
@@ -98,8 +99,10 @@ def arena(bundle: str, rounds: int, new_tokens: int, repeat: int) -> None:
     from runtime.bundle import load_bundle
     from runtime.session import SessionConfig
 
-    engines = {f"arena {'on' if on else 'off'}": load_bundle(bundle, "cpu", session_options=SessionConfig(cpu_memory_arena=on),
-                                          threads=2).engine for on in (True, False)}
+    configs = {"arena on": SessionConfig(), "arena off": SessionConfig(cpu_memory_arena=False),
+               "arena off, no pattern": SessionConfig(cpu_memory_arena=False, memory_pattern=False)}
+    engines = {name: load_bundle(bundle, "cpu", session_options=config, threads=2).engine
+               for name, config in configs.items()}
     race(engines, rounds, new_tokens, repeat)
 
 

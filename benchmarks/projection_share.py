@@ -4,8 +4,8 @@
 
 Runs greedy decoding (EOS suppressed) on random sources with session profiling on, then sums the profiled node
 times of the decoder steps, split into the output projection (the nodes whose output ends in the vocabulary
-axis: the logits MatMul, its bias Add, and int8's quantize/dequantize around it; int8's QGemms by row slices of the
-tied table, exporters/tied_table) and everything else. Prints a
+axis: the logits MatMul, its bias Add, and int8's quantize/dequantize around it; the QGemms (int8) and Gemms (fp32)
+by row slices of the tied table, exporters/tied_table) and everything else. Prints a
 table (and --json). The projection reads vocab x d_model weights every step: for opus-mt-en-de 58101 x 512.
 """
 
@@ -51,7 +51,8 @@ def profile(bundle: Path, batch: int, steps: int, threads: int) -> dict:
         if ev.get("cat") != "Node" or not ev.get("name", "").endswith("_kernel_time"):
             continue
         shapes = [list(s.values())[0] for s in ev.get("args", {}).get("output_type_shape", [])]
-        proj = any(s and s[-1] == vocab for s in shapes) or ev.get("args", {}).get("op_name") == "QGemm"  # (slices)
+        sliced = ev.get("args", {}).get("op_name") in ("QGemm", "Gemm")   # the tied table's row slices: no other
+        proj = any(s and s[-1] == vocab for s in shapes) or sliced      # Gemm in a decoder (3-D MatMuls elsewhere)
         by["projection" if proj else "rest"] += ev["dur"] / 1000.0
     runs = max(runs, 1)
     total = by["projection"] + by["rest"]

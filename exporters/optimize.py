@@ -315,8 +315,8 @@ def _convert_graphs(job: _Job, models: dict[str, ir.Model], recipe: Recipe | Non
             applied += prepasses
         with quiet_loggers("root", "onnxruntime", "onnxruntime.quantization"):
             converted = step(model).model if step is not None else model
-        if job.precision in ("int8", "int4"):             # the 8-bit tied table read by rows, held once
-            table = TiedTablePass()
+        if job.precision in ("int8", "int4") or (job.precision == "fp32" and job.target == "cpu"):
+            table = TiedTablePass(floats=job.precision == "fp32")   # the tied table read by rows, held once
             table(converted)
             if table.changed and table.name not in applied:
                 applied.append(table.name)

@@ -16,7 +16,7 @@ gathered for vocab_ids (fp32):
         --> Reshape [B,T,V'] --> (+ Gather(bias, vocab_ids)) --> logits [B,T,V']
 
 int8 (DynamicQuantizeMatMul by W [D,V] int8, or exporters/tied_table's QGemms by row slices of the tied table
-[V,D], made one DynamicQuantizeMatMul again): shortlist_weight is [D,V'] int8, its scale and zero point gathered
+[V,D], made one DynamicQuantizeMatMul again; a tied fp32 table's Gemm slices likewise become one MatMul): shortlist_weight is [D,V'] int8, its scale and zero point gathered
 where they are per column; integer sums need no padding. The tied table's rows already lie in weights.data.
 
 shortlist_weight is gathered by the runtime once per request (runtime/shortlist.py ShortlistWeight) from the table
@@ -180,6 +180,8 @@ def _unslice(graph: onnx.GraphProto, base: Path) -> tuple[str, dict, np.ndarray]
         return None
     joined = producer.get(node.input[0])
     gemms = [producer.get(i) for i in joined.input] if joined is not None and joined.op_type == "Concat" else [joined]
+    if gemms and all(g is not None and g.op_type == "Gemm" and len(g.input) == 2 for g in gemms):
+        return _unslice_float(graph, base, node, joined, gemms)
     if not gemms or any(g is None or g.op_type != "QGemm" or len(g.input) != 6 for g in gemms):
         return None
     quantize = producer.get(gemms[0].input[0])
@@ -187,14 +189,12 @@ def _unslice(graph: onnx.GraphProto, base: Path) -> tuple[str, dict, np.ndarray]
     if (quantize is None or quantize.op_type != "DynamicQuantizeLinear" or flat is None or flat.op_type != "Reshape"
             or any(list(g.input[:3]) != list(quantize.output) or g.input[3] not in inits for g in gemms)):
         return None
-    places = [_external(graph, g.input[3]) for g in gemms]
-    if any(p is None or p["file"] != places[0]["file"] for p in places) or any(
-            b["offset"] != a["offset"] + a["length"] for a, b in zip(places, places[1:])):
-        return None                                                   # not one table's contiguous rows
+    where = _contiguous(graph, [g.input[3] for g in gemms])
+    if where is None:
+        return None
     parts = [inits[g.input[3]] for g in gemms]
     width = parts[0].dims[1]
     rows = sum(p.dims[0] for p in parts)
-    where = {"file": places[0]["file"], "offset": places[0]["offset"], "length": sum(p["length"] for p in places)}
     weight = np.memmap(base / where["file"], np.int8, "r", where["offset"], (rows, width)).T
     scales = [[_array(graph, g.input[k], base) for g in gemms] for k in (4, 5)]
     inputs = [flat.input[0], "shortlist.table"]
@@ -205,11 +205,54 @@ def _unslice(graph: onnx.GraphProto, base: Path) -> tuple[str, dict, np.ndarray]
             graph.initializer.append(numpy_helper.from_array(np.concatenate([np.broadcast_to(v, (p.dims[0],)) for v, p
                                                                              in zip(values, parts)]), f"shortlist.table_{name}"))
             inputs.append(f"shortlist.table_{name}")
-    shape = producer.get(node.input[1])
-    gone = [n for n in [flat, quantize, joined, *gemms, shape, node] if n is not None]
-    gone += [producer[i] for i in (shape.input if shape is not None else []) if i in producer]
     product = helper.make_node("DynamicQuantizeMatMul", inputs, [node.output[0]], "shortlist.unsliced",
                                domain="com.microsoft")
+    _replace(graph, node, [flat, quantize, joined, *gemms], product)
+    return "shortlist.table", where, weight
+
+
+def _contiguous(graph: onnx.GraphProto, names: list[str]) -> dict | None:
+    """Where initializers `names` lie, one after the other, in one external data file ({file, offset, length}: one
+    table's rows), or None."""
+    places = [_external(graph, name) for name in names]
+    if any(p is None or p["file"] != places[0]["file"] for p in places) or any(
+            b["offset"] != a["offset"] + a["length"] for a, b in zip(places, places[1:])):
+        return None
+    return {"file": places[0]["file"], "offset": places[0]["offset"], "length": sum(p["length"] for p in places)}
+
+
+def _unslice_float(graph: onnx.GraphProto, base: Path, node: onnx.NodeProto, joined: onnx.NodeProto,
+                   gemms: list[onnx.NodeProto]) -> tuple[str, dict, np.ndarray] | None:
+    """exporters/tied_table's fp32 projection, x -> Reshape -> Gemm(transB) by row slices of the table [V, D] ->
+    Concat -> Reshape, made one MatMul(x, TABLE) node again: as _unslice."""
+    producer = {o: n for n in graph.node for o in n.output}
+    inits = {t.name: t for t in graph.initializer}
+    flat = producer.get(gemms[0].input[0])
+    trans = [next((a.i for a in g.attribute if a.name == "transB"), 0) for g in gemms]
+    if (flat is None or flat.op_type != "Reshape" or any(t != 1 for t in trans)
+            or any(g.input[0] != flat.output[0] or g.input[1] not in inits for g in gemms)
+            or any(a.name not in ("transB",) for g in gemms for a in g.attribute)):
+        return None
+    where = _contiguous(graph, [g.input[1] for g in gemms])
+    if where is None:                                                 # slices kept inside the graph (a small table)
+        weight = np.concatenate([_array(graph, g.input[1], base) for g in gemms]).T
+        where = _table(graph, weight, base)
+    else:
+        parts = [inits[g.input[1]] for g in gemms]
+        width, rows = parts[0].dims[1], sum(p.dims[0] for p in parts)
+        weight = np.memmap(base / where["file"], np.float32, "r", where["offset"], (rows, width)).T
+    product = helper.make_node("MatMul", [flat.input[0], "shortlist.table"], [node.output[0]], "shortlist.unsliced")
+    _replace(graph, node, [flat, joined, *gemms], product)
+    return "shortlist.table", where, weight
+
+
+def _replace(graph: onnx.GraphProto, node: onnx.NodeProto, sliced: list, product: onnx.NodeProto) -> None:
+    """Put `product` where `node` (the Reshape back to [..., V]) was; the sliced projection's nodes, the shape they
+    made and the initializers only they read go."""
+    producer = {o: n for n in graph.node for o in n.output}
+    shape = producer.get(node.input[1])
+    gone = [n for n in [*sliced, shape, node] if n is not None]
+    gone += [producer[i] for i in (shape.input if shape is not None else []) if i in producer]
     kept = [product if n is node else n for n in graph.node if n is node or all(n is not g for g in gone)]
     del graph.node[:]
     graph.node.extend(kept)
@@ -217,7 +260,6 @@ def _unslice(graph: onnx.GraphProto, base: Path) -> tuple[str, dict, np.ndarray]
     read = {i for n in gone for i in n.input}
     for t in [t for t in graph.initializer if t.name in read and t.name not in used]:
         graph.initializer.remove(t)                                   # the slices, their scales, the shapes
-    return "shortlist.table", where, weight
 
 
 def shortlist_decoder(model: onnx.ModelProto, base: Path) -> tuple[onnx.ModelProto, ShortlistTable]:

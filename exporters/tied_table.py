@@ -1,5 +1,5 @@
-"""The 8-bit tied table held once in memory: token lookups read rows of Q [V, D], and the output projection reads
-the same bytes through row slices of its own (int8 bundles; runs after quantization).
+"""The tied table held once in memory: token lookups read rows of the table [V, D], and the output projection reads
+the same bytes through row slices of its own (int8 bundles after quantization; fp32 bundles for the CPU).
 
     before (exporters/fusions/int8_embedding, then quantization and per-row activations):
         Gather(Q^T [D,V], ids, axis=1) -> Transpose(1, 2, 0) -> ...
@@ -19,9 +19,17 @@ packs it (transposing it: QGemm's transB) and releases it before the next, so th
 copy of the projection, and loading holds one slice beside it, not the table. A lookup reads one row of Q per
 token; runtime/bundle.LookupPages gives those pages back after each run.
 
+fp32 (a tied float table T [V, D], looked up by rows already, projected by MatMul(x, Transpose(T))):
+        x -> Reshape [M,D] -> Gemm(., T[a:b], transB=1) for each slice a:b of rows -> Concat -> Reshape [..., V]
+onnxruntime folded the Transpose when a session was made: a transposed copy of the whole table beside the mapped
+one and the packed one, 1 GiB each at the NLLB-600M shape (the fp32 `generate` peaked 1 GiB above what it then
+held). Gemm packs each slice straight from its mapping (MLAS packs B transposed or not into the same layout).
+The slices are larger (FLOAT_SLICE_BYTES): what a slice costs is one more node a step, and loading holds one.
+
 Same numbers: DynamicQuantizeLinear gives the activation scale and zero point that DynamicQuantizeMatMul computes
 inside, QGemm scales the exact integer sums by a_scale * b_scale as DynamicQuantizeMatMul does, and a slice's sums
-are those of its columns: the logits are bit-identical (tests/test_tied_table.py).
+are those of its columns: the logits are bit-identical (tests/test_tied_table.py). fp32: MLAS's product by a
+packed B, from MatMul or from Gemm, the same packed layout; a slice's columns are its own dot products.
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ ORT_DOMAIN = "com.microsoft"
 VIEWS = "onnxformer.views"              # the model's metadata: {initializer: {"tensor": name, "offset": bytes}} of
                                         # the initializers whose bytes are a part of another one's
 SLICE_BYTES = 16 * 1024 * 1024          # a slice of the projection's rows: what loading holds beside the packed copy
+FLOAT_SLICE_BYTES = 64 * 1024 * 1024    # fp32: 4x the bytes per row, the same number of nodes as int8's 16 MiB
 PAGE = 4096                             # slices start on a page of the table: onnxruntime maps them
 
 
@@ -50,13 +59,14 @@ def slice_rows(rows: int, row_bytes: int, slice_bytes: int = SLICE_BYTES) -> lis
 
 
 class TiedTablePass(Reporting, ir.passes.InPlacePass):
-    """Token lookups of an 8-bit [D, V] table read a [V, D] one; its DynamicQuantizeMatMuls become sliced QGemms."""
+    """Token lookups of an 8-bit [D, V] table read a [V, D] one; its DynamicQuantizeMatMuls become sliced QGemms.
+    With `floats`, a float [V, D] table's MatMul(x, Transpose(T)) projections become sliced Gemms."""
 
     name = "tied_table_rows"
 
-    def __init__(self, slice_bytes: int = SLICE_BYTES):
+    def __init__(self, slice_bytes: int = SLICE_BYTES, floats: bool = False, float_slice_bytes: int = FLOAT_SLICE_BYTES):
         super().__init__()
-        self.slice_bytes = slice_bytes
+        self.slice_bytes, self.floats, self.float_slice_bytes = slice_bytes, floats, float_slice_bytes
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph, lookups, projections = model.graph, 0, 0
@@ -74,17 +84,49 @@ class TiedTablePass(Reporting, ir.passes.InPlacePass):
             for product in products:
                 projections += self._rewrite_product(graph, product, rows)
             graph.initializers.pop(table.name)
+        floats = 0
+        for table in [v for v in graph.initializers.values() if self.floats and self._float_matrix(v)]:
+            uses = list(table.uses())
+            transposes = [u.node for u in uses if self._float_transpose(u.node, u.idx)]
+            if (not transposes or len(transposes) == len(uses) or table.is_graph_output()
+                    or any(u.node not in transposes and not self._row_lookup(u.node, u.idx) for u in uses)):
+                continue                                         # not (only) row lookups and tied projections
+            for transpose in transposes:
+                floats += self._rewrite_float(graph, transpose, table)
         if projections and ORT_DOMAIN not in graph.opset_imports:
             graph.opset_imports[ORT_DOMAIN] = 1
         if self._views:
             model.metadata_props[VIEWS] = json.dumps(self._views)
-        self.counts.update({"tied_table_lookup": lookups, "tied_table_projection": projections})
-        return ir.passes.PassResult(model, lookups > 0)
+        self.counts.update({"tied_table_lookup": lookups, "tied_table_projection": projections,
+                            "tied_table_float_projection": floats})
+        return ir.passes.PassResult(model, lookups > 0 or floats > 0)
 
     @staticmethod
     def _int8_matrix(value: ir.Value) -> bool:
         tensor = value.const_value
         return tensor is not None and tensor.dtype == ir.DataType.INT8 and len(tensor.shape) == 2
+
+    @staticmethod
+    def _float_matrix(value: ir.Value) -> bool:
+        tensor = value.const_value
+        return tensor is not None and tensor.dtype == ir.DataType.FLOAT and len(tensor.shape) == 2
+
+    @staticmethod
+    def _row_lookup(node: ir.Node, idx: int) -> bool:
+        """Gather(table, ids) along axis 0: a float table's token lookup."""
+        return (node.op_type == "Gather" and node.domain in ("", "ai.onnx") and idx == 0
+                and node.attributes.get_int("axis", 0) == 0)
+
+    @staticmethod
+    def _float_transpose(node: ir.Node, idx: int) -> bool:
+        """Transpose(table, perm [1, 0]) read only as the weight (input 1) of MatMuls: the tied fp32 projection."""
+        if node.op_type != "Transpose" or node.domain not in ("", "ai.onnx") or idx != 0:
+            return False
+        if list(node.attributes.get_ints("perm", [1, 0])) != [1, 0] or node.outputs[0].is_graph_output():
+            return False
+        uses = list(node.outputs[0].uses())
+        return bool(uses) and all(u.node.op_type == "MatMul" and u.node.domain in ("", "ai.onnx") and u.idx == 1
+                                  for u in uses)
 
     @staticmethod
     def _lookup(node: ir.Node, idx: int) -> bool:
@@ -159,6 +201,37 @@ class TiedTablePass(Reporting, ir.passes.InPlacePass):
         new.name = name
         return 1
 
+    def _rewrite_float(self, graph: ir.Graph, transpose: ir.Node, table: ir.Value) -> int:
+        array = table.const_value.numpy()
+        vocab, width = array.shape
+        base = table.name
+        flat = self._register(graph, f"{base}.flat_shape", np.array([-1, width], np.int64))
+        last = self._register(graph, f"{base}.vocab", np.array([vocab], np.int64))
+        slices = []
+        for a, b in slice_rows(vocab, width * array.itemsize, self.float_slice_bytes):
+            weight = self._register(graph, f"{base}.{a}_{b}", array[a:b])
+            self._views[weight.name] = {"tensor": base, "offset": a * width * array.itemsize}
+            slices.append(weight)
+        products = [u.node for u in transpose.outputs[0].uses()]
+        for product in products:
+            x = product.inputs[0]
+            nodes = [ir.node("Reshape", [x, flat]), ir.node("Shape", [x], attributes={"start": 0, "end": -1})]
+            parts = [ir.node("Gemm", [nodes[0].outputs[0], weight], attributes={"transB": 1}) for weight in slices]
+            nodes += parts
+            if len(parts) > 1:
+                nodes.append(ir.node("Concat", [p.outputs[0] for p in parts], attributes={"axis": 1}))
+            joined = nodes[-1].outputs[0]
+            nodes.append(ir.node("Concat", [nodes[1].outputs[0], last], attributes={"axis": 0}))
+            nodes.append(ir.node("Reshape", [joined, nodes[-1].outputs[0]]))
+            graph.insert_before(product, nodes)
+            old, new = product.outputs[0], nodes[-1].outputs[0]
+            name, new.shape, new.type = old.name, old.shape, old.type
+            ir.convenience.replace_all_uses_with(old, new, replace_graph_outputs=True)
+            graph.remove(product, safe=True)
+            new.name = name
+        graph.remove(transpose, safe=True)
+        return len(products)
+
     @staticmethod
     def _free_name(graph: ir.Graph, name: str) -> str:
         while name in graph.initializers:
@@ -171,10 +244,11 @@ class TiedTablePass(Reporting, ir.passes.InPlacePass):
         return value
 
 
-def tied_table_rows(model: ir.Model) -> ir.Model:
-    """The model with its 8-bit tied table read by rows (in place; returned): see the module docstring."""
-    TiedTablePass()(model)
+def tied_table_rows(model: ir.Model, floats: bool = False) -> ir.Model:
+    """The model with its 8-bit tied table read by rows (and with `floats` its float one's projection by row slices;
+    in place; returned): see the module docstring."""
+    TiedTablePass(floats=floats)(model)
     return model
 
 
-__all__ = ["TiedTablePass", "tied_table_rows", "slice_rows", "VIEWS"]
+__all__ = ["TiedTablePass", "tied_table_rows", "slice_rows", "VIEWS", "FLOAT_SLICE_BYTES"]

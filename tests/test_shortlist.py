@@ -244,6 +244,35 @@ def test_a_per_row_int8_bundle_is_refused_with_the_recipes_the_shortlist_reads(t
     assert not (tmp_path / "out").exists()
 
 
+def _by_transposed_table(path: Path):
+    """The toy decoder projecting by Transpose(table [V, D]), as large tied decoders do: (model, its MatMul, table)."""
+    import onnx
+    from onnx import helper, numpy_helper
+
+    model = onnx.load(str(path))
+    graph = model.graph
+    matmul = next(n for n in graph.node if "logits" in n.output)
+    weight = next(t for t in graph.initializer if t.name == matmul.input[1])
+    table = numpy_helper.to_array(weight).T.copy()
+    graph.initializer.remove(weight)
+    graph.initializer.append(numpy_helper.from_array(table, "table"))
+    graph.node.insert(0, helper.make_node("Transpose", ["table"], [matmul.input[1]], perm=[1, 0]))
+    return model, matmul, table
+
+
+def _decoder_feeds(session) -> dict:
+    """Random inputs for the toy decoder session (batch 2, lengths 3), its masks all ones."""
+    rng = np.random.default_rng(0)
+    feeds = {}
+    for i in session.get_inputs():
+        shape = [2 if d in ("batch",) else 3 if isinstance(d, str) else d for d in i.shape]
+        feeds[i.name] = (rng.integers(3, 60, size=shape) if "int" in i.type else
+                         rng.standard_normal(shape).astype(np.float32))
+    feeds["encoder_attention_mask"] = np.ones_like(feeds["encoder_attention_mask"])
+    feeds["decoder_attention_mask"] = np.ones_like(feeds["decoder_attention_mask"])
+    return feeds
+
+
 @pytest.mark.parametrize("bias", [False, True])
 def test_a_projection_by_a_transposed_table_gathers_the_table_itself(toy_exported, tmp_path, bias):
     """Large tied decoders multiply by Transpose(embedding) (not folded): the shortlist graph takes the
@@ -256,14 +285,8 @@ def test_a_projection_by_a_transposed_table_gathers_the_table_itself(toy_exporte
     from exporters.shortlist_graph import shortlist_decoder
 
     _, exported = toy_exported
-    model = onnx.load(str(Path(exported) / "decoder.onnx"))
+    model, matmul, table = _by_transposed_table(Path(exported) / "decoder.onnx")
     graph = model.graph
-    matmul = next(n for n in graph.node if "logits" in n.output)
-    weight = next(t for t in graph.initializer if t.name == matmul.input[1])
-    table = numpy_helper.to_array(weight).T.copy()
-    graph.initializer.remove(weight)
-    graph.initializer.append(numpy_helper.from_array(table, "table"))
-    graph.node.insert(0, helper.make_node("Transpose", ["table"], [matmul.input[1]], perm=[1, 0]))
     if bias:                                                         # logits = MatMul + final_logits_bias
         matmul.output[0] = "projected"
         graph.initializer.append(numpy_helper.from_array(np.linspace(-1, 1, table.shape[0], dtype=np.float32),
@@ -275,18 +298,53 @@ def test_a_projection_by_a_transposed_table_gathers_the_table_itself(toy_exporte
     assert not any(n.op_type == "Gather" and "table" in n.input for n in short.graph.node)  # rows come bound
     assert found.feed == "rows" and np.array_equal(found.array, table)   # inline here: written beside the graph
     session = ort.InferenceSession(short.SerializeToString(), providers=["CPUExecutionProvider"])
-    rng = np.random.default_rng(0)
-    feeds = {}
-    for i in full.get_inputs():
-        shape = [2 if d in ("batch",) else 3 if isinstance(d, str) else d for d in i.shape]
-        feeds[i.name] = (rng.integers(3, 60, size=shape) if "int" in i.type else
-                         rng.standard_normal(shape).astype(np.float32))
-    feeds["encoder_attention_mask"] = np.ones_like(feeds["encoder_attention_mask"])
-    feeds["decoder_attention_mask"] = np.ones_like(feeds["decoder_attention_mask"])
-    ids = np.array([2, 5, 17, 40, 63])
+    feeds, ids = _decoder_feeds(full), np.array([2, 5, 17, 40, 63])
     want = full.run(["logits"], feeds)[0][..., ids]
     assert np.array_equal(session.run(["logits"], {**feeds, "vocab_ids": ids, "shortlist_weight": table[ids]})[0],
                           want)
+
+
+def test_an_fp32_projection_by_row_slices_gathers_the_table_where_it_lies(toy_exported, tmp_path):
+    """optimize's fp32 CPU bundles project a tied table by Gemm row slices over its own bytes (exporters/tied_table):
+    the shortlist graph reads them as the one table they are, from weights.data (no copy), with the same logits."""
+    import onnx
+    import onnx_ir as ir
+    import onnxruntime as ort
+
+    from exporters.shared_weights import save_graph, share_weights
+    from exporters.shortlist_graph import shortlist_decoder
+    from exporters.tied_table import TiedTablePass
+
+    _, exported = toy_exported
+    model, _, table = _by_transposed_table(Path(exported) / "decoder.onnx")
+    graph = model.graph
+    lookup = next(n for n in graph.node if n.op_type == "Gather" and n.input[1] == "input_ids")
+    lookup.input[0] = "table"                                         # tied: the lookup reads the same table
+    converted = ir.from_proto(model)
+    step = TiedTablePass(floats=True, float_slice_bytes=table.shape[1] * 4 * 16)
+    step(converted)
+    assert step.counts["tied_table_float_projection"] == 1
+    converted_proto = ir.to_proto(converted).SerializeToString()
+    save_graph(converted, tmp_path / "decoder.onnx")
+    save_graph(ir.from_proto(onnx.load(str(Path(exported) / "encoder.onnx"))), tmp_path / "encoder.onnx")
+    share_weights({g: tmp_path / f"{g}.onnx" for g in ("encoder", "decoder")}, external_bytes=4096)   # toy sizes
+    saved = onnx.load(str(tmp_path / "decoder.onnx"), load_external_data=False)
+    assert sum(n.op_type == "Gemm" for n in saved.graph.node) > 1
+    gather = next(n for n in saved.graph.node if n.op_type == "Gather" and n.input[1] == "input_ids")
+    stored = {e.key: e.value for e in next(t for t in saved.graph.initializer if t.name == gather.input[0]).external_data}
+    short, found = shortlist_decoder(onnx.ModelProto.FromString(saved.SerializeToString()), tmp_path)
+    assert found.feed == "rows" and found.array is None                # the lookup's own table, in place
+    assert found.source == {"file": "weights.data", "offset": int(stored["offset"]), "length": table.nbytes}
+    assert not any(n.op_type == "Gemm" and n.name != "shortlist.projection" for n in short.graph.node)
+    onnx.save(short, str(tmp_path / "short.onnx"))
+    full = ort.InferenceSession(str(tmp_path / "decoder.onnx"), providers=["CPUExecutionProvider"])
+    session = ort.InferenceSession(str(tmp_path / "short.onnx"), providers=["CPUExecutionProvider"])
+    feeds, ids = _decoder_feeds(full), np.array([2, 5, 17, 40, 63])
+    want = full.run(["logits"], feeds)[0][..., ids]
+    got = session.run(["logits"], {**feeds, "vocab_ids": ids, "shortlist_weight": table[ids]})[0]
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)         # Gemm by other rows: other sums, float eps
+    inline, found = shortlist_decoder(onnx.ModelProto.FromString(converted_proto), tmp_path)   # slices in the graph
+    assert found.feed == "rows" and np.array_equal(found.array, table)  # (a small table): gathered from a copy
 
 
 NLLB_TEXTS = ["the quick fox jumps", "a lazy dog", "seven wizards hex the box", "over the jolly fox", "quietly",

@@ -122,6 +122,75 @@ def test_a_view_whose_bytes_differ_from_its_table_is_a_bug_not_a_wrong_bundle(tm
         share_weights({g: tmp_path / f"{g}.onnx" for g in models})
 
 
+def _float_models(bias: bool = False, seed: int = 0) -> dict[str, onnx.ModelProto]:
+    """A tied fp32 model's form: lookups Gather(T [V, D], ids), the decoder's projection MatMul(x, Transpose(T))."""
+    rng = np.random.default_rng(seed)
+    inits = [numpy_helper.from_array(rng.standard_normal((V, D), dtype=np.float32), "table")]
+    ids = helper.make_tensor_value_info("ids", TP.INT64, ["b", "t"])
+    x = helper.make_tensor_value_info("x", TP.FLOAT, ["b", "t", D])
+    emb = helper.make_tensor_value_info("emb", TP.FLOAT, None)
+    logits = helper.make_tensor_value_info("logits", TP.FLOAT, None)
+    lookup = helper.make_node("Gather", ["table", "ids"], ["emb"])
+    project = [helper.make_node("Transpose", ["table"], ["t"], perm=[1, 0]),
+               helper.make_node("MatMul", ["x", "t"], ["raw" if bias else "logits"])]
+    if bias:                                          # BART's final_logits_bias after the product
+        inits.append(numpy_helper.from_array(rng.standard_normal(V, dtype=np.float32), "bias"))
+        project.append(helper.make_node("Add", ["raw", "bias"], ["logits"]))
+    opsets = [helper.make_opsetid("", 17)]
+    encoder = helper.make_graph([lookup], "encoder", [ids], [emb], inits[:1])
+    decoder = helper.make_graph([lookup, *project], "decoder", [ids, x], [emb, logits], inits)
+    return {g: helper.make_model(m, opset_imports=opsets) for g, m in (("encoder", encoder), ("decoder", decoder))}
+
+
+def _float_rows(model: onnx.ModelProto, float_slice_bytes: int) -> tuple[onnx.ModelProto, TiedTablePass]:
+    step = TiedTablePass(floats=True, float_slice_bytes=float_slice_bytes)
+    converted = ir.from_proto(model)
+    step(converted)
+    return ir.to_proto(converted), step
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("slice_bytes", [16384, 1 << 20])
+def test_fp32_projection_by_row_slices_gives_bit_identical_logits(bias, slice_bytes):
+    decoder = _float_models(bias)["decoder"]
+    after, step = _float_rows(decoder, slice_bytes)
+    ops = [n.op_type for n in after.graph.node]
+    slices = slice_rows(V, D * 4, slice_bytes)
+    assert ops.count("Gemm") == len(slices) == (4 if slice_bytes == 16384 else 1)
+    assert "Transpose" not in ops and "MatMul" not in ops and ops.count("Gather") == 1
+    assert step.counts["tied_table_float_projection"] == 1 and step.changed
+    for batch in (1, 5):
+        want, got = _run(decoder, _feeds(batch)), _run(after, _feeds(batch))
+        assert all(np.array_equal(w, g) for w, g in zip(want, got))                      # bit for bit
+    views = {e.key: e.value for e in after.metadata_props}[VIEWS]
+    assert views.count('"tensor": "table"') == len(slices)
+
+
+def test_fp32_slices_are_stored_as_the_tables_own_bytes_and_int8_passes_leave_floats_alone(tmp_path):
+    models = _float_models()
+    assert not TiedTablePass()(ir.from_proto(models["decoder"])).modified        # without floats: as it was
+    for g, model in models.items():
+        save_graph(ir.from_proto(_float_rows(model, 16384)[0]), tmp_path / f"{g}.onnx")
+    record = share_weights({g: tmp_path / f"{g}.onnx" for g in models})
+    assert record["bytes"] < V * D * 4 + 4 * 4096                          # the table once
+    decoder = onnx.load(str(tmp_path / "decoder.onnx"), load_external_data=False)
+    where = {t.name: {e.key: e.value for e in t.external_data} for t in decoder.graph.initializer}
+    starts = [int(where[n.input[1]]["offset"]) for n in decoder.graph.node if n.op_type == "Gemm"]
+    table = int(where["table"]["offset"])
+    assert starts == [table + a * D * 4 for a, _ in slice_rows(V, D * 4, 16384)]
+    want = _run(models["decoder"], _feeds(3))
+    got = _run(None, _feeds(3), str(tmp_path / "decoder.onnx"))
+    assert all(np.array_equal(w, g) for w, g in zip(want, got))
+
+
+def test_fp32_table_read_by_something_else_is_left_alone():
+    decoder = _float_models()["decoder"]
+    decoder.graph.node.append(helper.make_node("Identity", ["table"], ["copy"]))
+    decoder.graph.output.append(helper.make_tensor_value_info("copy", TP.FLOAT, None))
+    after, step = _float_rows(decoder, 16384)
+    assert [n.op_type for n in after.graph.node] == [n.op_type for n in decoder.graph.node] and not step.changed
+
+
 def _resident_kib(address: int) -> int:
     """Rss of the mapping that starts at `address`, from /proc/self/smaps."""
     lines = open("/proc/self/smaps").read().splitlines()
@@ -148,3 +217,12 @@ def test_lookup_pages_gives_a_tables_pages_back(tmp_path):
     assert int(view[::1024].sum()) == int(np.arange(0, 8 << 20, 1024, dtype=np.uint64).sum())   # still the file
     del view
     mapped.close()
+
+
+def test_fp32_table_without_lookups_is_left_alone():
+    """Only a tied table (read by lookups too) is sliced: the slices are views of bytes the bundle keeps anyway."""
+    decoder = _float_models()["decoder"]
+    decoder.graph.node.remove(decoder.graph.node[0])                 # the Gather
+    decoder.graph.output.remove(decoder.graph.output[0])
+    after, step = _float_rows(decoder, 16384)
+    assert [n.op_type for n in after.graph.node] == ["Transpose", "MatMul"] and not step.changed

@@ -181,7 +181,7 @@ def _unslice(graph: onnx.GraphProto, base: Path) -> tuple[str, dict, np.ndarray]
     joined = producer.get(node.input[0])
     gemms = [producer.get(i) for i in joined.input] if joined is not None and joined.op_type == "Concat" else [joined]
     if gemms and all(g is not None and g.op_type == "Gemm" and len(g.input) == 2 for g in gemms):
-        return _unslice_float(graph, base, node, joined, gemms)
+        return _unslice_float(graph, base, node, joined, gemms, producer, inits)
     if not gemms or any(g is None or g.op_type != "QGemm" or len(g.input) != 6 for g in gemms):
         return None
     quantize = producer.get(gemms[0].input[0])
@@ -222,16 +222,13 @@ def _contiguous(graph: onnx.GraphProto, names: list[str]) -> dict | None:
 
 
 def _unslice_float(graph: onnx.GraphProto, base: Path, node: onnx.NodeProto, joined: onnx.NodeProto,
-                   gemms: list[onnx.NodeProto]) -> tuple[str, dict, np.ndarray] | None:
+                   gemms: list[onnx.NodeProto], producer: dict, inits: dict) -> tuple[str, dict, np.ndarray] | None:
     """exporters/tied_table's fp32 projection, x -> Reshape -> Gemm(transB) by row slices of the table [V, D] ->
     Concat -> Reshape, made one MatMul(x, TABLE) node again: as _unslice."""
-    producer = {o: n for n in graph.node for o in n.output}
-    inits = {t.name: t for t in graph.initializer}
     flat = producer.get(gemms[0].input[0])
-    trans = [next((a.i for a in g.attribute if a.name == "transB"), 0) for g in gemms]
-    if (flat is None or flat.op_type != "Reshape" or any(t != 1 for t in trans)
-            or any(g.input[0] != flat.output[0] or g.input[1] not in inits for g in gemms)
-            or any(a.name not in ("transB",) for g in gemms for a in g.attribute)):
+    if (flat is None or flat.op_type != "Reshape"
+            or any([(a.name, a.i) for a in g.attribute] != [("transB", 1)] for g in gemms)
+            or any(g.input[0] != flat.output[0] or g.input[1] not in inits for g in gemms)):
         return None
     where = _contiguous(graph, [g.input[1] for g in gemms])
     if where is None:                                                 # slices kept inside the graph (a small table)

@@ -161,76 +161,77 @@ class TiedTablePass(Reporting, ir.passes.InPlacePass):
         return 1
 
     def _rewrite_product(self, graph: ir.Graph, product: ir.Node, rows: ir.Value) -> int:
-        x, scale = product.inputs[0], _const(product.inputs[2]).astype(np.float32)
+        scale = _const(product.inputs[2]).astype(np.float32)
         zero = product.inputs[3] if len(product.inputs) > 3 else None
         zero = np.zeros((), np.int8) if zero is None else _const(zero).astype(np.int8)
-        table = rows.const_value.numpy()
-        vocab, width = table.shape
+        vocab = rows.const_value.shape[0]
         if scale.size > 1 or zero.size > 1:                  # per column: both [V] (QGemm wants the same shapes)
             scale, zero = (np.broadcast_to(a.reshape(-1), (vocab,)) for a in (scale, zero))
         else:
             scale, zero = scale.reshape(()), zero.reshape(())
-        base = rows.name
+        consts = [v for v in product.inputs[2:] if v is not None]
+
+        def parts(flat: ir.Value) -> tuple[list[ir.Node], list[ir.Value]]:
+            quantize = ir.node("DynamicQuantizeLinear", [flat], num_outputs=3)
+            gemms = []
+            for (a, b), weight in self._slices(graph, rows, self.slice_bytes):
+                s = self._register(graph, f"{weight.name}.scale", scale[a:b] if scale.ndim else scale)
+                z = self._register(graph, f"{weight.name}.zero_point", zero[a:b] if zero.ndim else zero)
+                gemms.append(ir.node("QGemm", [*quantize.outputs, weight, s, z], attributes={"transB": 1},
+                                     domain=ORT_DOMAIN))
+            return [quantize, *gemms], [g.outputs[0] for g in gemms]
+
+        self._splice(graph, product, rows.name, rows.const_value.shape, parts)
+        for value in consts:                               # its b_scale (and zero point), unless read elsewhere
+            if value.name in graph.initializers and not list(value.uses()) and not value.is_graph_output():
+                graph.initializers.pop(value.name)
+        return 1
+
+    def _rewrite_float(self, graph: ir.Graph, transpose: ir.Node, table: ir.Value) -> int:
+        slices = [weight for _, weight in self._slices(graph, table, self.float_slice_bytes)]
+
+        def parts(flat: ir.Value) -> tuple[list[ir.Node], list[ir.Value]]:
+            gemms = [ir.node("Gemm", [flat, weight], attributes={"transB": 1}) for weight in slices]
+            return gemms, [g.outputs[0] for g in gemms]
+
+        products = [u.node for u in transpose.outputs[0].uses()]
+        for product in products:
+            self._splice(graph, product, table.name, table.const_value.shape, parts)
+        graph.remove(transpose, safe=True)
+        return len(products)
+
+    def _slices(self, graph: ir.Graph, table: ir.Value, slice_bytes: int) -> list[tuple[tuple[int, int], ir.Value]]:
+        """Initializers over row slices a:b of the [V, D] table, each recorded in VIEWS as a part of its bytes."""
+        array = table.const_value.numpy()
+        row = array.shape[1] * array.itemsize
+        out = []
+        for a, b in slice_rows(array.shape[0], row, slice_bytes):
+            weight = self._register(graph, f"{table.name}.{a}_{b}", array[a:b])
+            self._views[weight.name] = {"tensor": table.name, "offset": a * row}
+            out.append(((a, b), weight))
+        return out
+
+    def _splice(self, graph: ir.Graph, product: ir.Node, base: str, shape, parts) -> None:
+        """Put in place of `product` (x [..., D] -> [..., V]): x -> Reshape [M, D] -> parts(it) (the nodes, and the
+        slices' outputs in order) -> Concat -> Reshape [..., V]."""
+        vocab, width = (int(d) for d in shape)
+        x = product.inputs[0]
         flat = self._register(graph, f"{base}.flat_shape", np.array([-1, width], np.int64))
         last = self._register(graph, f"{base}.vocab", np.array([vocab], np.int64))
         nodes = [ir.node("Reshape", [x, flat]), ir.node("Shape", [x], attributes={"start": 0, "end": -1})]
-        quantize = ir.node("DynamicQuantizeLinear", [nodes[0].outputs[0]], num_outputs=3)
-        nodes.append(quantize)
-        slices = []
-        for a, b in slice_rows(vocab, width * table.itemsize, self.slice_bytes):
-            weight = self._register(graph, f"{base}.{a}_{b}", table[a:b])
-            self._views[weight.name] = {"tensor": base, "offset": a * width * table.itemsize}
-            s = self._register(graph, f"{base}.{a}_{b}.scale", scale[a:b] if scale.ndim else scale)
-            z = self._register(graph, f"{base}.{a}_{b}.zero_point", zero[a:b] if zero.ndim else zero)
-            gemm = ir.node("QGemm", [*quantize.outputs, weight, s, z], attributes={"transB": 1}, domain=ORT_DOMAIN)
-            nodes.append(gemm)
-            slices.append(gemm.outputs[0])
-        if len(slices) > 1:
-            nodes.append(ir.node("Concat", slices, attributes={"axis": 1}))
+        made, outputs = parts(nodes[0].outputs[0])
+        nodes += made
+        if len(outputs) > 1:
+            nodes.append(ir.node("Concat", outputs, attributes={"axis": 1}))
+        joined = nodes[-1].outputs[0] if len(outputs) > 1 else outputs[0]
         nodes.append(ir.node("Concat", [nodes[1].outputs[0], last], attributes={"axis": 0}))
-        nodes.append(ir.node("Reshape", [nodes[-2].outputs[0], nodes[-1].outputs[0]]))
+        nodes.append(ir.node("Reshape", [joined, nodes[-1].outputs[0]]))
         graph.insert_before(product, nodes)
         old, new = product.outputs[0], nodes[-1].outputs[0]
         name, new.shape, new.type = old.name, old.shape, old.type
         ir.convenience.replace_all_uses_with(old, new, replace_graph_outputs=True)
-        consts = [v for v in product.inputs[2:] if v is not None]
         graph.remove(product, safe=True)
-        for value in consts:                               # its b_scale (and zero point), unless read elsewhere
-            if value.name in graph.initializers and not list(value.uses()) and not value.is_graph_output():
-                graph.initializers.pop(value.name)
         new.name = name
-        return 1
-
-    def _rewrite_float(self, graph: ir.Graph, transpose: ir.Node, table: ir.Value) -> int:
-        array = table.const_value.numpy()
-        vocab, width = array.shape
-        base = table.name
-        flat = self._register(graph, f"{base}.flat_shape", np.array([-1, width], np.int64))
-        last = self._register(graph, f"{base}.vocab", np.array([vocab], np.int64))
-        slices = []
-        for a, b in slice_rows(vocab, width * array.itemsize, self.float_slice_bytes):
-            weight = self._register(graph, f"{base}.{a}_{b}", array[a:b])
-            self._views[weight.name] = {"tensor": base, "offset": a * width * array.itemsize}
-            slices.append(weight)
-        products = [u.node for u in transpose.outputs[0].uses()]
-        for product in products:
-            x = product.inputs[0]
-            nodes = [ir.node("Reshape", [x, flat]), ir.node("Shape", [x], attributes={"start": 0, "end": -1})]
-            parts = [ir.node("Gemm", [nodes[0].outputs[0], weight], attributes={"transB": 1}) for weight in slices]
-            nodes += parts
-            if len(parts) > 1:
-                nodes.append(ir.node("Concat", [p.outputs[0] for p in parts], attributes={"axis": 1}))
-            joined = nodes[-1].outputs[0]
-            nodes.append(ir.node("Concat", [nodes[1].outputs[0], last], attributes={"axis": 0}))
-            nodes.append(ir.node("Reshape", [joined, nodes[-1].outputs[0]]))
-            graph.insert_before(product, nodes)
-            old, new = product.outputs[0], nodes[-1].outputs[0]
-            name, new.shape, new.type = old.name, old.shape, old.type
-            ir.convenience.replace_all_uses_with(old, new, replace_graph_outputs=True)
-            graph.remove(product, safe=True)
-            new.name = name
-        graph.remove(transpose, safe=True)
-        return len(products)
 
     @staticmethod
     def _free_name(graph: ir.Graph, name: str) -> str:

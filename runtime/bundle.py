@@ -168,7 +168,7 @@ def _shortlist(path: Path, manifest: dict, provider: str, config: SessionConfig,
     expected = shortlist_decoder_spec(graph_specs(model, layout=decoder_layout(manifest))["decoder"], weight)
     _check_recorded(path, "shortlist decoder", recorded, expected)
     file = path / record["decoder"]["file"]
-    shared, pages = tables if provider == "cpu" else (None, None)
+    shared, pages = tables                                            # ({}, None) off the CPU
     session = _session(file, provider, config.for_graph("decoder"), shared)
     _check_session(file, session, recorded)
     session = session if pages is None else PagesReturned(session, pages)

@@ -9,7 +9,7 @@ GPU    := $(shell nvidia-smi -L >/dev/null 2>&1 && echo yes)
 ORT    := $(if $(GPU),gpu,cpu)
 PIP    := $(PY) -m pip install --quiet --disable-pip-version-check
 
-.PHONY: install demo test test-all bench gpu-check clean
+.PHONY: install demo test test-isa test-all bench gpu-check clean
 
 install: $(VENV)/.installed-$(ORT)
 
@@ -26,6 +26,10 @@ demo: install
 
 test: install
 	$(PY) -m pytest -q -m "not gpu and not slow" --durations=10
+
+# the fast suite under each instruction set this CPU can stand in for, and int8 weights of 7 and 8 bits forced
+test-isa: install
+	bash scripts/test_isa.sh out/test-isa
 
 test-all: install
 	$(PY) -m pytest -q --durations=15

@@ -22,6 +22,34 @@ EXAMPLE_CHECKPOINT = ROOT / "examples" / "dates" / "checkpoint"
 TOY_STEPS = 300          # with dropout 0 (and train_toy's lr scale 0.5): every output input-dependent
 
 
+def pytest_addoption(parser):
+    parser.addoption("--weight-bits", choices=("auto", "7", "8"), default="auto",
+                     help="int8 weights that optimize's --weight-bits auto picks in this run: auto (this CPU's "
+                          "choice: 7 where its int8 kernel saturates 8-bit products, else 8), or 7 / 8 forced, so one "
+                          "machine runs the int8 tests as VNNI and non-VNNI CPUs build them (make test-isa)")
+    parser.addoption("--toy-seed", type=int, default=0,
+                     help="added to every trained toy model's seed: other toy models, as another CPU's kernels train "
+                          "(a test whose precondition holds only for one model fails under some --toy-seed)")
+
+
+def pytest_configure(config):
+    """--weight-bits 7|8: optimize's "auto" resolves as on a CPU whose int8 kernel saturates (7) or not (8). Set once,
+    before collection, so module-level choices (tests/test_row_activations.BITS) see it too; tests that ask what
+    auto picks here call exporters.optimize.int8_saturates, never runtime.session's probe."""
+    forced = config.getoption("--weight-bits")
+    if forced != "auto":
+        import exporters.optimize
+
+        exporters.optimize.int8_saturates = lambda: forced == "7"
+
+
+def auto_weight_bits() -> int:
+    """The bits optimize's --weight-bits auto gives in this run (this CPU's, or --weight-bits forced)."""
+    import exporters.optimize
+
+    return 7 if exporters.optimize.int8_saturates() else 8
+
+
 def copy_with_manifest(bundle: Path, dest: Path, **fields) -> Path:
     """A copy of a bundle whose manifest.json has the given top-level fields replaced (a broken or lying bundle)."""
     import json
@@ -53,14 +81,15 @@ def with_ort_graphs(bundle: Path, dest: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
-def toy_model_factory():
+def toy_model_factory(pytestconfig):
     """A function (steps=300, seed=0, **config_overrides) -> trained tiny Transformer in eval mode, cached."""
     from toolkit.reference.config import preset
     from toolkit.testing.toy import train_toy
 
-    cache = {}
+    cache, shift = {}, pytestconfig.getoption("--toy-seed")
 
     def make(steps: int = TOY_STEPS, seed: int = 0, **overrides):
+        seed += shift
         # dropout slows a tiny model's learning (it is off in eval anyway)
         config = preset("tiny", **{"dropout": 0.0, **overrides})
         key = (steps, seed, config)                  # equal configs share one model, however they were spelled

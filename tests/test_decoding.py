@@ -184,17 +184,35 @@ def test_greedy_logprobs_sum_to_the_score_and_sampling_logprobs_are_the_models(e
     assert generate_ids(torch_engine, inputs, SearchOptions(max_new_tokens=4))[0][0].logprobs is None
 
 
+def limit_between_lengths(engine, inputs, opts: SearchOptions, width: int, need_ended: bool) -> int:
+    """A max_new_tokens at which, on this model, some targets of `opts` reach the limit and (need_ended) some end
+    before it: measured by decoding, not hoped for (another CPU's kernels train another toy model, whose targets
+    end elsewhere: tried shortest limit first)."""
+    seen = {}
+    for limit in range(2, 16):
+        hyps = [h[0] for h in generate_ids(engine, inputs, replace(opts, max_new_tokens=limit))]
+        ended = sum(len(h.tokens) < width + limit for h in hyps)
+        cut = sum(len(h.tokens) == width + limit and not h.finished for h in hyps)
+        seen[limit] = (cut, ended)
+        if cut and (ended or not need_ended):
+            return limit
+    raise AssertionError(f"no max_new_tokens in 2..15 has targets both cut at the limit and (needed: {need_ended}) "
+                         f"ended before it on this model; (cut, ended) per limit: {seen}")
+
+
 @pytest.mark.parametrize("extra", [{}, {"return_logprobs": True}, {"sample": True, "seed": 4},
                                    {"prefix_ids": ((9,),) * 8, "min_new_tokens": 30}])
 def test_forced_eos_ends_a_target_at_its_limit_unscored(engines, inputs, extra):
     """forced_eos: a target that reaches max_new_tokens ends with EOS (finished), its other tokens as without it;
     EOS is not scored (its log-probability, where asked for, is the model's); ended targets are untouched. On the
     plain path, with logprobs, sampling (the same draws) and a prefix plus a minimum past the limit (which forced
-    EOS overrides, as transformers' processors order it); bundle and PyTorch agree; one request turns it off."""
+    EOS overrides, as transformers' processors order it); bundle and PyTorch agree; one request turns it off.
+    The limit is measured so that some targets reach it and some end before it (with the minimum, none can)."""
     torch_engine, bundle_engine, _ = engines
-    eos, limit, width = torch_engine.eos_id, 6, len(extra.get("prefix_ids", ((),))[0])
-    opts = SearchOptions(max_new_tokens=limit, return_logprobs=True, **{k: v for k, v in extra.items()
-                                                                          if k != "return_logprobs"})
+    eos, width = torch_engine.eos_id, len(extra.get("prefix_ids", ((),))[0])
+    base = SearchOptions(return_logprobs=True, **{k: v for k, v in extra.items() if k != "return_logprobs"})
+    limit = limit_between_lengths(torch_engine, inputs, base, width, need_ended="min_new_tokens" not in extra)
+    opts = replace(base, max_new_tokens=limit)
     plain = [h[0] for h in generate_ids(torch_engine, inputs, opts)]
     forced = [h[0] for h in generate_ids(torch_engine, inputs, replace(opts, forced_eos=True))]
     assert [h[0].tokens for h in generate_ids(bundle_engine, inputs, replace(opts, forced_eos=True))] == \
@@ -208,8 +226,7 @@ def test_forced_eos_ends_a_target_at_its_limit_unscored(engines, inputs, extra):
         assert f.tokens == p.tokens[:-1] + [eos] and f.finished
         assert f.score == pytest.approx(p.score - p.logprobs[-1], abs=1e-9)     # the last token is not scored
         assert f.logprobs[:-1] == p.logprobs[:-1] and np.isfinite(f.logprobs[-1]) and f.logprobs[-1] < 0
-    ended = sum(len(p.tokens) < width + limit for p in plain)
-    assert cut > 0 and (ended > 0 or "min_new_tokens" in extra), (cut, ended)
+    assert cut > 0, (limit, cut)
     with pytest.raises(InputError, match="forced_eos ends a target with EOS .* ignore_eos never lets it end"):
         generate_ids(torch_engine, inputs, SearchOptions(forced_eos=True, ignore_eos=True))
     with pytest.raises(InputError, match="forced_eos must be true, false or unset"):

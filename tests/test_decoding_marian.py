@@ -114,9 +114,10 @@ def test_control_ids_equal_marian_generate(marian, control, beam):
 def test_forced_eos_ids_equal_marian_generate(marian, beam):
     """forced_eos (transformers' forced_eos_token_id, which opus-mt configs set): an output reaching the limit ends
     with EOS there, forced and not scored. The limit is the unforced outputs' median length, so that outputs that end
-    themselves and outputs cut by the limit mix; the ids equal generate's, which differ from generate's without."""
+    themselves and outputs cut by the limit mix (measured per search: beam's outputs run longer, by how much this
+    model decides); the ids equal generate's, which differ from generate's without."""
     engine, model, seqs, plain, _ = marian
-    limit = int(np.median([len(p) for p in plain])) if beam == 1 else MAX_NEW - 2   # beam's outputs run long
+    limit = int(np.median([len(p) for p in (plain if beam == 1 else hf_generate(model, seqs, beam))]))
     want = hf_generate(model, seqs, beam, max_new=limit, forced_eos_token_id=engine.eos_id)
     unforced = hf_generate(model, seqs, beam, max_new=limit)
     assert sum(w != u for w, u in zip(want, unforced)) >= 4                # forcing changed outputs

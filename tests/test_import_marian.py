@@ -305,14 +305,14 @@ def test_briefly_trained_marian_int8_keeps_the_first_recipe_that_passes(tmp_path
     from exporters.int8_recipes import recipes_for
     from exporters.optimize import optimize_bundle
     from runtime.manifest import read_manifest
-    from runtime.session import int8_saturates
+    from conftest import auto_weight_bits
 
     ckpt = import_model(build_tiny_marian(tmp_path / "marian", **BRIEF), tmp_path / "ckpt")
     fused, _ = optimize_bundle(export_checkpoint(ckpt, tmp_path / "bundle"), tmp_path / "fused")
     out, report = optimize_bundle(fused, tmp_path / "int8", precision="int8", texts=held_out(64), samples=64)
     tried = report.recipe["tried"]
     print(report.notes)
-    names = [r.name for r in recipes_for("auto", None, None, int8_saturates())]     # 7-bit where 8 bits saturate
+    names = [r.name for r in recipes_for("auto", None, None, auto_weight_bits())]     # 7-bit where 8 bits saturate
     assert tried[0]["recipe"] == names[0] and tried[0]["verdict"] == "failed" and tried[0]["tokens_equal"] < 0.98
     assert [t["recipe"] for t in tried] == names[:len(tried)] and len(tried) > 1
     assert all(t["verdict"] == "failed" for t in tried[:-1]) and tried[-1]["verdict"] == "ok"

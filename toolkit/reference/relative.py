@@ -54,9 +54,16 @@ class RelativePositionBias(nn.Module):
         self.embedding = nn.Embedding(config.relative_buckets, config.n_heads)   # [buckets, H], stored
         self.register_buffer("buckets", bucket_table(config, bidirectional), persistent=False)  # derived
 
+    def offset_table(self) -> torch.Tensor:
+        """[2 * max_len - 1, H]: the bias of every offset k - q a model of max_len positions meets (row r + max_len
+        - 1 for offset r). Made of weights and the derived buckets only, so export folds it into one table the
+        bundle carries."""
+        return self.embedding(self.buckets)
+
     def forward(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
-        """q_pos [B|1, Tq], k_pos [B|1, Tk] (positions in 0..max_len-1) -> bias [B|1, H, Tq, Tk]."""
+        """q_pos [B|1, Tq], k_pos [B|1, Tk] (positions in 0..max_len-1) -> bias [B|1, H, Tq, Tk]: rows of the
+        offset table, gathered once per call (a stack calls it once per step, for all its layers)."""
         relative = k_pos.unsqueeze(1) - q_pos.unsqueeze(2) + (self.max_len - 1)      # [B|1, Tq, Tk], index
         relative = relative.clamp(0, 2 * self.max_len - 2)
-        values = self.embedding(self.buckets[relative])                             # [B|1, Tq, Tk, H]
+        values = self.offset_table()[relative]                                      # [B|1, Tq, Tk, H]
         return values.permute(0, 3, 1, 2)

@@ -41,7 +41,7 @@ import onnxruntime as ort
 from runtime.session import FLOAT, SessionConfig, device_of, gather_model, make_session
 from runtime.spec import (CROSS, DECODER_ATTENTION_MASK, DECODER_LAYOUTS, DYNAMIC, INPUT_IDS, PAST,
                           PAST_SEQUENCE_LENGTH, POSITION_IDS, PRESENT, SELF, SHORTLIST_WEIGHT, STATIC_PER_ROW, VOCAB_IDS,
-                          cache_names, default_row_inputs, takes_key_mask)
+                          cache_names, default_row_inputs, head_dim_of, takes_key_mask)
 from runtime.shortlist import Selection
 
 ENCODER_MASK = "encoder_attention_mask"
@@ -64,7 +64,7 @@ class Feed:
         self.shortlist_weight = shortlist_weight                       # its projection table (ShortlistWeight), or None
         self.device = device_of(provider)
         self.static, self.per_row, self.key_mask = layout != DYNAMIC, layout == STATIC_PER_ROW, takes_key_mask(layout)
-        self.n_heads, self.head_dim = config["n_heads"], config["d_model"] // config["n_heads"]
+        self.n_heads, self.head_dim = config["n_heads"], head_dim_of(config)
         layers = config["n_decoder_layers"]
         self.cross_names = cache_names(layers, PRESENT, CROSS)         # encoder outputs
         self.cross_in_names = cache_names(layers, PAST, CROSS)         # ... fed to the decoder by these names

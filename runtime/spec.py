@@ -133,9 +133,16 @@ def empty_past(batch: int, n_heads: int, head_dim: int, dtype=np.float32) -> np.
     return np.zeros((batch, n_heads, 0, head_dim), dtype=dtype)
 
 
-def encoder_spec(n_decoder_layers: int, n_heads: int, d_model: int, float_type: str = "float32") -> GraphSpec:
-    """encoder.onnx: token ids and mask in; hidden states and every decoder layer's cross-attention K/V out."""
-    head_dim = d_model // n_heads
+def head_dim_of(config: dict) -> int:
+    """The per-head size of a model config given as a dict: its d_kv (T5's), else d_model / n_heads."""
+    return config.get("d_kv") or config["d_model"] // config["n_heads"]
+
+
+def encoder_spec(n_decoder_layers: int, n_heads: int, d_model: int, float_type: str = "float32",
+                 head_dim: int | None = None) -> GraphSpec:
+    """encoder.onnx: token ids and mask in; hidden states and every decoder layer's cross-attention K/V out
+    (head_dim: d_model / n_heads unless given)."""
+    head_dim = head_dim or d_model // n_heads
     kv_shape = (BATCH, n_heads, SRC_LEN, head_dim)
     outputs = [TensorSpec("encoder_hidden_states", float_type, (BATCH, SRC_LEN, d_model))]
     for i in range(n_decoder_layers):
@@ -149,7 +156,7 @@ def encoder_spec(n_decoder_layers: int, n_heads: int, d_model: int, float_type: 
 
 
 def decoder_spec(n_decoder_layers: int, n_heads: int, d_model: int, vocab_size: int,
-                 float_type: str = "float32", layout: str = DYNAMIC) -> GraphSpec:
+                 float_type: str = "float32", layout: str = DYNAMIC, head_dim: int | None = None) -> GraphSpec:
     """decoder.onnx: one cached step. Per layer, past self K/V and cross K/V in; logits and present self K/V out.
 
     The dynamic cache: present = past + new rows, a new tensor each step. The static cache
@@ -169,7 +176,7 @@ def decoder_spec(n_decoder_layers: int, n_heads: int, d_model: int, vocab_size: 
     """
     if layout not in DECODER_LAYOUTS:
         raise ValueError(f"unknown decoder layout {layout!r}; one of {DECODER_LAYOUTS}")
-    head_dim = d_model // n_heads
+    head_dim = head_dim or d_model // n_heads
     static_cache = layout != DYNAMIC
     new_len = 1 if static_cache else NEW_LEN
     past_len, total_len = (CACHE_LEN, CACHE_LEN) if static_cache else (PAST_LEN, TOTAL_LEN)
@@ -244,7 +251,8 @@ def graph_specs(config: dict, float_type: str = "float32", layout: str = DYNAMIC
     """Both graphs' specs from a model config given as a dict (as stored in config.json and the manifest) and the
     decoder's layout (the manifest's decoder_layout)."""
     L, H, D, V = config["n_decoder_layers"], config["n_heads"], config["d_model"], config["vocab_size"]
-    return {"encoder": encoder_spec(L, H, D, float_type), "decoder": decoder_spec(L, H, D, V, float_type, layout)}
+    dh = head_dim_of(config)
+    return {"encoder": encoder_spec(L, H, D, float_type, dh), "decoder": decoder_spec(L, H, D, V, float_type, layout, dh)}
 
 
 def config_field_of(tensor: str, axis: int) -> str:
@@ -253,7 +261,7 @@ def config_field_of(tensor: str, axis: int) -> str:
         return "vocab_size"
     if tensor == "encoder_hidden_states":
         return "d_model"
-    return "n_heads" if axis == 1 else "d_model / n_heads (head_dim)"
+    return "n_heads" if axis == 1 else "d_kv, else d_model / n_heads (head_dim)"
 
 
 __all__ = ["TensorSpec", "GraphSpec", "PAST_SEQUENCE_LENGTH", "CACHE_LEN", "POSITION_IDS", "DECODER_ATTENTION_MASK",
@@ -261,5 +269,5 @@ __all__ = ["TensorSpec", "GraphSpec", "PAST_SEQUENCE_LENGTH", "CACHE_LEN", "POSI
            "DYNAMIC", "STATIC_PER_ROW", "STATIC_SHARED", "DECODER_LAYOUTS", "kv_cache_of", "takes_key_mask",
            "default_row_inputs", "config_field_of", "KV_CACHES", "PAST", "PRESENT", "SELF",
            "CROSS", "KV", "cache_name", "cache_names", "parse_cache_name", "is_cache", "past_of", "present_of",
-           "empty_past", "encoder_spec", "decoder_spec", "graph_specs", "source_vocab_size",
+           "empty_past", "head_dim_of", "encoder_spec", "decoder_spec", "graph_specs", "source_vocab_size",
            "source_pad_id", "suppressed_ids", "forces_eos"]

@@ -1,5 +1,6 @@
-"""Tokenizers stored as tokenizer.json: characters, SentencePiece with a vocabulary (Marian), or a Hugging Face
-tokenizer.json (BART, mBART, NLLB, Pegasus), all typed by the Tokenizer protocol. Torch-free: they ship in
+"""Tokenizers stored as tokenizer.json: characters, SentencePiece with a vocabulary (Marian), a Hugging Face
+tokenizer.json (BART, mBART, NLLB, Pegasus, T5), or bytes (ByT5: runtime/byte_tokenizer.py), all typed by the
+Tokenizer protocol. Torch-free: they ship in
 bundles."""
 
 from __future__ import annotations
@@ -253,10 +254,15 @@ def _read_vocab(path: Path) -> dict[str, int]:
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:
-    """The tokenizer described by a tokenizer.json: a CharTokenizer, SentencePieceTokenizer or FastTokenizer."""
+    """The tokenizer described by a tokenizer.json: a CharTokenizer, SentencePieceTokenizer, FastTokenizer or
+    ByteTokenizer (runtime/byte_tokenizer.py: ByT5's)."""
+    from runtime.byte_tokenizer import ByteTokenizer
+
     path = Path(path)
     data = read_json(path, TokenizerError, "regenerate it")
     kind = data.get("type") if isinstance(data, dict) else None
+    if kind == ByteTokenizer.TYPE:
+        return ByteTokenizer(data)
     if kind == SentencePieceTokenizer.TYPE:
         needed = ("source_spm", "target_spm", "vocab", "eos", "unk", "pad")
         missing = [k for k in needed if not isinstance(data.get(k), str)]

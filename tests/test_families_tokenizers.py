@@ -88,7 +88,7 @@ def test_bad_tokenizer_files_are_refused(tmp_path):
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({**tc, "src_lang": "xx_Nope"}))
     with pytest.raises(ImportRefused, match="has no token 'xx_Nope'"):
         family_tokenizer(tmp_path, config)
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**tc, "tokenizer_class": "T5Tokenizer"}))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**tc, "tokenizer_class": "XLNetTokenizer"}))
     with pytest.raises(ImportRefused, match="source framing is unknown"):
         family_tokenizer(tmp_path, config)
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(tc))

@@ -1,4 +1,6 @@
-"""The reference model: cached step-by-step decoding equals recomputing the prefix; padding changes nothing."""
+"""The reference model: cached step-by-step decoding equals recomputing the prefix; padding changes nothing. Each
+for post-norm and pre-norm stacks and for T5's variants (relative position bias, RMSNorm, gated GELU, no biases,
+unscaled scores, d_kv apart from d_model / heads, rescaled tied head), whose bias must follow the KV cache."""
 
 from __future__ import annotations
 
@@ -11,6 +13,10 @@ from toolkit.testing.toy import toy_inputs
 from toolkit.reference.torch_engine import TorchEngine
 
 ATOL = 1e-5  # fp32: cached and uncached paths do the same arithmetic in a different order
+T5 = dict(norm="pre", positions="none", relative_buckets=8, relative_max_distance=12, normalization="rms",
+          attention_scale=False, linear_bias=False, gated_ffn=True, activation="gelu_tanh", d_kv=6, head_rescale=True,
+          scale_embeddings=False)   # distances up to 12: the inputs here reach the logarithmic buckets
+VARIANTS = {"post": dict(norm="post"), "pre": dict(norm="pre"), "t5": T5}
 
 
 def padded_batch(config, lengths=(3, 9, 6, 1), seed=5):
@@ -20,10 +26,10 @@ def padded_batch(config, lengths=(3, 9, 6, 1), seed=5):
     return seqs, torch.from_numpy(ids), torch.from_numpy(mask)
 
 
-@pytest.mark.parametrize("norm", ["post", "pre"])
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
 @torch.no_grad()
-def test_cached_decoding_equals_recomputing_the_prefix(toy_model_factory, norm):
-    model = toy_model_factory(norm=norm)
+def test_cached_decoding_equals_recomputing_the_prefix(toy_model_factory, variant):
+    model = toy_model_factory(**VARIANTS[variant])
     config = model.config
     _, src, mask = padded_batch(config)
     _, cross = model.encode(src, mask)
@@ -46,9 +52,9 @@ def test_cached_decoding_equals_recomputing_the_prefix(toy_model_factory, norm):
     assert (torch.cat([first, rest], dim=1) - full).abs().max().item() <= ATOL
 
 
-@pytest.mark.parametrize("norm", ["post", "pre"])
-def test_cached_and_uncached_engines_generate_the_same(toy_model_factory, norm):
-    model = toy_model_factory(norm=norm)
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_cached_and_uncached_engines_generate_the_same(toy_model_factory, variant):
+    model = toy_model_factory(**VARIANTS[variant])
     seqs = toy_inputs(model.config, 12, seed=7)
     for opts in (SearchOptions(max_new_tokens=16), SearchOptions(max_new_tokens=16, beam=3, num_return=3)):
         cached = generate_ids(TorchEngine(model, use_cache=True), seqs, opts)
@@ -59,10 +65,10 @@ def test_cached_and_uncached_engines_generate_the_same(toy_model_factory, norm):
                 assert a.score == pytest.approx(b.score, abs=1e-4)
 
 
-@pytest.mark.parametrize("norm", ["post", "pre"])
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
 @torch.no_grad()
-def test_encoder_output_does_not_depend_on_padding(toy_model_factory, norm):
-    model = toy_model_factory(norm=norm)
+def test_encoder_output_does_not_depend_on_padding(toy_model_factory, variant):
+    model = toy_model_factory(**VARIANTS[variant])
     seqs, src, mask = padded_batch(model.config)
     memory, cross = model.encode(src, mask)
     for row, seq in enumerate(seqs):
@@ -70,6 +76,26 @@ def test_encoder_output_does_not_depend_on_padding(toy_model_factory, norm):
         n = len(seq)
         assert (memory[row, :n] - alone[0]).abs().max().item() <= ATOL
         assert (cross[0][0][row, :, :n] - alone_cross[0][0][0]).abs().max().item() <= ATOL
+
+
+@torch.no_grad()
+def test_t5_rows_at_their_own_positions_equal_the_rows_alone(toy_model_factory):
+    """In-flight rows: row 1 joined 3 slots late (its first 3 cached slots masked out, its positions 3 lower); its
+    relative position bias counts only its real keys, so its logits equal the row decoded alone."""
+    model = toy_model_factory(**T5)
+    _, src, mask = padded_batch(model.config, lengths=(5, 8))
+    _, cross = model.encode(src, mask)
+    prefix = torch.randint(3, model.config.vocab_size, (2, 6), generator=torch.Generator().manual_seed(2))
+    _, past = model.decode_step(prefix, mask, model.empty_cache(2), cross)
+    new = torch.tensor([[7, 8], [9, 10]])
+    positions, key_mask = torch.tensor([[6, 7], [3, 4]]), torch.tensor([[1] * 6, [0, 0, 0, 1, 1, 1]])
+    logits, _ = model.decode_step(new, mask, past, cross, positions, key_mask)
+    alone, _ = model.decode_step(new[1:], mask[1:], [(k[1:, :, 3:], v[1:, :, 3:]) for k, v in past],
+                                 [(k[1:], v[1:]) for k, v in cross])
+    assert (logits[1:] - alone).abs().max().item() <= ATOL
+    full, _ = model.decode_step(new, mask, past, cross)                      # every slot real: row 0 is the same
+    assert (logits[0] - full[0]).abs().max().item() <= ATOL
+    assert (logits[1] - full[1]).abs().max().item() > 1e-3                    # the mask and positions matter
 
 
 @pytest.mark.parametrize("beam", [1, 3])

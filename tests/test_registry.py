@@ -35,7 +35,7 @@ def convert(path, options):
     return Converted(Transformer(preset("tiny", vocab_size=30), seed=seed).eval(), None, {"seed": seed})
 
 
-FAMILY = register_family(Family(name="toyfam", source="a toy directory", convert=convert, model_types=("toyfam", "t5"),
+FAMILY = register_family(Family(name="toyfam", source="a toy directory", convert=convert, model_types=("toyfam", "umt5"),
                                 load_original=lambda path: ("the original", None), original="Toy"))
 '''
 
@@ -77,12 +77,12 @@ def test_marian_and_nn_transformer_are_registered():
 def test_a_new_family_is_one_module(tmp_path):
     """A module added to the package registers itself; the CLI lists it in --format, detects its directories,
     records it in import.json, refuses --config for it, and parity finds its original; listing the families
-    loads no torch. Its model_types win over UNREPRESENTABLE (t5 here): a family that learns t5 supersedes it."""
+    loads no torch. Its model_types win over UNREPRESENTABLE (umt5 here): a family that learns umt5 supersedes it."""
     (tmp_path / "pkg").mkdir()
     (tmp_path / "pkg" / "toyfam.py").write_text(TOY_FAMILY)
     src = tmp_path / "toy-model"
     src.mkdir()
-    (src / "config.json").write_text(json.dumps({"model_type": "t5", "seed": 7}))
+    (src / "config.json").write_text(json.dumps({"model_type": "umt5", "seed": 7}))
     proc = subprocess.run([sys.executable, "-c", TOY_SCRIPT, str(tmp_path / "pkg"), str(src), str(tmp_path / "out")],
                           capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stderr
@@ -112,7 +112,7 @@ SUPPORTED = ("supported: ", "marian (config.json model_type marian)", "nn-transf
 
 
 @pytest.mark.parametrize("model_type,lacks", [
-    ("t5", "relative position buckets"), ("whisper", "an audio encoder"), ("prophetnet", "n-stream self-attention"),
+    ("umt5", "per-layer relative position buckets"), ("whisper", "an audio encoder"), ("prophetnet", "n-stream self-attention"),
     ("led", "Longformer's sliding-window"), ("switch_transformers", "mixture-of-experts")])
 def test_families_the_reference_model_cannot_represent_name_what_is_missing(tmp_path, model_type, lacks):
     src = _config_dir(tmp_path, {"model_type": model_type, "d_model": 32})
@@ -169,7 +169,8 @@ def test_parity_finds_the_original_through_the_registry(tmp_path, ours):
     assert original_family(ckpt) is None and original_family(bundle) is None
     (tmp_path / "model.pt").write_bytes(b"")
     assert original_family(tmp_path / "model.pt") is None                 # nn-transformer: no original to load
-    assert original_family(_config_dir(tmp_path / "t", {"model_type": "t5"})) is None
+    assert original_family(_config_dir(tmp_path / "u", {"model_type": "umt5"})) is None   # refused by name
+    assert original_family(_config_dir(tmp_path / "t", {"model_type": "mt5"})) is families()["t5"]
 
 
 def test_marian_sources_refuse_config(tmp_path):

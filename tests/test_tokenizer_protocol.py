@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from runtime.byte_tokenizer import ByteTokenizer
 from runtime.tokenizer import (CharTokenizer, FastTokenizer, SentencePieceTokenizer, Tokenizer, load_tokenizer,
                                tokenizer_files)
 
@@ -44,11 +45,20 @@ def fast_tokenizer(tmp_path_factory) -> FastTokenizer:
     return FastTokenizer(root, spec, source=root / "tokenizer.json")
 
 
+@pytest.fixture(scope="module")
+def bytes_tokenizer() -> ByteTokenizer:
+    """ByT5's byte tokenizer as its spec reads: specials stripping the spaces around them, one sentinel."""
+    added = [{"content": c, "id": i, "lstrip": i < 3, "rstrip": i < 3, "special": True}
+             for i, c in enumerate(("<pad>", "</s>", "<unk>"))] + [
+        {"content": "<extra_id_0>", "id": 259, "lstrip": False, "rstrip": False, "special": True}]
+    return ByteTokenizer({"offset": 3, "added": added, "eos": "</s>", "pad": "<pad>"})
+
+
 def _protocol_parameters(name: str) -> list[str]:
     return list(inspect.signature(getattr(Tokenizer, name)).parameters)
 
 
-@pytest.mark.parametrize("kind", ["char", "sentencepiece", "fast"])
+@pytest.mark.parametrize("kind", ["char", "sentencepiece", "fast", "bytes"])
 def test_every_tokenizer_satisfies_the_protocol(kind, request, tmp_path):
     tok = CharTokenizer("abc") if kind == "char" else request.getfixturevalue(f"{kind}_tokenizer")
     assert isinstance(tok, Tokenizer)
@@ -97,3 +107,11 @@ def test_encode_target_gives_target_ids_without_eos(sentencepiece_tokenizer):
     assert ids and tok.eos_id not in ids and ids == tok.encode(text)[:-1]    # one spm and vocab for both sides here
     assert tok.decode(ids) == tok.decode(tok.encode(text))
     assert CharTokenizer("abc").encode_target("cab") == [5, 3, 4]
+
+
+def test_byte_tokenizer_is_utf8_bytes_with_added_tokens_split_out(bytes_tokenizer):
+    tok = bytes_tokenizer
+    assert tok.encode("hé") == [107, 198, 172, 1] and tok.vocab_size == 260 and tok.files == []
+    assert tok.encode("a </s>  b<extra_id_0>") == [100, 1, 101, 259, 1]    # </s> strips spaces; eos not doubled
+    assert tok.encode("x</s>") == [123, 1]
+    assert tok.decode([107, 198, 172, 0, 1, 259, 198]) == "hé"             # specials skipped, a cut byte dropped

@@ -59,6 +59,10 @@ def test_defaults_are_the_papers():
     assert (c.positions, c.scale_embeddings, c.activation, c.logits_bias, c.src_vocab_size, c.share_embeddings,
             c.tie_embeddings, c.final_norm, c.suppress_pad, c.norm, c.layernorm_embedding) == \
         ("interleaved", True, "relu", False, None, True, True, False, False, "post", False)
+    assert (c.d_kv, c.attention_scale, c.linear_bias, c.normalization, c.gated_ffn, c.relative_buckets,
+            c.relative_max_distance, c.head_rescale, c.head_dim) == (None, True, True, "layernorm", False, 0, 128,
+                                                                      False, 64)
+    assert preset("tiny", d_model=30, n_heads=4, d_kv=6).inner_dim == 24     # T5's d_kv: heads need not fill d
     assert not any(name.startswith("src_pos.") for name in Transformer(preset("tiny")).state_dict())
     pe = sinusoid_table(c)
     assert torch.allclose(pe[5, 0::2], torch.sin(5 / 10000 ** (torch.arange(0, 512, 2) / 512)), atol=1e-5)
@@ -77,13 +81,25 @@ def test_halves_table_is_marians():
     (dict(eos_id=0), "eos_id must differ from pad_id"),
     (dict(activation="gelu_new"), "activation must be one of"),
     (dict(src_vocab_size=50), "shared source/target embeddings need one vocabulary size"),
-    (dict(bos_id=0, pad_id=0), "only with suppress_pad"),
+    (dict(positions="none"), "needs a relative position bias"),
+    (dict(relative_buckets=1), "relative_buckets must be 0"),
+    (dict(relative_buckets=8, relative_max_distance=1), "relative_max_distance must be at least 2"),
+    (dict(normalization="batch"), "normalization must be one of"),
+    (dict(d_kv=0), "d_kv must be a positive integer"),
+    (dict(gated_ffn="yes"), "must be true or false"),
+    (dict(d_model=30), "not divisible by n_heads"),
     (dict(final_norm=True, norm="pre"), "final_norm is for post-norm"),
     (dict(logits_bias="yes"), "must be true or false"),
 ])
 def test_bad_variants_are_refused(fields, message):
     with pytest.raises(ConfigError, match=message):
         preset("tiny", **fields)
+
+
+def test_decoding_from_pad_may_generate_it():
+    """T5 decodes from pad and its generate may emit pad: a config that does not suppress it is valid."""
+    c = preset("tiny", pad_id=0, bos_id=0, eos_id=1)
+    assert c.bos_id == c.pad_id and not c.suppress_pad
 
 
 def test_position_tables_are_stored_per_side(tmp_path):

@@ -9,7 +9,8 @@ checks, on the same batched and padded inputs:
   (the IMPORTED row: PyTorch vs PyTorch);
 - tokens: the engine's greedy and beam-K best hypotheses vs the original's generate with the same settings
   (num_beams, length_penalty, max_new_tokens, early_stopping="never": the exact stopping rule of runtime.search;
-  bad_words_ids = [[pad]] where decoding starts from pad (Marian, Pegasus); sampling, forced first and last
+  bad_words_ids = [[pad]] where decoding starts from pad (Marian, Pegasus; not T5, whose generate may emit pad:
+  GENERATES_PAD); sampling, forced first and last
   tokens, repetition rules and the rest off), identical for fp32 (the bundle's token row otherwise), judged by the token rule every parity uses (report.token_verdict): the
   reference outputs must vary, or equal tokens are "inconclusive", never "ok"; random piece ids (no texts given)
   are said not to be representative.
@@ -146,6 +147,15 @@ def hf_pad(model) -> int:
     return c.pad_token_id if c.pad_token_id < c.vocab_size else 0
 
 
+GENERATES_PAD = ("t5", "mt5")   # model types that decode from pad and may generate it (the import's suppress_pad false)
+
+
+def suppresses_pad(config) -> bool:
+    """Whether the original's generate is run with pad banned: where decoding starts from pad, as the reference
+    model's suppress_pad (Marian, Pegasus), except for the model types that generate pad themselves."""
+    return config.decoder_start_token_id == config.pad_token_id and config.model_type not in GENERATES_PAD
+
+
 def hf_generate(model, seqs: list[list[int]], beam: int, max_new_tokens: int, length_penalty: float = 1.0,
                 batch: int = 64, forced_bos: int | None = None) -> list[list[int]]:
     """The original's generate: best hypothesis per input, start token dropped, cut after the first EOS; pad is
@@ -159,7 +169,7 @@ def hf_generate(model, seqs: list[list[int]], beam: int, max_new_tokens: int, le
     c = model.config
     gc = GenerationConfig(num_beams=beam, length_penalty=length_penalty, max_new_tokens=max_new_tokens,
                           do_sample=False, early_stopping="never", num_return_sequences=1,
-                          bad_words_ids=[[c.pad_token_id]] if c.decoder_start_token_id == c.pad_token_id else None,
+                          bad_words_ids=[[c.pad_token_id]] if suppresses_pad(c) else None,
                           decoder_start_token_id=c.decoder_start_token_id,
                           eos_token_id=c.eos_token_id, pad_token_id=c.pad_token_id,
                           forced_eos_token_id=getattr(model.generation_config, "forced_eos_token_id", None),

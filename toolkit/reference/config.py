@@ -11,8 +11,9 @@ from runtime.errors import read_json
 from toolkit.reference.errors import ConfigError
 
 
-ACTIVATIONS = ("relu", "gelu", "silu")
-POSITIONS = ("interleaved", "halves", "table")
+ACTIVATIONS = ("relu", "gelu", "silu", "gelu_tanh")
+POSITIONS = ("interleaved", "halves", "table", "none")
+NORMALIZATIONS = ("layernorm", "rms")
 
 
 @dataclass(frozen=True)
@@ -47,13 +48,32 @@ class ModelConfig:
     layernorm_embedding: bool = False   # a LayerNorm per side on embeddings + positions (BART, mBART)
     forced_eos: bool = False        # a target that reaches the length limit ends with EOS there (transformers'
                                     # forced_eos_token_id: BART, mBART, Pegasus, Marian); a default of the search
+    # T5's variants (Raffel et al., 2020): positions "none" with relative_buckets > 0, normalization "rms",
+    # attention_scale false, linear_bias false, gated_ffn with "gelu_tanh" (v1.1) or "relu" (the original), d_kv
+    d_kv: int | None = None         # per-head size d_k = d_v; None: d_model / n_heads (paper); T5's d_kv may differ
+    attention_scale: bool = True    # scores divided by sqrt(d_k) (eq. 1); False: unscaled (T5 folds it into its init)
+    linear_bias: bool = True        # biases in the attention and feed-forward projections (paper); False: none (T5)
+    normalization: str = "layernorm"    # "layernorm" (paper); "rms": RMSNorm, a gain without bias or mean, its
+                                        # variance in float32 (T5's T5LayerNorm)
+    gated_ffn: bool = False         # FFN(x) = (act(x W1) * x W3) W2 (T5 v1.1's gated-GELU); False: act(x W1) W2
+    relative_buckets: int = 0       # 0: no relative position bias (paper); > 0: T5's bucketed bias with this many
+                                    # buckets, one table per stack (bidirectional in the encoder, one-way in the
+                                    # decoder) added to the scores of every self-attention layer
+    relative_max_distance: int = 128    # distances from here on share T5's last (logarithmic) bucket
+    head_rescale: bool = False      # the decoder output times d_model**-0.5 before the output projection (T5's
+                                    # tied head); False: as is (paper)
 
     def __post_init__(self) -> None:
         self.validate()
 
     @property
     def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+        return self.d_model // self.n_heads if self.d_kv is None else self.d_kv
+
+    @property
+    def inner_dim(self) -> int:
+        """Width of the attention heads together, n_heads * d_k (d_model unless d_kv says otherwise)."""
+        return self.n_heads * self.head_dim
 
     def validate(self) -> None:
         """Reject sizes the model cannot be built with, naming the fix."""
@@ -64,7 +84,9 @@ class ModelConfig:
         for name in ("vocab_size", "d_model", "n_heads", "n_encoder_layers", "n_decoder_layers", "d_ff", "max_len"):
             if ints[name] < 1:
                 raise ConfigError(f"config field {name!r} must be at least 1, got {ints[name]}")
-        if self.d_model % self.n_heads:
+        if self.d_kv is not None and (not isinstance(self.d_kv, int) or isinstance(self.d_kv, bool) or self.d_kv < 1):
+            raise ConfigError(f"d_kv must be a positive integer or null, got {self.d_kv!r}")
+        if self.d_kv is None and self.d_model % self.n_heads:
             raise ConfigError(
                 f"d_model ({self.d_model}) is not divisible by n_heads ({self.n_heads}); "
                 f"choose a head count that divides d_model")
@@ -74,8 +96,12 @@ class ModelConfig:
             raise ConfigError(f"activation must be one of {', '.join(ACTIVATIONS)}, got {self.activation!r}")
         if self.positions not in POSITIONS:
             raise ConfigError(f"positions must be one of {', '.join(POSITIONS)}, got {self.positions!r}")
+        if self.normalization not in NORMALIZATIONS:
+            raise ConfigError(f"normalization must be one of {', '.join(NORMALIZATIONS)}, got {self.normalization!r}")
+        self.validate_relative()
         for name in ("tie_embeddings", "scale_embeddings", "logits_bias", "share_embeddings", "final_norm",
-                     "suppress_pad", "layernorm_embedding", "forced_eos"):
+                     "suppress_pad", "layernorm_embedding", "forced_eos", "attention_scale", "linear_bias",
+                     "gated_ffn", "head_rescale"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"config field {name!r} must be true or false, got {getattr(self, name)!r}")
         if self.src_vocab_size is not None and (not isinstance(self.src_vocab_size, int) or self.src_vocab_size < 1):
@@ -98,9 +124,16 @@ class ModelConfig:
                 raise ConfigError(f"{name} ({ints[name]}) must lie inside the vocabulary [0, {self.vocab_size})")
         if self.eos_id == self.pad_id:
             raise ConfigError("eos_id must differ from pad_id")
-        if self.bos_id == self.pad_id and not self.suppress_pad:
-            raise ConfigError("bos_id equals pad_id (decoding starts from pad, as in Marian) only with suppress_pad "
-                              "true, so that pad is never generated")
+
+    def validate_relative(self) -> None:
+        """The relative position bias: buckets, distance, and a source of positions (absolute or relative)."""
+        if self.relative_buckets < 0 or self.relative_buckets == 1:
+            raise ConfigError(f"relative_buckets must be 0 (none) or at least 2, got {self.relative_buckets}")
+        if self.relative_buckets and self.relative_max_distance < 2:
+            raise ConfigError(f"relative_max_distance must be at least 2, got {self.relative_max_distance}")
+        if self.positions == "none" and not self.relative_buckets:
+            raise ConfigError("positions 'none' needs a relative position bias (relative_buckets > 0): "
+                              "the model would not see word order")
 
     @property
     def source_vocab_size(self) -> int:

@@ -8,6 +8,9 @@ returns an explicit KV cache:
     memory, cross_kv = model.encode(src_ids, src_mask)           # cross-attention K/V projected once
     logits, self_kv = model.decode_step(tgt_ids, src_mask, self_kv, cross_kv)   # self K/V grow by new_len
 
+T5's variants (RMSNorm, the bucketed relative position bias, the gated feed-forward, unscaled scores, no biases,
+the rescaled tied head) are ModelConfig fields; the bias itself lives in toolkit/reference/relative.py.
+
 Shapes: B batch, S source length, T new target tokens, P past length, H heads, Dh head dim.
 """
 
@@ -20,6 +23,7 @@ import torch
 from torch import nn
 
 from toolkit.reference.config import ModelConfig
+from toolkit.reference.relative import RelativePositionBias, bucket_table
 
 KV = tuple[torch.Tensor, torch.Tensor]  # (key, value), each [B, H, len, Dh]
 
@@ -64,6 +68,8 @@ class PositionalEncoding(nn.Module):
         super().__init__()
         if config.positions == "table":
             self.pe = nn.Parameter(torch.zeros(config.max_len, config.d_model))   # learned or imported, stored
+        elif config.positions == "none":
+            self.pe = None                                 # T5: word order comes from the relative position bias
         else:
             self.register_buffer("pe", sinusoid_table(config), persistent=False)  # derived, never stored in checkpoints
         self.norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps) if config.layernorm_embedding \
@@ -73,6 +79,8 @@ class PositionalEncoding(nn.Module):
     def forward(self, x: torch.Tensor, start: int | torch.Tensor = 0,
                 positions: torch.Tensor | None = None) -> torch.Tensor:
         """positions [B, T]: each token's own position (rows at different positions); default start + 0..T-1."""
+        if self.pe is None:
+            return self.dropout(self.norm(x))
         if positions is None:
             positions = torch.arange(x.shape[1], device=x.device) + start  # [T], starting at the past length
         return self.dropout(self.norm(x + self.pe[positions]))
@@ -84,15 +92,18 @@ def per_side_positions(config: ModelConfig) -> bool:
 
 
 class MultiHeadAttention(nn.Module):
-    """MultiHead(Q, K, V) = Concat(head_1..h) W^O, head_i = softmax(Q_i K_i^T / sqrt(d_k)) V_i (sec. 3.2)."""
+    """MultiHead(Q, K, V) = Concat(head_1..h) W^O, head_i = softmax(Q_i K_i^T / sqrt(d_k)) V_i (sec. 3.2); T5: the
+    scores unscaled, plus a relative position bias, and no projection biases."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.h, self.d_k = config.n_heads, config.head_dim
-        self.q_proj = nn.Linear(config.d_model, config.d_model)
-        self.k_proj = nn.Linear(config.d_model, config.d_model)
-        self.v_proj = nn.Linear(config.d_model, config.d_model)
-        self.out_proj = nn.Linear(config.d_model, config.d_model)
+        d, inner, bias = config.d_model, config.inner_dim, config.linear_bias
+        self.q_proj = nn.Linear(d, inner, bias=bias)
+        self.k_proj = nn.Linear(d, inner, bias=bias)
+        self.v_proj = nn.Linear(d, inner, bias=bias)
+        self.out_proj = nn.Linear(inner, d, bias=bias)
+        self.scaled = config.attention_scale
         self.dropout = nn.Dropout(config.dropout)
 
     def split(self, x: torch.Tensor) -> torch.Tensor:
@@ -103,36 +114,74 @@ class MultiHeadAttention(nn.Module):
         """Keys and values of x, split into heads: computed once for cross-attention."""
         return self.split(self.k_proj(x)), self.split(self.v_proj(x))
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """Scaled dot-product attention (eq. 1); mask is True where a query may attend."""
-        scores = (q @ k.transpose(-2, -1)) / math.sqrt(self.d_k)  # [B, H, Tq, Tk]
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+        """Scaled dot-product attention (eq. 1); mask is True where a query may attend; bias [B|1, H, Tq, Tk] is
+        added to the scores (T5's relative position bias)."""
+        scores = q @ k.transpose(-2, -1)  # [B, H, Tq, Tk]
+        if self.scaled:
+            scores = scores / math.sqrt(self.d_k)
+        if bias is not None:
+            scores = scores + bias
         scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
         weights = self.dropout(torch.softmax(scores, dim=-1))
         out = weights @ v  # [B, H, Tq, Dh]
         b, _, t, _ = out.shape
         return self.out_proj(out.transpose(1, 2).reshape(b, t, self.h * self.d_k))  # -> [B, Tq, D]
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor, past: KV | None = None) -> tuple[torch.Tensor, KV]:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, past: KV | None = None,
+                bias: torch.Tensor | None = None) -> tuple[torch.Tensor, KV]:
         """Self-attention over x; with `past`, the new keys/values are appended to it and returned."""
         q = self.split(self.q_proj(x))
         k, v = self.project_kv(x)
         if past is not None:
             k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)  # [B, H, P+T, Dh]
-        return self.attend(q, k, v, mask), (k, v)
+        return self.attend(q, k, v, mask, bias), (k, v)
+
+
+ACTIVATION_MODULES = {"relu": nn.ReLU, "gelu": nn.GELU, "silu": nn.SiLU,
+                      "gelu_tanh": lambda: nn.GELU(approximate="tanh")}   # T5's gelu_new
 
 
 class FeedForward(nn.Module):
-    """FFN(x) = max(0, x W1 + b1) W2 + b2, position-wise (sec. 3.3); GELU or SiLU (swish) as options."""
+    """FFN(x) = max(0, x W1 + b1) W2 + b2, position-wise (sec. 3.3); GELU, tanh-GELU or SiLU (swish) as options;
+    gated (T5 v1.1): (act(x W1) * x W3) W2."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.w_1 = nn.Linear(config.d_model, config.d_ff)
-        self.w_2 = nn.Linear(config.d_ff, config.d_model)
-        self.act = {"relu": nn.ReLU, "gelu": nn.GELU, "silu": nn.SiLU}[config.activation]()
+        bias = config.linear_bias
+        self.w_1 = nn.Linear(config.d_model, config.d_ff, bias=bias)
+        self.w_3 = nn.Linear(config.d_model, config.d_ff, bias=bias) if config.gated_ffn else None
+        self.w_2 = nn.Linear(config.d_ff, config.d_model, bias=bias)
+        self.act = ACTIVATION_MODULES[config.activation]()
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w_2(self.dropout(self.act(self.w_1(x))))
+        hidden = self.act(self.w_1(x))                                  # [B, T, D] -> [B, T, d_ff]
+        if self.w_3 is not None:
+            hidden = hidden * self.w_3(x)                               # the gate's linear half
+        return self.w_2(self.dropout(hidden))
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm (Zhang and Sennrich, 2019) as T5 computes it: x / sqrt(mean(x^2) + eps) times a gain, no mean and no
+    bias, the variance in float32."""
+
+    def __init__(self, d_model: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d_model))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        variance = x.to(torch.float32).pow(2).mean(-1, keepdim=True)   # [B, T, 1]
+        return self.weight * (x * torch.rsqrt(variance + self.eps))
+
+
+def layer_norm(config: ModelConfig) -> nn.Module:
+    """The normalization the config names: LayerNorm (paper) or RMSNorm (T5)."""
+    if config.normalization == "rms":
+        return RMSNorm(config.d_model, config.layer_norm_eps)
+    return nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
 
 
 class Sublayer(nn.Module):
@@ -140,7 +189,7 @@ class Sublayer(nn.Module):
 
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
+        self.norm = layer_norm(config)
         self.dropout = nn.Dropout(config.dropout)
         self.pre = config.norm == "pre"
 
@@ -162,8 +211,8 @@ class EncoderLayer(nn.Module):
         self.ffn = FeedForward(config)
         self.sublayers = nn.ModuleList([Sublayer(config), Sublayer(config)])
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        x, _ = self.sublayers[0](x, lambda y: self.self_attn(y, mask))
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        x, _ = self.sublayers[0](x, lambda y: self.self_attn(y, mask, bias=bias))
         x, _ = self.sublayers[1](x, lambda y: (self.ffn(y), None))
         return x
 
@@ -178,8 +227,8 @@ class DecoderLayer(nn.Module):
         self.ffn = FeedForward(config)
         self.sublayers = nn.ModuleList([Sublayer(config) for _ in range(3)])
 
-    def forward(self, x, self_mask, cross_mask, past: KV, cross: KV) -> tuple[torch.Tensor, KV]:
-        x, present = self.sublayers[0](x, lambda y: self.self_attn(y, self_mask, past))
+    def forward(self, x, self_mask, cross_mask, past: KV, cross: KV, bias=None) -> tuple[torch.Tensor, KV]:
+        x, present = self.sublayers[0](x, lambda y: self.self_attn(y, self_mask, past, bias))
         x, _ = self.sublayers[1](
             x, lambda y: (self.cross_attn.attend(self.cross_attn.split(self.cross_attn.q_proj(y)), *cross, cross_mask), None))
         x, _ = self.sublayers[2](x, lambda y: (self.ffn(y), None))
@@ -189,7 +238,7 @@ class DecoderLayer(nn.Module):
 def stack_norm(config: ModelConfig) -> nn.Module:
     """The LayerNorm after a stack: always in pre-norm models, in post-norm ones with final_norm (nn.Transformer)."""
     if config.norm == "pre" or config.final_norm:
-        return nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
+        return layer_norm(config)
     return nn.Identity()
 
 
@@ -200,10 +249,16 @@ class Encoder(nn.Module):
         super().__init__()
         self.layers = nn.ModuleList([EncoderLayer(config) for _ in range(config.n_encoder_layers)])
         self.norm = stack_norm(config)
+        if config.relative_buckets:                  # T5: one bidirectional table, added in every layer
+            self.relative_bias = RelativePositionBias(config, bidirectional=True)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        bias = None
+        if hasattr(self, "relative_bias"):
+            pos = torch.arange(x.shape[1], device=x.device).unsqueeze(0)          # [1, S]: query = key positions
+            bias = self.relative_bias(pos, pos)                                     # [1, H, S, S], once per stack
         for layer in self.layers:
-            x = layer(x, mask)
+            x = layer(x, mask, bias)
         return self.norm(x)
 
 
@@ -214,11 +269,15 @@ class Decoder(nn.Module):
         super().__init__()
         self.layers = nn.ModuleList([DecoderLayer(config) for _ in range(config.n_decoder_layers)])
         self.norm = stack_norm(config)
+        if config.relative_buckets:                  # T5: one one-way table, added in every layer
+            self.relative_bias = RelativePositionBias(config, bidirectional=False)
 
-    def forward(self, x, self_mask, cross_mask, past: list[KV], cross: list[KV]) -> tuple[torch.Tensor, list[KV]]:
+    def forward(self, x, self_mask, cross_mask, past: list[KV], cross: list[KV],
+                bias: torch.Tensor | None = None) -> tuple[torch.Tensor, list[KV]]:
+        """bias [B|1, H, T, P+T]: the self-attention's relative position bias (Transformer.decode_step)."""
         presents = []
         for layer, layer_past, layer_cross in zip(self.layers, past, cross):
-            x, present = layer(x, self_mask, cross_mask, layer_past, layer_cross)
+            x, present = layer(x, self_mask, cross_mask, layer_past, layer_cross, bias)
             presents.append(present)
         return self.norm(x), presents
 
@@ -234,8 +293,11 @@ class Generator(nn.Module):
         if not self.tied:
             self.proj = nn.Linear(config.d_model, config.vocab_size, bias=False)
         self.bias = nn.Parameter(torch.zeros(config.vocab_size)) if config.logits_bias else None
+        self.rescale = config.d_model ** -0.5 if config.head_rescale else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.rescale is not None:
+            x = x * self.rescale                     # T5's tied head: the decoder output times d_model**-0.5
         weight = self.embeddings[0].lut.weight if self.tied else self.proj.weight
         logits = x @ weight.t()  # [B, T, D] -> [B, T, V] (logits, before softmax)
         return logits if self.bias is None else logits + self.bias
@@ -282,9 +344,11 @@ class Transformer(nn.Module):
         with empty().state_dict() first, for their own messages)."""
         model = cls.empty(config)
         model.load_state_dict({k: v.detach().to(torch.float32).contiguous() for k, v in state.items()}, assign=True)
-        for module in model.modules():                  # derived buffers (the sinusoid tables) are not in a state
-            if isinstance(module, PositionalEncoding) and module.pe.is_meta:
+        for module in model.modules():                  # derived buffers (sinusoid and bucket tables) are not in
+            if isinstance(module, PositionalEncoding) and module.pe is not None and module.pe.is_meta:   # a state
                 module.pe = sinusoid_table(config)
+            if isinstance(module, RelativePositionBias) and module.buckets.is_meta:
+                module.buckets = bucket_table(config, module.bidirectional)
         left = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
         if left:
             raise ValueError(f"from_state: no tensor for {', '.join(left[:4])}")
@@ -332,12 +396,30 @@ class Transformer(nn.Module):
         past_len = past[0][0].shape[2]
         x = self.pos(self.embed(tgt_ids), start=past_len, positions=position_ids)
         self_mask = causal_mask(tgt_ids.shape[1], past_len, tgt_ids.device)
+        keys = None
         if past_mask is not None:
             keys = torch.cat([past_mask.bool(), torch.ones_like(tgt_ids, dtype=torch.bool)], dim=1)  # [B, P+T]
             self_mask = self_mask & keys[:, None, None, :]                                              # [B, 1, T, P+T]
         cross_mask = src_mask.bool()[:, None, None, :]
-        x, presents = self.decoder(x, self_mask, cross_mask, past, cross)
+        bias = self.decoder_bias(tgt_ids, past_len, position_ids, keys)
+        x, presents = self.decoder(x, self_mask, cross_mask, past, cross, bias)
         return self.generator(x), presents
+
+    def decoder_bias(self, tgt_ids: torch.Tensor, past_len: int, position_ids: torch.Tensor | None,
+                     keys: torch.Tensor | None) -> torch.Tensor | None:
+        """The decoder's relative position bias [B|1, H, T, P+T], once per step for every layer (None without one).
+        A query's position is its position_ids (default P + 0..T-1, the cache's length); a key's is its slot, or,
+        where a key mask says which slots are real (rows at different positions), the real keys before it."""
+        if not hasattr(self.decoder, "relative_bias"):
+            return None
+        new_len = tgt_ids.shape[1]
+        if position_ids is None:
+            position_ids = (torch.arange(new_len, device=tgt_ids.device) + past_len).unsqueeze(0)   # [1, T]
+        if keys is None:
+            key_pos = torch.arange(past_len + new_len, device=tgt_ids.device).unsqueeze(0)           # [1, P+T]
+        else:
+            key_pos = torch.cumsum(keys.long(), dim=1) - 1                                             # [B, P+T]
+        return self.decoder.relative_bias(position_ids, key_pos)
 
     def empty_cache(self, batch: int, device=None, dtype=torch.float32) -> list[KV]:
         """A zero-length self-attention cache for the first decoder step."""

@@ -228,6 +228,8 @@ FRAMINGS = {   # tokenizer_config.json's tokenizer_class (without "Fast") -> (so
     "NllbTokenizer legacy": ([], ["{eos}", "{src_lang}"], "eng_Latn"),   # legacy_behaviour true
     "MBartTokenizer": ([], ["{eos}", "{src_lang}"], "en_XX"),             # mbart-large-cc25
     "MBart50Tokenizer": (["{src_lang}"], ["{eos}"], "en_XX"),
+    "T5Tokenizer": ([], ["{eos}"], None),                                  # t5, v1.1, Flan-T5 (t5.py)
+    "MT5Tokenizer": ([], ["{eos}"], None),                                 # what older mT5 configs name
 }
 LANGUAGES = {  # tokenizer class -> (what its language codes look like, the tokens forced after the decoder start)
     "NllbTokenizer": (r"[a-z]{3}_[A-Z][a-z]{3}", ["{tgt_lang}"]),           # eng_Latn; forced_bos_token_id
@@ -235,20 +237,22 @@ LANGUAGES = {  # tokenizer class -> (what its language codes look like, the toke
     "MBartTokenizer": (r"[a-z]{2}_[A-Z]{2}", None),   # cc25: its decoder start is the target language, fixed
 }
 TOKENIZER_OF = {"bart": "BartTokenizer", "mbart": "MBartTokenizer", "pegasus": "PegasusTokenizer",
-                "m2m_100": "NllbTokenizer"}       # when tokenizer_config.json names no tokenizer_class
+                "m2m_100": "NllbTokenizer", "t5": "T5Tokenizer", "mt5": "T5Tokenizer"}   # when tokenizer_config.json
+                                                                                        # names no tokenizer_class
 
 
-def family_tokenizer(directory: Path, config: ModelConfig):
-    """The runtime FastTokenizer of a directory's tokenizer.json and tokenizer_config.json; None without a
-    tokenizer.json (the model is then used with ids)."""
+def family_tokenizer(directory: Path, config: ModelConfig, files: Path | None = None):
+    """The runtime FastTokenizer of a directory's tokenizer.json and tokenizer_config.json (in `files` where they
+    were written elsewhere: a SentencePiece model converted at import); None without a tokenizer.json (the model is
+    then used with ids)."""
     from runtime.errors import TokenizerError
     from runtime.tokenizer import FastTokenizer
 
-    directory = Path(directory)
+    model_dir, directory = Path(directory), Path(files or directory)
     if not (directory / "tokenizer.json").is_file():
         return None
     tc = read_json(directory / "tokenizer_config.json") if (directory / "tokenizer_config.json").is_file() else {}
-    model_type = read_json(directory / "config.json").get("model_type")
+    model_type = None if tc.get("tokenizer_class") else read_json(model_dir / "config.json").get("model_type")
     cls = str(tc.get("tokenizer_class") or TOKENIZER_OF.get(model_type, "")).removesuffix("Fast")
     key = f"{cls} legacy" if cls == "NllbTokenizer" and tc.get("legacy_behaviour") else cls
     if key not in FRAMINGS:

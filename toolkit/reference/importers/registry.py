@@ -20,8 +20,6 @@ from toolkit.reference.errors import CheckpointError
 HUB_FILES = ("*.json", "*.safetensors", "*.bin", "*.spm", "*.model", "*.txt")   # what a hub download fetches
 # model types of transformers whose computation the reference model lacks: model_type -> what it would need
 UNREPRESENTABLE = {
-    "t5": "relative position buckets and RMS LayerNorm without bias",
-    "mt5": "relative position buckets, RMS LayerNorm without bias and a gated feed-forward",
     "umt5": "per-layer relative position buckets and RMS LayerNorm without bias",
     "longt5": "local and transient-global attention with relative position buckets",
     "switch_transformers": "mixture-of-experts feed-forward layers",

@@ -18,6 +18,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
+from tables import print_rows
 
 
 def profile(bundle: Path, batch: int, steps: int, threads: int) -> dict:
@@ -70,14 +71,9 @@ def main() -> None:
     args = ap.parse_args()
     rows = [{"bundle": str(b), **profile(b, int(n), args.steps, args.threads)}
             for b in args.bundles for n in args.batch_sizes.split(",")]
-    if args.json:
-        print(json.dumps(rows, indent=2))
-        return
-    print(f"{'bundle':<40} {'batch':>5} {'steps':>5} {'projection ms':>13} {'rest ms':>8} {'share':>6}")
-    for r in rows:
-        print(f"{r['bundle']:<40} {r['batch']:>5} {r['steps']:>5} {r['projection_ms']:>13.3f} {r['rest_ms']:>8.3f} "
-              f"{r['projection_share']:>6.1%}")
-
+    print_rows(rows, [("bundle", "bundle", "<40"), ("batch", "batch", ">5"), ("steps", "steps", ">5"),
+                      ("projection ms", "projection_ms", ">13.3f"), ("rest ms", "rest_ms", ">8.3f"),
+                      ("share", "projection_share", ">6.1%")], args.json)
 
 if __name__ == "__main__":
     main()

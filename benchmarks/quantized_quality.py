@@ -10,10 +10,10 @@ what the int8 and int4 rows of toolkit/parity/tolerances.py are judged by on the
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 from runtime.bundle import load_bundle
+from tables import print_rows
 from runtime.generate import generate_ids
 from runtime.search import SearchOptions
 from toolkit.reference.tasks.dates import held_out_examples
@@ -40,14 +40,11 @@ def main() -> None:
         rows.append({"bundle": str(path), "precision": bundle.manifest["precision"], "accuracy": accuracy,
                      "tokens_equal_to_reference": equal, "sequences_equal": sum(a == b for a, b in zip(reference, ids)) / len(ids),
                      "distinct_outputs": len({tuple(i) for i in ids}), "onnx_bytes": size})
-    if args.json:
-        print(json.dumps(rows, indent=2))
-        return
-    print(f"{'bundle':<40} {'precision':<9} {'accuracy':>9} {'tokens = ref':>13} {'seqs = ref':>11} {'MB (.onnx+.data)':>17}")
     for r in rows:
-        print(f"{r['bundle']:<40} {r['precision']:<9} {r['accuracy']:>9.2%} {r['tokens_equal_to_reference']:>13.2%} "
-              f"{r['sequences_equal']:>11.2%} {r['onnx_bytes'] / 1e6:>17.3f}")
-
+        r["onnx_mb"] = r["onnx_bytes"] / 1e6
+    print_rows(rows, [("bundle", "bundle", "<40"), ("precision", "precision", "<9"), ("accuracy", "accuracy", ">9.2%"),
+                      ("tokens = ref", "tokens_equal_to_reference", ">13.2%"), ("seqs = ref", "sequences_equal", ">11.2%"),
+                      ("MB (.onnx+.data)", "onnx_mb", ">17.3f")], args.json)
 
 if __name__ == "__main__":
     main()

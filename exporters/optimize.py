@@ -21,13 +21,13 @@ from typing import Callable
 
 import onnx
 import onnx_ir as ir
-import onnxruntime as ort
 
 from exporters.bundle import build_manifest, copy_tokenizer, graph_entry, op_counts, stage_bundle, write_manifest
 from exporters.fusions import attention_rules, fusion_passes, quantization_prepasses
 from exporters.int8_recipes import (AUTO, Recipe, account, figures, pick, prepare, recipes_for,
                                     resolve_weight_bits)
 from exporters.logs import quiet_loggers
+from exporters.optimize_gate import optimize_parity
 from exporters.optimize_options import (ATTENTION_OPS, STATIC_ATTENTION_OPS, TARGETS, OptimizeError, check_options,
                                         check_source, resolve_kv_cache)
 from exporters.ort_format import add_ort_format, check_convertible
@@ -42,8 +42,7 @@ from runtime.manifest import GRAPHS, PRECISIONS, decoder_layout, read_manifest, 
 from runtime.session import int8_saturates, return_freed_memory
 from runtime.spec import DYNAMIC
 from toolkit.parity import ParityError
-from toolkit.parity.gate import bundle_gate
-from toolkit.parity.graphs import bundle_parity, record_table
+from toolkit.parity.graphs import record_table
 from toolkit.parity.inputs import DEFAULT_SAMPLES
 
 @dataclass
@@ -210,13 +209,8 @@ def optimize_bundle(bundle_dir: str | Path, out_dir: str | Path, target: str = "
     if texts is not None and not manifest.get("tokenizer"):
         raise OptimizeError(f"{bundle_dir} has no tokenizer (it takes token ids), so gate input texts cannot be "
                             f"encoded; leave --input out and the gate uses random ids")
-    recipes = []
-    if precision == "int8":
-        bits = resolve_weight_bits(weight_bits, int8_saturates if target == "cpu" else lambda: False)
-        recipes = recipes_for(recipe, per_channel, activation_scales, bits)
-        if str(weight_bits) == "auto" and bits == 7:
-            report.notes.append("int8 weights in 7 bits: this CPU's int8 kernel saturates products of 8-bit weights "
-                                "(x86 without VNNI), and 7-bit ones are exact on every CPU")
+    recipes = _int8_recipes(target, recipe, per_channel, activation_scales, weight_bits, report) \
+        if precision == "int8" else []
     job = _Job(bundle_dir, out_dir, manifest, target, precision, fuse, attention, kv_cache, recipes, samples,
                ort_format, report, progress or (lambda msg: None), allow_unverified, texts)
     job.progress(f"optimizing {bundle_dir} -> {out_dir}")
@@ -228,6 +222,16 @@ def optimize_bundle(bundle_dir: str | Path, out_dir: str | Path, target: str = "
         write(job, tmp, kept)
     report.seconds = time.perf_counter() - start
     return out_dir, report
+
+
+def _int8_recipes(target: str, recipe: str, per_channel: bool | None, activation_scales: str | None,
+                  weight_bits: str | int, report: OptimizeReport) -> list[Recipe]:
+    """The int8 recipes to try, their weights in the bits --weight-bits resolves to on this target."""
+    bits = resolve_weight_bits(weight_bits, int8_saturates if target == "cpu" else lambda: False)
+    if str(weight_bits) == "auto" and bits == 7:
+        report.notes.append("int8 weights in 7 bits: this CPU's int8 kernel saturates products of 8-bit weights "
+                            "(x86 without VNNI), and 7-bit ones are exact on every CPU")
+    return recipes_for(recipe, per_channel, activation_scales, bits)
 
 
 STACK_TRACE = "pkg.torch.onnx.stack_trace"
@@ -272,7 +276,7 @@ def convert(job: _Job, models: dict[str, ir.Model], tmp: Path) -> Recipe | None:
         folder.mkdir(exist_ok=True)
         last = recipe is candidates[-1]             # the last recipe rewrites the fused graphs themselves
         applied, counts = _convert_graphs(job, models, recipe, folder, files, clone=not last)
-        parity = _parity(job, {g: folder / files[g] for g in GRAPHS})
+        parity = optimize_parity(job, {g: folder / files[g] for g in GRAPHS})
         tried.append((recipe, folder, parity, applied, counts))
         if parity.get("verified") or parity.get("verdict") in ("inconclusive", "not run"):
             break                                   # outputs that do not vary: no recipe can be judged
@@ -437,31 +441,6 @@ def _check_fused(graph: str, model: ir.Model, config: dict, fuse: bool, attentio
 def _tokenizer(bundle_dir: Path, manifest: dict, tmp: Path) -> str | None:
     name = manifest.get("tokenizer")
     return copy_tokenizer(bundle_dir / name, tmp) if name else None
-
-
-def _parity(job: _Job, paths: dict[str, Path]) -> dict:
-    """The gate's parity record of the new graphs against the source bundle's (toolkit.parity.gate)."""
-    src_paths, precision, config = {g: job.source(g) for g in GRAPHS}, job.precision, job.manifest["model"]
-    layouts = (job.report.decoder_layout, decoder_layout(job.manifest))             # (candidate, source)
-    provider = "cuda" if job.target == "cuda" else "cpu"
-    if provider == "cuda" and "CUDAExecutionProvider" not in ort.get_available_providers():
-        record = {"verified": False, "judged": False, "verdict": "not run", "provider": "cuda", "precision": precision,
-                  "reason": f"CUDA not available: this onnxruntime has no CUDAExecutionProvider, so the {precision} "
-                            f"graphs were not run on their target; check them on a GPU machine with "
-                            f"`onnxformer parity CHECKPOINT BUNDLE --provider cuda`"}
-        try:                                       # an informative look on the CPU, never a verdict
-            cpu = bundle_parity(src_paths, paths, config, "cpu", None, precision, layouts=layouts).to_dict()
-            record["cpu_check"] = {k: cpu[k] for k in ("summary", "max_abs", "teacher_forced_tokens_equal")}
-        except Exception as exc:                   # e.g. an op without a CPU kernel for this type
-            record["cpu_check"] = {"summary": f"does not run on the CPU ({str(exc).splitlines()[0][:200]})"}
-        job.progress(f"parity not verified: {record['reason']}")
-        return record
-    t0 = time.perf_counter()
-    record = bundle_gate(src_paths, paths, job.manifest, job.bundle_dir, provider, precision, job.samples,
-                         job.texts, layouts[0])
-    job.progress(f"parity against the source bundle on {provider} in {time.perf_counter() - t0:.1f} s: "
-                 f"{record['summary']}")
-    return record
 
 
 __all__ = ["optimize_bundle", "OptimizeReport", "OptimizeError", "check_options", "resolve_kv_cache", "PRECISIONS",

@@ -162,13 +162,7 @@ def shortlist_bundle(bundle_dir: str | Path, corpus: list, out_dir: str | Path, 
     manifest = read_manifest(bundle_dir)
     bundle = load_bundle(bundle_dir, provider="cpu", shortlist=False)
     engine, config = bundle.engine, manifest["model"]
-    plans = []                                                        # (code, framed tokenizer, lead) per language
-    for code in list(dict.fromkeys(tgt_langs)) or [None]:
-        framed, lead = languages(bundle.tokenizer, src_lang, code)
-        if code is not None and len(lead) != 1:
-            raise InputError(f"tgt_lang {code!r} starts the target with {len(lead)} tokens; a per-language "
-                             f"shortlist needs one language token first")
-        plans.append((code, framed, lead))
+    plans = _language_plans(bundle.tokenizer, src_lang, tgt_langs)
     sources = encode_inputs(corpus, plans[0][1])
     if not sources:
         raise InputError("--corpus has no lines; pass source texts (token ids for a bundle without tokenizer), one a "
@@ -177,21 +171,8 @@ def shortlist_bundle(bundle_dir: str | Path, corpus: list, out_dir: str | Path, 
     steps = search_options(engine, max_new_tokens, **({"prefix_ids": (tuple(lead),)} if lead else {})).max_new_tokens
     chosen = choose_inputs(ModelConfig.from_dict(config), plans[0][1], samples, texts)
     old = manifest.pop("shortlist", None)
-    skip = {old["file"], old["decoder"]["file"]} if old else set()
-    if old and (old.get("weight") or {}).get("file") == WEIGHT_FILE:   # its own table (not weights.data)
-        skip.add(WEIGHT_FILE)
     with stage_bundle(out_dir, force) as tmp:
-        for name in sorted(listed_files(manifest) - skip):
-            shutil.copyfile(bundle_dir / name, tmp / name)
-        try:
-            decoder, weight = write_shortlist_decoder(tmp / manifest["graphs"]["decoder"]["file"], tmp / DECODER_FILE,
-                                                      tmp)
-        except ShortlistGraphError as exc:
-            raise InputError(f"{bundle_dir}: {exc}") from None
-        session = make_session(decoder, "cpu", SessionConfig())
-        table = ShortlistWeight(np.fromfile(tmp / weight["file"], dtype=weight["dtype"], offset=weight["offset"],
-                                            count=int(np.prod(weight["shape"]))).reshape(weight["shape"]),
-                                weight["feed"])
+        session, table, weight = _stage_decoder(bundle_dir, manifest, old, tmp)
         report = ShortlistReport(len(sources), chosen.source)
         maps, checks = {}, []
         for code, _, lead in plans:
@@ -199,17 +180,8 @@ def shortlist_bundle(bundle_dir: str | Path, corpus: list, out_dir: str | Path, 
             say(f"translating {len(sources)} corpus lines{where}")
             targets = translate(engine, sources, steps, shortlist=False, lead=lead)
             reference = translate(engine, chosen.seqs, steps, shortlist=False, lead=lead)
-            kept = None
-            for size in sizes:
-                engine.use_shortlist(build_map(sources, targets, config, size, always), session, table)
-                check = gate_check(engine, chosen.seqs, reference, steps, size, lead) | ({"language": code} if code
-                                                                                          else {})
-                say(f"{code + ' ' if code else ''}size {size}: {check['agreement']:.2%} of tokens equal "
-                    f"({check['verdict']})")
-                report.tried.append(check)
-                kept = (engine.shortlist, check)
-                if check["verdict"] == "ok":
-                    break
+            kept = _smallest_passing(engine, (session, table), (sources, targets), config, sizes, always,
+                                     (chosen.seqs, reference, steps, lead, code), report, say)
             maps[lead[0] if code else None] = kept[0]
             checks.append(kept[1])
             if code:
@@ -218,12 +190,7 @@ def shortlist_bundle(bundle_dir: str | Path, corpus: list, out_dir: str | Path, 
         worst = min(checks, key=lambda c: (c["verdict"] == "ok", c["agreement"]))
         report.kept, report.verified = worst, all(c["verdict"] == "ok" for c in checks)
         if not report.verified and not allow_unverified:
-            raise ParityError(f"the shortlist did not pass the gate (>= {SHORTLIST_TOKEN_MATCH:.1%} of tokens equal "
-                              f"to the full vocabulary on reference outputs that vary): "
-                              + "; ".join(f"{t['language'] + ' ' if t.get('language') else ''}size {t['size']} "
-                                          f"{t['agreement']:.2%} ({t['verdict']})" for t in report.tried)
-                              + f"; nothing was written to {out_dir} (try larger --size or --always, or pass "
-                                f"--allow-unverified to write it marked unverified)", report.to_dict())
+            raise _refusal(report, out_dir)
         shortlist = maps[None] if None in maps else Shortlist.per_language(maps)
         save_map(shortlist, tmp / MAP_FILE)
         record = _record(tmp, worst, always, report, allow_unverified) | {"weight": weight}
@@ -235,6 +202,60 @@ def shortlist_bundle(bundle_dir: str | Path, corpus: list, out_dir: str | Path, 
         manifest["shortlist"] = record
         write_manifest(tmp, manifest)
     return Path(out_dir), report
+
+
+def _stage_decoder(bundle_dir: Path, manifest: dict, old: dict | None, tmp: Path) -> tuple:
+    """Copy the bundle's files into the staging folder (less an older shortlist's), write the decoder's shortlist
+    variant beside them; (its session, the projection table it gathers rows from, that table's record)."""
+    skip = {old["file"], old["decoder"]["file"]} if old else set()
+    if old and (old.get("weight") or {}).get("file") == WEIGHT_FILE:   # its own table (not weights.data)
+        skip.add(WEIGHT_FILE)
+    for name in sorted(listed_files(manifest) - skip):
+        shutil.copyfile(bundle_dir / name, tmp / name)
+    try:
+        decoder, weight = write_shortlist_decoder(tmp / manifest["graphs"]["decoder"]["file"], tmp / DECODER_FILE, tmp)
+    except ShortlistGraphError as exc:
+        raise InputError(f"{bundle_dir}: {exc}") from None
+    table = ShortlistWeight(np.fromfile(tmp / weight["file"], dtype=weight["dtype"], offset=weight["offset"],
+                                        count=int(np.prod(weight["shape"]))).reshape(weight["shape"]), weight["feed"])
+    return make_session(decoder, "cpu", SessionConfig()), table, weight
+
+
+def _language_plans(tokenizer, src_lang: str | None, tgt_langs: Sequence[str]) -> list[tuple]:
+    """(code, framed tokenizer, lead) per target language (one (None, ...) for a bundle of one target language)."""
+    plans = []
+    for code in list(dict.fromkeys(tgt_langs)) or [None]:
+        framed, lead = languages(tokenizer, src_lang, code)
+        if code is not None and len(lead) != 1:
+            raise InputError(f"tgt_lang {code!r} starts the target with {len(lead)} tokens; a per-language "
+                             f"shortlist needs one language token first")
+        plans.append((code, framed, lead))
+    return plans
+
+
+def _smallest_passing(engine, decoder: tuple, corpus: tuple, config: dict, sizes: list[int], always: int,
+                      gate: tuple, report: ShortlistReport, say) -> tuple:
+    """(shortlist, check) of the smallest size the gate passes, else of the largest; every check in report.tried.
+    decoder: (shortlist session, projection table); corpus: (sources, translations); gate: (inputs, reference,
+    steps, lead, language code)."""
+    seqs, reference, steps, lead, code = gate
+    for size in sizes:
+        engine.use_shortlist(build_map(*corpus, config, size, always), *decoder)
+        check = gate_check(engine, seqs, reference, steps, size, lead) | ({"language": code} if code else {})
+        say(f"{code + ' ' if code else ''}size {size}: {check['agreement']:.2%} of tokens equal ({check['verdict']})")
+        report.tried.append(check)
+        if check["verdict"] == "ok":
+            break
+    return engine.shortlist, check
+
+
+def _refusal(report: ShortlistReport, out_dir) -> ParityError:
+    return ParityError(f"the shortlist did not pass the gate (>= {SHORTLIST_TOKEN_MATCH:.1%} of tokens equal to the "
+                       f"full vocabulary on reference outputs that vary): "
+                       + "; ".join(f"{t['language'] + ' ' if t.get('language') else ''}size {t['size']} "
+                                   f"{t['agreement']:.2%} ({t['verdict']})" for t in report.tried)
+                       + f"; nothing was written to {out_dir} (try larger --size or --always, or pass "
+                         f"--allow-unverified to write it marked unverified)", report.to_dict())
 
 
 def _record(tmp: Path, check: dict, always: int, report: ShortlistReport, allow_unverified: bool) -> dict:

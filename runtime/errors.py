@@ -24,6 +24,14 @@ class InputError(OnnxformerError):
     """A generation request the model cannot serve (empty, too long, bad ids)."""
 
 
+class SourceTooLong(InputError):
+    """An input longer than the model's maximum source length (the caller may name its own way to split it)."""
+
+    def __init__(self, message: str, index: int, tokens: int, limit: int):
+        super().__init__(message)
+        self.index, self.tokens, self.limit = index, tokens, limit
+
+
 class NumericsError(OnnxformerError):
     """The model gave a NaN or infinite logit while decoding: its numbers are broken, not the request."""
 

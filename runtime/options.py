@@ -80,6 +80,20 @@ def check_options(opts: SearchOptions, inputs: int, vocab_size: int, max_len: in
     if opts.forced_eos and opts.ignore_eos:
         raise InputError("forced_eos ends a target with EOS at the length limit, ignore_eos never lets it end: "
                          "give one of them")
+    _check_sampling(opts, inputs, vocab_size)
+    _number("repetition_penalty", opts.repetition_penalty, 0, MAX_PENALTY, low_open=True, what="1 is off")
+    _number("no_repeat_ngram_size", opts.no_repeat_ngram_size, 0, max_len, integer=True, what="0 is off")
+    _number("min_new_tokens", opts.min_new_tokens, 0, max_len, integer=True)
+    for i, seq in enumerate(opts.bad_words_ids):
+        _ids(f"bad_words_ids[{i}]", seq, vocab_size, empty=False)
+        if list(seq) == [eos]:
+            raise InputError(f"bad_words_ids[{i}] bans the end token {eos} alone, so no target could end; "
+                             f"use min_new_tokens to delay it")
+    _check_prefixes(opts, inputs, vocab_size, max_len, eos)
+
+
+def _check_sampling(opts: SearchOptions, inputs: int, vocab_size: int) -> None:
+    """With sample: the sampling options in range; without it: num_return within the beam, no sampling option set."""
     if opts.sample:
         if opts.beam != 1:
             raise InputError(f"sample draws one token at a time (beam 1), got beam {opts.beam}; drop beam or sample")
@@ -102,14 +116,10 @@ def check_options(opts: SearchOptions, inputs: int, vocab_size: int, max_len: in
         for name, default in unset:
             if getattr(opts, name) != default:
                 raise InputError(f"{name} shapes sampling only; set sample (or leave {name} at {default})")
-    _number("repetition_penalty", opts.repetition_penalty, 0, MAX_PENALTY, low_open=True, what="1 is off")
-    _number("no_repeat_ngram_size", opts.no_repeat_ngram_size, 0, max_len, integer=True, what="0 is off")
-    _number("min_new_tokens", opts.min_new_tokens, 0, max_len, integer=True)
-    for i, seq in enumerate(opts.bad_words_ids):
-        _ids(f"bad_words_ids[{i}]", seq, vocab_size, empty=False)
-        if list(seq) == [eos]:
-            raise InputError(f"bad_words_ids[{i}] bans the end token {eos} alone, so no target could end; "
-                             f"use min_new_tokens to delay it")
+
+
+def _check_prefixes(opts: SearchOptions, inputs: int, vocab_size: int, max_len: int, eos: int) -> None:
+    """prefix_ids: one per input, token ids in the vocabulary, no end token, room left for the new tokens."""
     if opts.prefix_counted and not opts.prefix_ids:
         raise InputError(f"prefix_counted ({opts.prefix_counted}) counts prefix tokens, but there is no prefix_ids")
     if opts.prefix_ids:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, fields, replace
 from numbers import Integral
 from typing import Protocol, Sequence
 
-from runtime.errors import InputError
+from runtime.errors import InputError, SourceTooLong
 from runtime.options import check_options as check_search_options
 from runtime.options import ends_with_eos
 from runtime.search import SearchOptions
@@ -250,8 +250,8 @@ def check_sources(sequences: Sequence[Sequence[int]], model: Model) -> None:
         if len(seq) == 0:
             raise InputError(f"input {i} is empty; every input needs at least one token")
         if len(seq) > model.max_len:
-            raise InputError(f"input {i} has {len(seq)} tokens, more than the model's maximum source length "
-                             f"{model.max_len}; shorten or split it")
+            raise SourceTooLong(f"input {i} has {len(seq)} tokens, more than the model's maximum source length "
+                                f"{model.max_len}; shorten or split it", i, len(seq), model.max_len)
         bad = [int(t) for t in seq if not 0 <= int(t) < vocab]
         if bad:
             raise InputError(f"input {i} has token id(s) {bad[:5]} outside the source vocabulary of {vocab} ids; "

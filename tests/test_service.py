@@ -181,6 +181,32 @@ def test_generate_splits_texts_as_the_service_does(dates_bundle, reference, tmp_
     assert whole.exit_code == 2 and "input 0 has 49 tokens" in whole.stderr and "maximum source length" in whole.stderr
 
 
+def test_generate_an_input_past_the_limit_is_cut_and_said_or_refused_with_the_way_out(dates_bundle, reference,
+                                                                                      tmp_path):
+    """One input of 2,000+ characters (40x the dates model's 48 tokens), in one sentence and as one word: split
+    (the default), every piece fits and stderr says it was cut, nothing truncated (the output is the pieces'
+    translations joined); --no-split: exit 2, one line naming the limit, the input's length and the flags."""
+    long = " and ".join([LONG] * 28)                                       # one sentence of 2,184 characters
+    word = "1" * 2100
+    for text in (long, word):
+        file = tmp_path / "in.txt"
+        file.write_text(text + "\n")
+        for args in ((text,), ("--input", str(file)), ("--input", "-")):
+            result = CliRunner().invoke(__import__("toolkit.apps.cli", fromlist=["main"]).main,
+                                        ["generate", str(dates_bundle), "--provider", "cpu", *args],
+                                        input=text + "\n" if args[-1] == "-" else None)
+            assert result.exit_code == 0 and "Traceback" not in result.output, result.output
+            assert result.stdout.splitlines() == reference([text]), args
+            note = [line for line in result.stderr.splitlines() if line.startswith("note: input 0")]
+            assert len(note) == 1 and "longer than the model's maximum source length 48" in note[0], result.stderr
+            assert f"({len(text)} tokens)" in note[0] and "--no-split refuses" in note[0]
+        refused = generate_cli(dates_bundle, "--no-split", "--input", str(file))
+        assert refused.exit_code == 2 and refused.stdout == ""
+        assert refused.stderr.strip() == (f"error: input 0 has {len(text)} tokens, more than the model's maximum "
+                                          f"source length 48; drop --no-split to translate it in sentences and "
+                                          f"pieces that fit, or shorten it")
+
+
 def test_generate_json_records_join_the_sentences(dates_bundle):
     """A split text's record: the sentences' records of the same call joined (text with its whitespace, ids and
     logprobs concatenated, scores summed); token ids stay one row; a prefix forces the first sentence only."""
@@ -267,7 +293,11 @@ def test_libretranslate_client(open_url, reference):
     lt = LibreTranslateAPI(open_url)
     assert lt.translate(TEXT, "en", "de", timeout=60) == reference([TEXT])[0]
     assert lt.translate(LONG, "auto", "de", timeout=60) == reference([LONG])[0]
-    assert lt.languages(timeout=30) == [{"code": "en", "name": "en", "targets": ["de"]}]
+    listed = lt.languages(timeout=30)
+    assert listed == [{"code": "en", "name": "English", "targets": ["de"]}]     # LibreTranslate's names
+    for entry in listed:                          # a client that lists the languages first, then translates each pair
+        for target in entry["targets"]:
+            assert lt.translate(TEXT, entry["code"], target, timeout=60) == reference([TEXT])[0]
     batch = httpx.post(open_url + "/translate", json={"q": [TEXT, "Nov 3rd 1999"], "source": "en", "target": "de"},
                        timeout=60)
     assert batch.json() == {"translatedText": reference([TEXT, "Nov 3rd 1999"])}

@@ -56,4 +56,15 @@ def iso_codes(codes) -> dict[str, str]:
     return out
 
 
-__all__ = ["ISO_639_1", "client_code", "iso_codes", "model_client_code"]
+def language_name(code: str) -> str:
+    """The English name of a client code, as LibreTranslate's /languages gives it ("de": "German", "zh-hant":
+    "Chinese (Traditional)"); a code that is no ISO 639-1 code (a task's target, e.g. "iso") is its own name."""
+    import pycountry
+
+    if code == TRADITIONAL:
+        return "Chinese (Traditional)"
+    found = pycountry.languages.get(alpha_2=code) if len(code) == 2 else None     # client codes are ISO 639-1
+    return found.name if found is not None else code
+
+
+__all__ = ["ISO_639_1", "client_code", "iso_codes", "language_name", "model_client_code"]

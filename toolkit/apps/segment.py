@@ -18,7 +18,7 @@ truncated, every character of the input is translated in some piece. The server'
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from runtime.errors import InputError
 from toolkit.apps.languages import client_code, model_client_code
@@ -33,6 +33,8 @@ class Plan:
 
     rows: list[list[int]]
     templates: list[list[str | int]]        # literal text, or the index of a row whose translation goes there
+    cut: list[tuple[int, int, int]] = field(default_factory=list)   # (text, its sentence's tokens, pieces) per
+                                            # sentence over max_len, cut into pieces that fit (callers say so)
 
     def per_row(self, options: dict, lead=()) -> None:
         """Turn per-input target options into per-row ones, in place: an input's prefix (`prefix_ids`, which starts
@@ -117,7 +119,10 @@ def plan_texts(texts: list, tokenizer, max_len: int, lang: str | None = None) ->
             lead, core, trail = _EDGES.match(sentence).groups()
             template.append(lead)
             if core:
+                before = len(plan.rows)
                 template.extend(_fit(core, tokenizer, max_len, plan.rows))
+                if len(plan.rows) - before > 1:
+                    plan.cut.append((len(plan.templates), len(tokenizer.encode(core)), len(plan.rows) - before))
             template.append(trail)
         plan.templates.append([part for part in template if part != ""])
     return plan

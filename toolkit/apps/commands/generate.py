@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from runtime.errors import InputError
+from runtime.errors import InputError, SourceTooLong
 from runtime.request import languages, target_options
 from runtime.session import PROVIDER_CHOICES
 from toolkit.apps.commands._common import friendly, text_lines
@@ -154,7 +154,25 @@ def build_request(engine, tokenizer, inputs: list, split: bool, options: dict, t
     options.update(target_flags(framed, len(inputs), *targets, lead=lead))
     if plan is not None:
         plan.per_row(options, lead)
-    return Request.build(engine, rows, framed, search_options(engine, **options)), plan
+        say_cuts(plan, engine.max_len)
+    try:
+        return Request.build(engine, rows, framed, search_options(engine, **options)), plan
+    except SourceTooLong as exc:
+        if split or tokenizer is None:
+            raise
+        raise InputError(f"input {exc.index} has {exc.tokens} tokens, more than the model's maximum source length "
+                         f"{exc.limit}; drop --no-split to translate it in sentences and pieces that fit, or "
+                         f"shorten it") from None
+
+
+def say_cuts(plan, max_len: int) -> None:
+    """Say on stderr (stdout stays the output) which inputs held a sentence over max_len, cut into pieces."""
+    for text in sorted({t for t, _, _ in plan.cut}):
+        cuts = [(n, k) for t, n, k in plan.cut if t == text]
+        click.echo(f"note: input {text} has {len(cuts)} sentence(s) longer than the model's maximum source length "
+                   f"{max_len} ({', '.join(str(n) for n, _ in cuts)} tokens), each cut at whitespace into pieces that "
+                   f"fit ({sum(k for _, k in cuts)} in all), translated one by one and joined; --no-split refuses "
+                   f"such an input instead", err=True)
 
 
 def joined(recs: list[dict], plan, inputs: list) -> list[dict]:

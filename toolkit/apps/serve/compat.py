@@ -19,6 +19,7 @@ from __future__ import annotations
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from toolkit.apps.languages import language_name
 from toolkit.apps.serve.app import RequestError, error_response
 from toolkit.apps.serve.keys import ApiKeys, Denied, bearer
 from toolkit.apps.serve.models import ModelSet
@@ -108,7 +109,7 @@ def _libretranslate(app: FastAPI, models: ModelSet, keys: ApiKeys) -> None:
     @app.get("/languages", tags=["LibreTranslate"])
     async def libre_languages():
         """LibreTranslate's languages: every served source language and the targets it translates into."""
-        return [{"code": code, "name": code, "targets": targets} for code, targets in models.languages()]
+        return [{"code": code, "name": language_name(code), "targets": targets} for code, targets in models.languages()]
 
 
 def _deepl(app: FastAPI, models: ModelSet, keys: ApiKeys) -> None:

@@ -145,3 +145,25 @@ def test_umt5_and_longt5_stay_refused_by_name(tmp_path):
         (src / "config.json").write_text(json.dumps({"model_type": model_type}))
         result = CliRunner().invoke(main, ["import", str(src), "--out", str(tmp_path / "out")])
         assert result.exit_code == 2 and lacks in result.output, result.output
+
+
+def test_rows_past_the_tokenizer_decode_to_nothing_as_transformers_does(tmp_path):
+    """A model with more rows than tokens (vocab_size 32128, 32100 tokens in t5-small): generation stays
+    transformers' (its generate picks those ids too), and the text of ids with no token is transformers' (none)."""
+    from toolkit.testing.tiny_t5 import random_t5
+
+    model, tok = random_t5("v1.1", tmp_path / "src", extra_rows=40)
+    assert model.config.vocab_size == len(tok) + 40
+    result = CliRunner().invoke(main, ["import", str(tmp_path / "src"), "--out", str(tmp_path / "ckpt")])
+    assert result.exit_code == 0, result.output
+    ckpt = load_checkpoint(tmp_path / "ckpt")
+    assert ckpt.config.vocab_size == len(tok) + 40 and ckpt.tokenizer.vocab_size == len(tok)
+    seqs = [tok(t)["input_ids"] for t in TEXTS[:16]]
+    want = hf_generate(model, seqs, 1, MAX_NEW)
+    assert any(i >= len(tok) for w in want for i in w), want                   # the unused rows are picked
+    got = [h[0].tokens for h in generate_ids(TorchEngine(ckpt.model), seqs, SearchOptions(max_new_tokens=MAX_NEW))]
+    assert got == want
+    assert [ckpt.tokenizer.decode(g) for g in got] == tok.batch_decode(want, skip_special_tokens=True)
+    result = CliRunner().invoke(main, ["generate", str(tmp_path / "ckpt"), TEXTS[0], "--max-new-tokens",
+                                       str(MAX_NEW)])
+    assert result.exit_code == 0 and tok.decode(want[0], skip_special_tokens=True) in result.output, result.output

@@ -28,17 +28,17 @@ from exporters.int8_recipes import (AUTO, Recipe, account, figures, pick, prepar
                                     resolve_weight_bits)
 from exporters.logs import quiet_loggers
 from exporters.optimize_gate import optimize_parity
-from exporters.optimize_options import (ATTENTION_OPS, STATIC_ATTENTION_OPS, TARGETS, OptimizeError, check_options,
-                                        check_source, resolve_kv_cache)
+from exporters.optimize_options import (ATTENTION_OPS, RELATIVE_BIAS_CACHE, STATIC_ATTENTION_OPS, TARGETS,
+                                        OptimizeError, check_options, resolve_kv_cache, source_manifest)
 from exporters.ort_format import add_ort_format, check_convertible
 from exporters.passes import explain_misses, run_passes
-from exporters.precision import precision_pass
+from exporters.precision import fp16_keep_float, precision_pass
 from exporters.row_activations import RowActivationsPass
 from exporters.tied_table import TiedTablePass
 from exporters.shared_weights import graph_data, inline_external, save_graph, share_weights, shared_bytes
 from exporters.static_cache import StaticCachePass, StaticCacheError, per_row_for
 from exporters.validate import check_finite, ir_weights
-from runtime.manifest import GRAPHS, PRECISIONS, decoder_layout, read_manifest, verify_hashes
+from runtime.manifest import GRAPHS, PRECISIONS, decoder_layout
 from runtime.session import int8_saturates, return_freed_memory
 from runtime.spec import DYNAMIC
 from toolkit.parity import ParityError
@@ -201,11 +201,11 @@ def optimize_bundle(bundle_dir: str | Path, out_dir: str | Path, target: str = "
     check_options(target, precision, attention, fuse, activation_scales, recipe, weight_bits)
     if ort_format:                                        # .ort graphs are for the CPU provider's minimal builds
         check_convertible({"precision": precision, "target": target})
-    manifest = read_manifest(bundle_dir)
-    verify_hashes(bundle_dir, manifest)
-    check_source(bundle_dir, out_dir, manifest, precision, fuse, attention)
+    manifest = source_manifest(bundle_dir, out_dir, precision, fuse, attention)
     kv_cache = resolve_kv_cache(kv_cache, target, fuse, attention, manifest, precision)
     report = OptimizeReport(str(bundle_dir), str(out_dir), target, precision, attention if fuse else None, kv_cache)
+    if manifest["model"].get("relative_buckets") and target == "cpu" and fuse and attention == "ort":
+        report.notes.append(f"KV cache dynamic: {RELATIVE_BIAS_CACHE}")
     if texts is not None and not manifest.get("tokenizer"):
         raise OptimizeError(f"{bundle_dir} has no tokenizer (it takes token ids), so gate input texts cannot be "
                             f"encoded; leave --input out and the gate uses random ids")
@@ -313,7 +313,8 @@ def _convert_graphs(job: _Job, models: dict[str, ir.Model], recipe: Recipe | Non
     place and released once saved (int8 frees each float weight the fusions made as it quantizes it)."""
     applied, counts = [], {}
     for g in GRAPHS:
-        model, step = models[g], precision_pass(job.precision)
+        keep = fp16_keep_float(job.manifest["model"], models[g]) if job.precision == "fp16" else ()
+        model, step = models[g], precision_pass(job.precision, keep_float=keep)
         if recipe is not None:
             model, step, counts[g], prepasses = prepare(model.clone() if clone else model, recipe, g)
             applied += prepasses
@@ -412,7 +413,7 @@ def _fuse_graph(path: Path, fuse: bool, attention: str, precision: str, opset: i
     return model, dict(counts), applied
 
 
-PIPELINE = ("opset_23", "fuse_attention", "fuse_layer_norm", "fuse_erf_gelu", "fuse_skip_layer_norm", "fuse_bias_gelu",
+PIPELINE = ("opset_23", "fuse_attention", "fuse_layer_norm", "fuse_rms_norm", "fuse_erf_gelu", "fuse_skip_layer_norm", "fuse_bias_gelu",
             "fuse_silu", "pack_matmuls", "cleanup", "static_kv_cache", "fold_transposed_weights", "int8_embedding",
             "float16", "quantize_int8", "quantize_int8_blocks", "per_row_activations", "quantize_int4",
             "tied_table_rows")

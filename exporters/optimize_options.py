@@ -7,7 +7,7 @@ from pathlib import Path
 from exporters.fusions import ATTENTION_TARGETS
 from exporters.row_activations import ACTIVATION_SCALES
 from runtime.errors import OnnxformerError
-from runtime.manifest import GRAPHS, PRECISIONS
+from runtime.manifest import GRAPHS, PRECISIONS, read_manifest, verify_hashes
 from runtime.spec import KV_CACHES
 
 TARGETS = ("cpu", "cuda")                        # bundle targets optimize writes (the manifest also knows "any")
@@ -52,13 +52,24 @@ def check_options(target: str, precision: str, attention: str, fuse: bool,
                             "drop --no-fuse or choose --precision int8/fp16")
 
 
+RELATIVE_BIAS_CACHE = ("a relative position bias (T5) is added to the attention scores per head, and the static "
+                       "cache pass does not carry it yet (onnxruntime's CPU GroupQueryAttention takes an "
+                       "attention_bias [B, H, S, total length], DecoderMaskedMultiHeadAttention none), so the "
+                       "decoder keeps the dynamic cache, its attention fused into MultiHeadAttention")
+
+
 def resolve_kv_cache(kv_cache: str, target: str, fuse: bool, attention: str, manifest: dict,
                      precision: str = "fp32") -> str:
     """'auto' -> static on CPU when the attention is (or will be) fused for onnxruntime, else the source's cache."""
     source = manifest.get("kv_cache", "dynamic")
     fused_ort = (fuse and attention == "ort") or attention_state(manifest) == "ort"
     if kv_cache == "auto":
+        if manifest["model"].get("relative_buckets"):       # T5: see RELATIVE_BIAS_CACHE
+            return "dynamic"
         return "static" if source == "static" or (target == "cpu" and fused_ort) else "dynamic"
+    if kv_cache == "static" and manifest["model"].get("relative_buckets"):
+        raise OptimizeError(f"--kv-cache static is not available for this model: {RELATIVE_BIAS_CACHE}; leave "
+                            f"--kv-cache out (auto) or pass --kv-cache dynamic")
     if kv_cache not in KV_CACHES:
         raise OptimizeError(f"unknown KV cache {kv_cache!r}; choose auto, static or dynamic")
     if kv_cache == "dynamic" and source == "static":
@@ -102,5 +113,13 @@ def check_source(bundle_dir: Path, out_dir: Path, manifest: dict, precision: str
                             f"--attention {fused} (or --no-fuse) to only convert its precision")
 
 
-__all__ = ["TARGETS", "ATTENTION_OPS", "STATIC_ATTENTION_OPS", "OptimizeError", "check_options", "resolve_kv_cache",
+def source_manifest(bundle_dir: Path, out_dir: Path, precision: str, fuse: bool, attention: str) -> dict:
+    """The source bundle's manifest, its files' hashes verified and the source checked against the options."""
+    manifest = read_manifest(bundle_dir)
+    verify_hashes(bundle_dir, manifest)
+    check_source(bundle_dir, out_dir, manifest, precision, fuse, attention)
+    return manifest
+
+
+__all__ = ["source_manifest", "TARGETS", "ATTENTION_OPS", "STATIC_ATTENTION_OPS", "OptimizeError", "check_options", "resolve_kv_cache",
            "attention_state", "check_source"]

@@ -5,7 +5,8 @@ outputs stay float32 (keep_io_types adds Casts at the boundary), so the runtime 
 not change. ORT's default block list keeps ops without float16 kernels (Range, CumSum, TopK, ...) in float32;
 LayerNormalization / SkipLayerNormalization / Softmax / MultiHeadAttention accumulate in float32 inside their
 CUDA kernels, so they need no blocking. Constants the fusion passes created (the attention bias fill and zero)
-follow the graph's float type and are converted with it.
+follow the graph's float type and are converted with it. T5's feed-forward output projections stay float32
+(fp16_keep_float: their activations overflow float16).
 
 int8 (onnxruntime.quantization.quantize_dynamic's graph, made a weight at a time by exporters/int8_weights): MatMul
 weights only (op_types_to_quantize=["MatMul"]: quantizing the ONNX Attention op would turn it into QAttention,
@@ -34,14 +35,29 @@ from exporters.passes import ConvertInPlacePass, ConvertPass
 from exporters.row_activations import per_row_activations
 
 
-def to_fp16(model: ir.Model) -> ir.Model:
-    """A float16 copy of the model with float32 graph inputs and outputs."""
+def to_fp16(model: ir.Model, keep_float: tuple[str, ...] = ()) -> ir.Model:
+    """A float16 copy of the model with float32 graph inputs and outputs; keep_float: nodes (by name) left in
+    float32, Casts around them."""
     from onnxruntime.transformers.float16 import DEFAULT_OP_BLOCK_LIST, convert_float_to_float16
 
     proto = ir.to_proto(model)
-    converted = convert_float_to_float16(proto, keep_io_types=True,
-                                         op_block_list=list(DEFAULT_OP_BLOCK_LIST))
+    converted = convert_float_to_float16(proto, keep_io_types=True, op_block_list=list(DEFAULT_OP_BLOCK_LIST),
+                                         node_block_list=list(keep_float))
     return ir.from_proto(converted)
+
+
+FFN_OUTPUT = ".ffn.w_2"             # the feed-forward output projection's module (T5's `wo`)
+NAME_SCOPES = "pkg.torch.onnx.name_scopes"
+
+
+def fp16_keep_float(config: dict, model: ir.Model) -> tuple[str, ...]:
+    """The MatMuls an fp16 graph keeps in float32: for T5 (a relative position bias) the feed-forward output
+    projections, whose activations overflow float16 (transformers keeps T5's `wo` in float32 for the same reason);
+    found by the exporter's module scope. None for other models."""
+    if not config.get("relative_buckets"):
+        return ()
+    return tuple(n.name for n in model.graph if n.op_type == "MatMul" and n.name
+                 and f"{FFN_OUTPUT}'" in n.metadata_props.get(NAME_SCOPES, ""))
 
 
 PACKED = ".packed.weight"           # the joined weights of exporters/fusions/pack_matmul (Q/K/V, cross K/V of all layers)
@@ -102,9 +118,9 @@ def precision_pass(precision: str, per_channel: bool = True, activation_scales: 
                    reduce_range: bool = False) -> ConvertPass | ConvertInPlacePass | None:
     """The pass for a precision (None for fp32). int8 activation_scales "per-row": each token row gets its own
     activation range (exporters/row_activations), so a row's result does not depend on its batch neighbours;
-    keep_float: MatMuls (by name) left in float32."""
+    keep_float: MatMuls (by name) left in float32 (fp16: exporters.precision.fp16_keep_float)."""
     if precision == "fp16":
-        return ConvertPass("float16", to_fp16)
+        return ConvertPass("float16", lambda model: to_fp16(model, keep_float))
     if precision == "int8" and activation_scales == "per-row":
         return ConvertInPlacePass("quantize_int8", lambda model: per_row_activations(
             to_int8(model, per_channel, reduce_range, keep_float=keep_float)))

@@ -47,6 +47,23 @@ def read_manifest(bundle_dir: str | Path) -> dict:
     return manifest
 
 
+MODEL_INTS = ("vocab_size", "d_model", "n_heads", "n_encoder_layers", "n_decoder_layers", "max_len", "pad_id",
+              "bos_id", "eos_id")                     # what the runtime reads of every model config: ints, required
+MODEL_OPTIONAL_INTS = ("src_vocab_size", "d_ff", "d_kv", "unk_id", "relative_buckets", "relative_max_distance")
+
+
+def check_model_fields(model, where) -> None:
+    """The manifest's model config: an object whose sizes and token ids the runtime reads are integers >= 0."""
+    if not isinstance(model, dict):
+        raise BundleError(f"{where}: 'model' must be the model config object; re-export the bundle")
+    for key in MODEL_INTS + MODEL_OPTIONAL_INTS:
+        value = model.get(key, 0 if key in MODEL_OPTIONAL_INTS else None)
+        if value is not None and not (isinstance(value, int) and not isinstance(value, bool) and value >= 0) or \
+                (value is None and key in MODEL_INTS):
+            raise BundleError(f"{where}: model field {key!r} must be an integer >= 0, got {value!r}; re-export the "
+                              f"bundle")
+
+
 def validate_manifest(manifest, where: str | Path = MANIFEST, written: bool = True) -> None:
     """Check the manifest's structure (format, version, required fields, graph entries, the file list).
     written=False: a manifest being built, before its "files" list is made (exporters.bundle.write_manifest)."""
@@ -74,8 +91,7 @@ def validate_manifest(manifest, where: str | Path = MANIFEST, written: bool = Tr
     if manifest.get("kv_cache", kv_cache_of(layout)) != kv_cache_of(layout):
         raise BundleError(f"{where} has kv_cache {manifest.get('kv_cache')!r} but decoder_layout {layout!r} (a "
                           f"{kv_cache_of(layout)} cache); re-export or re-optimize the bundle with this onnxformer")
-    if not isinstance(manifest["model"], dict):
-        raise BundleError(f"{where}: 'model' must be the model config object; re-export the bundle")
+    check_model_fields(manifest["model"], where)
     graphs = manifest["graphs"]
     if not isinstance(graphs, dict) or any(name not in graphs for name in GRAPHS):
         raise BundleError(f"{where} must list graphs {' and '.join(GRAPHS)}; re-export the bundle")
@@ -85,6 +101,10 @@ def validate_manifest(manifest, where: str | Path = MANIFEST, written: bool = Tr
             raise BundleError(f"{where}: graph {name!r} needs file, sha256, inputs and outputs; re-export the bundle")
         if not isinstance(entry["inputs"], list) or not isinstance(entry["outputs"], list):
             raise BundleError(f"{where}: graph {name!r} inputs and outputs must be lists; re-export the bundle")
+        for kind in ("inputs", "outputs"):
+            if not all(isinstance(t, dict) and {"name", "dtype", "shape"} <= t.keys() for t in entry[kind]):
+                raise BundleError(f"{where}: graph {name!r} has {kind} without a name, dtype and shape; re-export "
+                                  f"the bundle")
         _safe_file(entry["file"], where)
     ort_graphs = manifest.get("ort_graphs") or {}
     if not isinstance(ort_graphs, dict):

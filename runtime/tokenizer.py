@@ -393,12 +393,14 @@ class FastTokenizer:
         return self._tok.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids) -> str:
-        """Text of target ids, special tokens skipped."""
+        """Text of target ids, special tokens skipped. Ids past the tokenizer's last token decode to nothing, as
+        `tokenizers` and transformers decode them: a model may have more rows than tokens (T5's checkpoints: 32128
+        rows, 32100 tokens) and its search may pick one; a negative id is an error."""
         ids = [int(i) for i in ids]
-        bad = [i for i in ids if not 0 <= i < self.vocab_size]
+        bad = [i for i in ids if i < 0]
         if bad:
             raise TokenizerError(f"token id {bad[0]} is outside the vocabulary (size {self.vocab_size})")
-        text = self._tok.decode(ids, skip_special_tokens=True)
+        text = self._tok.decode([i for i in ids if i < self.vocab_size], skip_special_tokens=True)
         return _clean_up_spaces(text) if self.clean_up else text
 
     def to_dict(self) -> dict:

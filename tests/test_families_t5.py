@@ -145,3 +145,84 @@ def test_umt5_and_longt5_stay_refused_by_name(tmp_path):
         (src / "config.json").write_text(json.dumps({"model_type": model_type}))
         result = CliRunner().invoke(main, ["import", str(src), "--out", str(tmp_path / "out")])
         assert result.exit_code == 2 and lacks in result.output, result.output
+
+
+def test_rows_past_the_tokenizer_decode_to_nothing_as_transformers_does(tmp_path):
+    """A model with more rows than tokens (vocab_size 32128, 32100 tokens in t5-small): generation stays
+    transformers' (its generate picks those ids too), and the text of ids with no token is transformers' (none)."""
+    from toolkit.testing.tiny_t5 import random_t5
+
+    model, tok = random_t5("v1.1", tmp_path / "src", extra_rows=40)
+    assert model.config.vocab_size == len(tok) + 40
+    result = CliRunner().invoke(main, ["import", str(tmp_path / "src"), "--out", str(tmp_path / "ckpt")])
+    assert result.exit_code == 0, result.output
+    ckpt = load_checkpoint(tmp_path / "ckpt")
+    assert ckpt.config.vocab_size == len(tok) + 40 and ckpt.tokenizer.vocab_size == len(tok)
+    seqs = [tok(t)["input_ids"] for t in TEXTS[:16]]
+    want = hf_generate(model, seqs, 1, MAX_NEW)
+    assert any(i >= len(tok) for w in want for i in w), want                   # the unused rows are picked
+    got = [h[0].tokens for h in generate_ids(TorchEngine(ckpt.model), seqs, SearchOptions(max_new_tokens=MAX_NEW))]
+    assert got == want
+    assert [ckpt.tokenizer.decode(g) for g in got] == tok.batch_decode(want, skip_special_tokens=True)
+    result = CliRunner().invoke(main, ["generate", str(tmp_path / "ckpt"), TEXTS[0], "--max-new-tokens",
+                                       str(MAX_NEW)])
+    assert result.exit_code == 0 and tok.decode(want[0], skip_special_tokens=True) in result.output, result.output
+
+
+@pytest.fixture(scope="module")
+def t5_bundle(tmp_path_factory):
+    """The fp32 bundle of a random tiny v1.1 (imported and exported by the command line)."""
+    from toolkit.testing.tiny_t5 import random_t5
+
+    tmp_path = tmp_path_factory.mktemp("t5-bundle")
+    random_t5("v1.1", tmp_path / "src")
+    for args in (["import", str(tmp_path / "src"), "--out", str(tmp_path / "ckpt")],
+                 ["export", str(tmp_path / "ckpt"), "--out", str(tmp_path / "bundle")]):
+        result = CliRunner().invoke(main, args)
+        assert result.exit_code == 0, result.output
+    return tmp_path / "bundle"
+
+
+def test_optimize_fuses_t5_attention_and_rms_norm_and_keeps_the_dynamic_cache(t5_bundle, tmp_path):
+    """The default `onnxformer optimize` of a T5 bundle: every attention block into MultiHeadAttention (scale 1,
+    the relative bias and mask as attention_bias), RMSNorm into (Skip)SimplifiedLayerNormalization, the dynamic
+    cache (the static cache pass does not carry a per-head bias), the fp32 gate passed."""
+    import onnx
+
+    result = CliRunner().invoke(main, ["optimize", str(t5_bundle), "--out", str(tmp_path / "fused")])
+    assert result.exit_code == 0, result.output
+    manifest = json.loads((tmp_path / "fused" / "manifest.json").read_text())
+    layers = manifest["model"]["n_encoder_layers"], manifest["model"]["n_decoder_layers"]
+    assert manifest["parity"]["verified"] and manifest["decoder_layout"] == "dynamic"
+    assert "relative position bias" in result.output
+    for graph, attention, norms in (("encoder", layers[0], 2 * layers[0] + 1), ("decoder", 2 * layers[1],
+                                                                                  3 * layers[1] + 1)):
+        nodes = onnx.load(str(tmp_path / "fused" / f"{graph}.onnx"), load_external_data=False).graph.node
+        ops = [n.op_type for n in nodes]
+        mha = [n for n in nodes if n.op_type == "MultiHeadAttention"]
+        assert len(mha) == attention and "Softmax" not in ops and "Pow" not in ops, (graph, ops)
+        assert all(n.input[5] and [a.f for a in n.attribute if a.name == "scale"] == [1.0] for n in mha)
+        skip = ops.count("SkipSimplifiedLayerNormalization")
+        assert skip == norms - 1 and ops.count("SimplifiedLayerNormalization") == 1, (graph, ops)
+
+
+def test_fp16_keeps_t5s_ffn_output_projections_in_float32(t5_bundle, tmp_path):
+    """--precision fp16 (CUDA; converted here on the CPU, the gate not run): the feed-forward output MatMuls (T5's
+    `wo`, whose activations overflow float16) take float32 inputs and weights; the other MatMuls are float16."""
+    import onnx
+
+    from exporters.optimize import optimize_bundle
+
+    optimize_bundle(t5_bundle, tmp_path / "fp16", target="cuda", precision="fp16", allow_unverified=True)
+    layers = json.loads((t5_bundle / "manifest.json").read_text())["model"]
+    for graph, n in (("encoder", layers["n_encoder_layers"]), ("decoder", layers["n_decoder_layers"])):
+        g = onnx.load(str(tmp_path / "fp16" / f"{graph}.onnx")).graph
+        types = {i.name: i.data_type for i in g.initializer}
+        types.update({o: next(a.i for a in n.attribute if a.name == "to") for n in g.node if n.op_type == "Cast"
+                      for o in n.output})                                  # a Cast's output: its type
+        matmuls = {n.name: n for n in g.node if n.op_type == "MatMul" and n.input[1] in types}
+        wo = [k for k, n in matmuls.items() if any(a.key == "pkg.torch.onnx.name_scopes" and ".ffn.w_2'" in a.value
+                                                   for a in n.metadata_props)]
+        dtypes = {k: {types.get(i) for i in n.input} for k, n in matmuls.items()}
+        assert len(wo) == n and all(dtypes[k] == {onnx.TensorProto.FLOAT} for k in wo), (graph, dtypes)
+        assert all(onnx.TensorProto.FLOAT16 in t for k, t in dtypes.items() if k not in wo), (graph, dtypes)

@@ -66,8 +66,10 @@ def test_decode_equals_the_originals(pair):
     for _ in range(30):
         ids = rng.integers(0, len(theirs), size=int(rng.integers(0, 14))).tolist()
         assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True), (name, ids)
+    past = [3, len(theirs), len(theirs) + 27, 4]                       # rows of the model with no token
+    assert ours.decode(past) == theirs.decode(past, skip_special_tokens=True) == ours.decode([3, 4])
     with pytest.raises(TokenizerError, match="outside the vocabulary"):
-        ours.decode([len(theirs)])
+        ours.decode([-1])
 
 
 def test_saved_and_loaded_without_the_original_directory(pair, tmp_path):

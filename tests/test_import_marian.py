@@ -225,7 +225,7 @@ def _copy(directory: Path, dest: Path, config: dict | None = None, extra_weights
     ("gelu_new", "activation 'gelu_new' cannot be represented"),
     ("heads", "different attention heads"),
     ("no_vocab", "lacks the tokenizer file(s) vocab.json"),
-    ("not_marian", "is a t5 model, which onnxformer's reference model cannot represent (it lacks relative position"),
+    ("not_marian", "is a umt5 model, which onnxformer's reference model cannot represent (it lacks per-layer relative"),
 ])
 def test_unrepresentable_or_broken_sources_exit_2(marian, tmp_path, case, message):
     directory = marian[0]
@@ -238,7 +238,7 @@ def test_unrepresentable_or_broken_sources_exit_2(marian, tmp_path, case, messag
         "gelu_new": lambda: _copy(directory, tmp_path / "s", {"activation_function": "gelu_new"}),
         "heads": lambda: _copy(directory, tmp_path / "s", {"decoder_attention_heads": 2}),
         "no_vocab": lambda: (_copy(directory, tmp_path / "s"), (tmp_path / "s" / "vocab.json").unlink())[0],
-        "not_marian": lambda: _copy(directory, tmp_path / "s", {"model_type": "t5"}),
+        "not_marian": lambda: _copy(directory, tmp_path / "s", {"model_type": "umt5"}),
     }[case]()
     result = CliRunner().invoke(main, ["import", str(source), "--out", str(tmp_path / "out")])
     assert result.exit_code == 2, result.output

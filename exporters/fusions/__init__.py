@@ -2,7 +2,8 @@
 
     attention.py        split-head attention -> com.microsoft.MultiHeadAttention | ONNX Attention (opset 23)
     layernorm.py        decomposed LayerNorm -> LayerNormalization
-    skip_layernorm.py   residual Add + LayerNormalization -> com.microsoft.SkipLayerNormalization
+    rms_norm.py         decomposed RMSNorm (T5) -> SimplifiedLayerNormalization
+    skip_layernorm.py   residual Add + (Simplified)LayerNormalization -> com.microsoft.Skip(Simplified)LayerNormalization
     gelu.py             Erf-spelled GELU -> Gelu; bias Add + Gelu -> com.microsoft.BiasGelu / FastGelu
     silu.py             x * Sigmoid(x) -> com.microsoft.QuickGelu(alpha=1.0) (SiLU / swish, Marian's activation)
     pack_matmul.py      constant-weight MatMuls sharing an input (Q/K/V, cross K/V) -> one MatMul + Split
@@ -19,6 +20,7 @@ from exporters.fusions.gelu import bias_gelu_rules, erf_gelu_rules
 from exporters.fusions.layernorm import layernorm_rules
 from exporters.fusions.pack_matmul import PackMatMulsPass
 from exporters.fusions.int8_embedding import Int8EmbeddingPass
+from exporters.fusions.rms_norm import rms_norm_rules
 from exporters.fusions.silu import silu_rules
 from exporters.fusions.skip_layernorm import skip_layernorm_rules
 from exporters.fusions.transposed_weight import transposed_weight_rules
@@ -37,6 +39,8 @@ def fusion_passes(attention: str = "ort", opset: int = 20) -> list[Reporting]:
         opset = max(opset, ONNX_ATTENTION_OPSET)
     passes.append(RewritePass("fuse_attention", attention_rules(attention)))
     passes.append(RewritePass("fuse_layer_norm", layernorm_rules()))
+    if attention == "ort":                          # SimplifiedLayerNormalization is onnxruntime's
+        passes.append(RewritePass("fuse_rms_norm", rms_norm_rules()))
     # the ONNX Gelu op needs opset 20 (the onnx target is 23); below it, onnxruntime's own Gelu
     passes.append(RewritePass("fuse_erf_gelu", erf_gelu_rules("" if opset >= 20 else "com.microsoft")))
     if attention == "ort":
@@ -56,6 +60,6 @@ def quantization_prepasses(tied_projection: bool = True, weight_bits: int = 8) -
             Int8EmbeddingPass(tied_projection, weight_bits), CleanupPass()]
 
 
-__all__ = ["AttentionFusion", "PackMatMulsPass", "attention_rules", "layernorm_rules", "skip_layernorm_rules",
+__all__ = ["AttentionFusion", "PackMatMulsPass", "attention_rules", "layernorm_rules", "skip_layernorm_rules", "rms_norm_rules",
            "erf_gelu_rules", "bias_gelu_rules", "silu_rules", "transposed_weight_rules", "fusion_passes", "quantization_prepasses",
            "ATTENTION_TARGETS"]

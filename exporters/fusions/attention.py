@@ -15,6 +15,7 @@ The matched subgraph (kind "self": encoder self-attention; "past": decoder self-
           \------ MatMul -----/                                 |
                     |                                           |
               Div (sqrt(Dh)) | Mul (1/sqrt(Dh))                  |
+           ("unscaled": none; "biased": Add(., position_bias), T5)  |
                     |                                           |
       Where(not_mask, fill, .) | Add(., mask_bias)              |
                     |                                           |
@@ -28,7 +29,9 @@ key/value for "cross"; past_key/past_value in, present_key/present_value out, so
 come from the fused node). target "onnx" uses the standard ONNX Attention op (opset 23).
 Both get an additive attention_bias [B or 1, 1, S, Skv] built from the shared mask: the mask variable is a
 pattern input (the Not node feeds every layer and is never part of one match), and the bias nodes are the
-same in every layer, so common-subexpression elimination keeps one copy per graph.
+same in every layer, so common-subexpression elimination keeps one copy per graph. T5's scores are not scaled
+(scale 1.0) and its relative position bias [B or 1, H, S, Skv] (a pattern input, shared by every layer) is added to
+the mask's bias: attention_bias [B, H, S, Skv].
 """
 
 from __future__ import annotations
@@ -42,18 +45,19 @@ from exporters.fusions._common import MASK_FILL_LIMIT, constant, float_dtype, le
 KINDS = ("self", "past", "cross")
 TARGETS = ("ort", "onnx")
 MASKS = ("where", "add")
+SCORES = ("scaled", "unscaled", "biased")       # Div/Mul by a constant; neither (scale 1); T5's bias added, scale 1
 
 
 class AttentionFusion(pattern.RewriteRuleClassBase):
     """One attention kind and mask form, fused for one target runtime."""
 
-    def __init__(self, name: str, *, kind: str, target: str = "ort", mask: str = "where"):
+    def __init__(self, name: str, *, kind: str, target: str = "ort", mask: str = "where", scores: str = "scaled"):
         super().__init__(name)
-        assert kind in KINDS and target in TARGETS and mask in MASKS
-        self.kind, self.target, self.mask = kind, target, mask
+        assert kind in KINDS and target in TARGETS and mask in MASKS and scores in SCORES
+        self.kind, self.target, self.mask, self.scores = kind, target, mask, scores
 
     def pattern(self, op, query, key, value, past_key, past_value, q_shape, k_shape, v_shape, out_shape,
-                scale, mask_cond, fill, mask_bias):
+                scale, mask_cond, fill, mask_bias, position_bias):
         q = op.Transpose(op.Reshape(query, q_shape, _outputs=["q_heads"]), perm=[0, 2, 1, 3])  # [B,H,S,Dh]
         outputs = []
         if self.kind == "self":
@@ -70,8 +74,11 @@ class AttentionFusion(pattern.RewriteRuleClassBase):
             k_t = op.Transpose(key, perm=[0, 1, 3, 2])
             v = value
         scores = op.MatMul(q, k_t)  # [B,H,S,Skv]
-        scaled = pattern.OrValue([op.Div(scores, scale), op.Mul(scores, scale)],
-                                 tag_var="divide", tag_values=[True, False])
+        if self.scores == "scaled":
+            scaled = pattern.OrValue([op.Div(scores, scale), op.Mul(scores, scale)],
+                                     tag_var="divide", tag_values=[True, False])
+        else:
+            scaled = scores if self.scores == "unscaled" else op.Add(scores, position_bias)
         if self.mask == "where":
             masked = pattern.OrValue([op.Where(mask_cond, fill, scaled), op.Where(mask_cond, scaled, fill)],
                                      tag_var="cond_masks_out", tag_values=[True, False])
@@ -82,8 +89,8 @@ class AttentionFusion(pattern.RewriteRuleClassBase):
         attention = op.Reshape(op.Transpose(context, perm=[0, 2, 1, 3]), out_shape, _outputs=["attention"])
         return (attention, *outputs) if outputs else attention
 
-    def check(self, op, query, key, value, past_key, past_value, q_heads, attention, probs, scale, divide,
-              mask_cond=None, fill=None, mask_bias=None, present_key=None, present_value=None, k_heads=None,
+    def check(self, op, query, key, value, past_key, past_value, q_heads, attention, probs, scale=None, divide=None,
+              position_bias=None, mask_cond=None, fill=None, mask_bias=None, present_key=None, present_value=None, k_heads=None,
               v_heads=None, **_) -> pattern.MatchResult:
         result = pattern.MatchResult()
         b: dict = {}
@@ -110,7 +117,10 @@ class AttentionFusion(pattern.RewriteRuleClassBase):
                 return result.fail(f"cache Concat must join on the sequence axis 2, not {sorted(axes)}")
         if probs.producer().attributes.get_int("axis", -1) not in (-1, 3):
             return result.fail("Softmax must run over the last (key) axis")
-        s = scalar(scale)
+        if self.scores == "biased" and not require_dims(result, b, position_bias, ["_", "H", "_", "_"],
+                                                         "position bias"):
+            return result
+        s = scalar(scale) if self.scores == "scaled" else 1.0
         if s is None or s == 0:
             return result.fail("the score scale is not a constant scalar", scale)
         self._scale = 1.0 / s if divide else s
@@ -128,8 +138,10 @@ class AttentionFusion(pattern.RewriteRuleClassBase):
         return result
 
     def rewrite(self, op, query, key, value, past_key, past_value, q_shape, out_shape, mask_cond=None,
-                fill=None, mask_bias=None, cond_masks_out=True, **_):
+                fill=None, mask_bias=None, cond_masks_out=True, position_bias=None, **_):
         bias = self._bias(op, query, mask_cond, fill, mask_bias, cond_masks_out)
+        if self.scores == "biased":                 # [B,1,S,Skv] + [B or 1,H,S,Skv]: one bias per head
+            bias = op.Add(bias, position_bias)
         if self.target == "ort":
             return self._ort(op, query, key, value, past_key, past_value, bias)
         return self._onnx(op, query, key, value, past_key, past_value, bias, q_shape, out_shape)
@@ -168,7 +180,9 @@ class AttentionFusion(pattern.RewriteRuleClassBase):
 
 
 def attention_rules(target: str = "ort") -> list[pattern.RewriteRule]:
-    """All attention variants for one target: past (tried first), cross, then plain self-attention."""
-    return [AttentionFusion.rule(f"attention_{kind}" + ("" if mask == "where" else "_additive_mask"),
-                                 kind=kind, target=target, mask=mask)
-            for kind in ("past", "cross", "self") for mask in MASKS]
+    """All attention variants for one target: past (tried first), cross, then plain self-attention; scaled scores
+    first, then T5's (unscaled, its relative position bias added)."""
+    return [AttentionFusion.rule(f"attention_{kind}" + ("" if mask == "where" else "_additive_mask")
+                                 + ("" if scores == "scaled" else f"_{scores}"),
+                                 kind=kind, target=target, mask=mask, scores=scores)
+            for scores in SCORES for kind in ("past", "cross", "self") for mask in MASKS]

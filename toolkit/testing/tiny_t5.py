@@ -134,11 +134,12 @@ def load_variant(name: str, directory: Path):
         return model, transformers.AutoTokenizer.from_pretrained(str(directory))
 
 
-def random_t5(name: str, directory: str | Path, seed: int = 0):
-    """(model, tokenizer): a variant with random weights saved in directory (and read back)."""
+def random_t5(name: str, directory: str | Path, seed: int = 0, extra_rows: int = 0):
+    """(model, tokenizer): a variant with random weights saved in directory (and read back); extra_rows: model
+    rows past the tokenizer's last token (T5's checkpoints: vocab_size 32128 for 32100 tokens)."""
     directory = Path(directory)
     tok = variant_tokenizer(name, directory)
-    save_variant(name, variant_model(name, len(tok), seed), tok, directory)
+    save_variant(name, variant_model(name, len(tok) + extra_rows, seed), tok, directory)
     return load_variant(name, directory)
 
 

@@ -64,10 +64,10 @@ def resolve_kv_cache(kv_cache: str, target: str, fuse: bool, attention: str, man
     source = manifest.get("kv_cache", "dynamic")
     fused_ort = (fuse and attention == "ort") or attention_state(manifest) == "ort"
     if kv_cache == "auto":
-        if manifest["model"].get("relative_buckets"):       # T5: see RELATIVE_BIAS_CACHE
+        if (manifest.get("model") or {}).get("relative_buckets"):       # T5: see RELATIVE_BIAS_CACHE
             return "dynamic"
         return "static" if source == "static" or (target == "cpu" and fused_ort) else "dynamic"
-    if kv_cache == "static" and manifest["model"].get("relative_buckets"):
+    if kv_cache == "static" and (manifest.get("model") or {}).get("relative_buckets"):
         raise OptimizeError(f"--kv-cache static is not available for this model: {RELATIVE_BIAS_CACHE}; leave "
                             f"--kv-cache out (auto) or pass --kv-cache dynamic")
     if kv_cache not in KV_CACHES:

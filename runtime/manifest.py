@@ -57,9 +57,14 @@ def check_model_fields(model, where) -> None:
     if not isinstance(model, dict):
         raise BundleError(f"{where}: 'model' must be the model config object; re-export the bundle")
     for key in MODEL_INTS + MODEL_OPTIONAL_INTS:
-        value = model.get(key, 0 if key in MODEL_OPTIONAL_INTS else None)
-        if value is not None and not (isinstance(value, int) and not isinstance(value, bool) and value >= 0) or \
-                (value is None and key in MODEL_INTS):
+        if key not in model:
+            if key in MODEL_INTS:
+                raise BundleError(f"{where}: the model config lacks {key}; re-export the bundle")
+            continue
+        value = model[key]
+        if value is None and key in MODEL_OPTIONAL_INTS:   # an optional size the config leaves unset
+            continue
+        if not (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
             raise BundleError(f"{where}: model field {key!r} must be an integer >= 0, got {value!r}; re-export the "
                               f"bundle")
 

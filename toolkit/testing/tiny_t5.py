@@ -147,9 +147,10 @@ TRAINED_STEPS = 300
 
 
 def trained_t5(name: str, directory: str | Path, steps: int = TRAINED_STEPS, seed: int = 0, count: int = 2000,
-               lr: float = 3e-3, batch: int = 32):
+               lr: float = 3e-3, batch: int = 32, prefix: str = ""):
     """(model, tokenizer): a variant trained briefly (Adam, `steps` batches of `count` sentences) on
-    tiny_families.translate, saved in directory and read back. Seconds per variant on one core."""
+    tiny_families.translate, saved in directory and read back. Seconds per variant on one core. prefix: a task
+    prefix every source starts with, as T5's tasks are named ("translate English to German: ...")."""
     import torch
 
     from toolkit.testing.tiny_families import sentences, translate
@@ -161,8 +162,8 @@ def trained_t5(name: str, directory: str | Path, steps: int = TRAINED_STEPS, see
     lines = sentences(count, seed)
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        train_pairs(model, tok, lines, [translate(t) for t in lines], steps=steps, seed=seed, lr=lr, batch=batch,
-                    warmup=steps // 10)
+        train_pairs(model, tok, [prefix + t for t in lines], [translate(t) for t in lines], steps=steps, seed=seed,
+                    lr=lr, batch=batch, warmup=steps // 10)
     save_variant(name, model.eval(), tok, directory)
     return load_variant(name, directory)
 

@@ -6,11 +6,12 @@ inputs in its own environment, under the bench lock, and the tokens are compared
         [--batch-sizes 1,8]
 
 Environments are built under out/peers/ (or $ONNXFORMER_PEERS; Optimum pins an older transformers than ours): ct2
-(ctranslate2, transformers 5, torch) and optimum (optimum-onnx 0.1, transformers 4.57, torch); they are called
-as `python -m`, so a copied folder works too. Models: "tiny" is the trained test model (toolkit.testing.tiny_marian
-TRAINED: outputs vary, so token agreement means something, and its int8 bundle passes the gate on held-out
-texts); "opus" the opus-mt-en-de shape with random weights (speed; every engine generates exactly --new-tokens
-tokens, EOS ignored; its int8 bundle is written unverified, as random weights cannot pass a token gate);
+(ctranslate2, transformers 5, torch) and optimum (optimum-onnx 0.1, transformers 4.57, torch; accelerate, which its
+export's weight de-duplication needs); they are called as `python -m`, so a copied folder works too. Models: "tiny"
+is the trained test model (toolkit.testing.tiny_marian TRAINED: outputs vary, so token agreement means something,
+and its int8 bundle passes the gate on held-out texts); "opus" the opus-mt-en-de shape with random weights (speed;
+every engine generates exactly --new-tokens tokens, EOS ignored; its int8 bundle is written unverified, as random
+weights cannot pass a token gate);
 "nllb-600m" and "bart-base" those shapes with random weights (toolkit.testing.tiny_families.SHAPES: an M2M100 and a
 BART directory, speed as for opus); "t5-small" and "flan-t5-base" those T5 shapes with random weights
 (toolkit.testing.tiny_t5.SHAPES: ReLU and a tied head, gated GELU and its own head; 32,128 rows, a 32,100-token
@@ -39,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 WORK = Path(os.environ.get("ONNXFORMER_PEERS") or ROOT / "out" / "peers").absolute()
 PY = sys.executable
 ENVS = {"ct2": ["torch==2.13.0", "ctranslate2==4.8.5", "transformers>=5.24,<6", "sentencepiece"],
-        "optimum": ["torch==2.13.0", "optimum-onnx[onnxruntime]==0.1.0", "sentencepiece"]}
+        "optimum": ["torch==2.13.0", "optimum-onnx[onnxruntime]==0.1.0", "sentencepiece", "accelerate"]}
 LOCK = "/tmp/onnxformer-bench.lock"
 
 

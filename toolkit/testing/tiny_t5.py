@@ -182,8 +182,9 @@ SHAPE_PIECES, SHAPE_EXTRA_IDS, SHAPE_ROWS = 32000, 100, 32128   # the checkpoint
 def random_shape(shape: str, directory: str | Path, seed: int = 0) -> Path:
     """A save_pretrained directory of a real checkpoint's shape (one of SHAPES: t5-small, ReLU, tied head;
     flan-t5-base, gated-GELU, its own head), 32,128 embedding rows for a 32,100-token tokenizer as the hub's, with
-    transformers' own random initialization (an untied head drawn as transformers draws one, N(0, 1)): for speed
-    and memory benchmarks, not tokens."""
+    transformers' own random initialization: for speed and memory benchmarks, not tokens. The untied head is drawn
+    N(0, 1 / d_model), the scale of the tied head after its rescale: transformers' N(0, 1) gives flan-t5-base logits
+    of std 21, where float32 rounding alone (relative 1.5e-6) breaks export's absolute 1e-4 logits gate."""
     import torch
     import transformers
 
@@ -198,7 +199,8 @@ def random_shape(shape: str, directory: str | Path, seed: int = 0) -> Path:
         model = getattr(transformers, model_cls)(config).eval()
     if defaults.get("tie_word_embeddings") is False:
         with torch.no_grad():
-            model.lm_head.weight = torch.nn.Parameter(torch.randn(model.lm_head.weight.shape))
+            head = torch.randn(model.lm_head.weight.shape) * config.d_model ** -0.5
+            model.lm_head.weight = torch.nn.Parameter(head)
     directory = Path(directory)
     save_variant(name, model, words_tokenizer(SHAPE_PIECES, SHAPE_EXTRA_IDS), directory)
     return directory

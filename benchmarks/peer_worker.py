@@ -56,7 +56,9 @@ def engine_fn(engine: str, model: str, spec: dict):
         from runtime.search import SearchOptions
 
         eng = load_bundle(model, provider="cpu", threads=threads).engine
-        opts = SearchOptions(max_new_tokens=new, beam=beam, ignore_eos=low >= new)
+        # pad suppressed as the other engines are told to (bad_words_ids, suppress_sequences): T5 starts decoding
+        # from pad, and a random T5 picks it again every step unless it is banned (Marian's bundles ban it already)
+        opts = SearchOptions(max_new_tokens=new, beam=beam, ignore_eos=low >= new, suppress=(pad,))
 
         def run(seqs):
             return [[t for t in h[0].tokens if t != eos] for h in generate_ids(eng, seqs, opts)]

@@ -2,16 +2,20 @@
 feeds our importer, CTranslate2's converter and Optimum's exporter; every engine then generates for the same
 inputs in its own environment, under the bench lock, and the tokens are compared with MarianMTModel's.
 
-    .venv/bin/python benchmarks/race_peers.py [--model tiny|opus|nllb-600m|bart-base|DIR] [--batch-sizes 1,8]
+    .venv/bin/python benchmarks/race_peers.py [--model tiny|opus|nllb-600m|bart-base|t5-small|flan-t5-base|DIR]
+        [--batch-sizes 1,8]
 
 Environments are built under out/peers/ (or $ONNXFORMER_PEERS; Optimum pins an older transformers than ours): ct2
-(ctranslate2, transformers 5, torch) and optimum (optimum-onnx 0.1, transformers 4.57, torch); they are called
-as `python -m`, so a copied folder works too. Models: "tiny" is the trained test model (toolkit.testing.tiny_marian
-TRAINED: outputs vary, so token agreement means something, and its int8 bundle passes the gate on held-out
-texts); "opus" the opus-mt-en-de shape with random weights (speed; every engine generates exactly --new-tokens
-tokens, EOS ignored; its int8 bundle is written unverified, as random weights cannot pass a token gate);
+(ctranslate2, transformers 5, torch) and optimum (optimum-onnx 0.1, transformers 4.57, torch; accelerate, which its
+export's weight de-duplication needs); they are called as `python -m`, so a copied folder works too. Models: "tiny"
+is the trained test model (toolkit.testing.tiny_marian TRAINED: outputs vary, so token agreement means something,
+and its int8 bundle passes the gate on held-out texts); "opus" the opus-mt-en-de shape with random weights (speed;
+every engine generates exactly --new-tokens tokens, EOS ignored; its int8 bundle is written unverified, as random
+weights cannot pass a token gate);
 "nllb-600m" and "bart-base" those shapes with random weights (toolkit.testing.tiny_families.SHAPES: an M2M100 and a
-BART directory, speed as for opus). Each row also gives the size of the engine's model folder and the worker
+BART directory, speed as for opus); "t5-small" and "flan-t5-base" those T5 shapes with random weights
+(toolkit.testing.tiny_t5.SHAPES: ReLU and a tied head, gated GELU and its own head; 32,128 rows, a 32,100-token
+tokenizer; speed as for opus). Each row also gives the size of the engine's model folder and the worker
 process's peak resident memory.
 
 `--shortlist 75` adds four engines on one synthetic vocabulary map (the --always most frequent ids + 75 random
@@ -36,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 WORK = Path(os.environ.get("ONNXFORMER_PEERS") or ROOT / "out" / "peers").absolute()
 PY = sys.executable
 ENVS = {"ct2": ["torch==2.13.0", "ctranslate2==4.8.5", "transformers>=5.24,<6", "sentencepiece"],
-        "optimum": ["torch==2.13.0", "optimum-onnx[onnxruntime]==0.1.0", "sentencepiece"]}
+        "optimum": ["torch==2.13.0", "optimum-onnx[onnxruntime]==0.1.0", "sentencepiece", "accelerate"]}
 LOCK = "/tmp/onnxformer-bench.lock"
 
 
@@ -60,13 +64,15 @@ def env_python(name: str) -> Path:
 def build(model: str, new_tokens: int, optimum: bool = True) -> tuple[Path, Path]:
     """The original directory, and the folder holding every engine's model converted from it."""
     from toolkit.testing.tiny_families import SHAPES
+    from toolkit.testing.tiny_t5 import SHAPES as T5_SHAPES
 
-    if model in SHAPES:
+    if model in SHAPES or model in T5_SHAPES:
         marian = WORK / "models" / model / "hf"
         if not (marian / "config.json").exists():
             log(f"building the {model} directory")
-            sh(PY, "-c", f"from toolkit.testing.tiny_families import random_original; "
-                         f"random_original({model!r}, {str(marian)!r})", cwd=ROOT)
+            source = ("tiny_families", "random_original") if model in SHAPES else ("tiny_t5", "random_shape")
+            sh(PY, "-c", f"from toolkit.testing.{source[0]} import {source[1]}; "
+                         f"{source[1]}({model!r}, {str(marian)!r})", cwd=ROOT)
     elif model in ("tiny", "opus"):
         marian = WORK / "models" / ("tiny-trained" if model == "tiny" else model) / "marian"
         if not (marian / "config.json").exists():

@@ -1,6 +1,7 @@
 """Tiny T5 models (t5, T5 v1.1 / Flan-T5, mT5, ByT5) and their tokenizers made offline, for tests.
 
     random_t5("v1.1", out_dir)       # (transformers model, tokenizer) with random weights, saved with save_pretrained
+    random_shape("t5-small", out_dir)  # a real checkpoint's shape (SHAPES), transformers' own init, for benchmarks
     trained_t5("byt5", out_dir)      # the same, trained briefly on tiny_families.translate (outputs vary by input)
 
     variant   model class                     feed_forward_proj  head                 tokenizer files
@@ -39,8 +40,10 @@ VARIANTS = {   # name: (config class, model class, config beside SIZES, tokenize
 EXTRA_IDS = 3              # sentinels <extra_id_N> of the word tokenizers (T5 has 100, ByT5 125)
 
 
-def words_tokenizer():
-    """transformers' T5Tokenizer over whole words of tiny_families.WORDS (plus letters), its sentinels last."""
+def words_tokenizer(pieces: int = 0, extra_ids: int = EXTRA_IDS):
+    """transformers' T5Tokenizer over whole words of tiny_families.WORDS (plus letters), its `extra_ids` sentinels
+    last; `pieces`: padded with made-up words to that many pieces (the real checkpoints' 32,000, so that the
+    tokenizer has their size, as CTranslate2's converter lists the model's rows from it)."""
     import transformers
 
     from toolkit.testing.tiny_families import WORDS
@@ -48,9 +51,10 @@ def words_tokenizer():
     letters = sorted(set("".join(WORDS)))
     vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -2.0)]
     vocab += [(c, -5.0) for c in letters] + [("\u2581" + w, 0.0) for w in sorted(set(WORDS))]
+    vocab += [(f"\u2581w{i}", -10.0) for i in range(len(vocab), pieces)]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return transformers.T5Tokenizer(vocab=vocab, extra_ids=EXTRA_IDS)
+        return transformers.T5Tokenizer(vocab=vocab, extra_ids=extra_ids)
 
 
 def spiece_tokenizer(directory: Path):
@@ -168,5 +172,40 @@ def trained_t5(name: str, directory: str | Path, steps: int = TRAINED_STEPS, see
     return load_variant(name, directory)
 
 
-__all__ = ["SIZES", "TRAINED_STEPS", "VARIANTS", "load_variant", "random_t5", "trained_t5", "variant_model",
-           "variant_tokenizer"]
+SHAPES = {   # real checkpoints' shapes, for benchmarks: (variant, config replacing SIZES)
+    "t5-small": ("t5", dict(d_model=512, d_kv=64, d_ff=2048, num_layers=6, num_decoder_layers=6, num_heads=8)),
+    "flan-t5-base": ("v1.1", dict(d_model=768, d_kv=64, d_ff=2048, num_layers=12, num_decoder_layers=12,
+                                  num_heads=12)),
+}
+SHAPE_PIECES, SHAPE_EXTRA_IDS, SHAPE_ROWS = 32000, 100, 32128   # the checkpoints' tokenizer and embedding rows
+
+
+def random_shape(shape: str, directory: str | Path, seed: int = 0) -> Path:
+    """A save_pretrained directory of a real checkpoint's shape (one of SHAPES: t5-small, ReLU, tied head;
+    flan-t5-base, gated-GELU, its own head), 32,128 embedding rows for a 32,100-token tokenizer as the hub's, with
+    transformers' own random initialization: for speed and memory benchmarks, not tokens. The untied head is drawn
+    N(0, 1 / d_model), the scale of the tied head after its rescale: transformers' N(0, 1) gives flan-t5-base logits
+    of std 21, where float32 rounding alone (relative 1.5e-6) breaks export's absolute 1e-4 logits gate."""
+    import torch
+    import transformers
+
+    name, sizes = SHAPES[shape]
+    config_cls, model_cls, overrides, _ = VARIANTS[name]
+    defaults = {k: v for k, v in overrides.items() if k in ("feed_forward_proj", "tie_word_embeddings")}
+    torch.manual_seed(seed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        config = getattr(transformers, config_cls)(vocab_size=SHAPE_ROWS, dropout_rate=0.0, pad_token_id=0,
+                                                   eos_token_id=1, decoder_start_token_id=0, **defaults, **sizes)
+        model = getattr(transformers, model_cls)(config).eval()
+    if defaults.get("tie_word_embeddings") is False:
+        with torch.no_grad():
+            head = torch.randn(model.lm_head.weight.shape) * config.d_model ** -0.5
+            model.lm_head.weight = torch.nn.Parameter(head)
+    directory = Path(directory)
+    save_variant(name, model, words_tokenizer(SHAPE_PIECES, SHAPE_EXTRA_IDS), directory)
+    return directory
+
+
+__all__ = ["SHAPES", "SIZES", "TRAINED_STEPS", "VARIANTS", "load_variant", "random_shape", "random_t5",
+           "trained_t5", "variant_model", "variant_tokenizer"]

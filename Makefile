@@ -18,7 +18,7 @@ $(VENV)/.installed-$(ORT): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@rm -f $(VENV)/.installed-*
 	$(if $(GPU),,$(PIP) "torch==2.13.0")
-	$(PIP) -e ".[$(ORT),export,import,dev,serve,ray]"
+	$(PIP) -e ".[$(ORT),export,import,dev,serve,ray,audio]"
 	@touch $@
 
 demo: install

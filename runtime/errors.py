@@ -51,6 +51,11 @@ class ProviderError(OnnxformerError):
     """An execution provider that was asked for but is not available."""
 
 
+class AudioError(OnnxformerError):
+    """An audio file that cannot be read (missing, corrupt, a format not read, no samples) or samples the
+    front-end cannot take (runtime.audio)."""
+
+
 def read_json(path: str | Path, error: type[OnnxformerError], fix: str, missing: str | None = None):
     """The content of a JSON file we read (config, tokenizer, manifest); a missing, unreadable or malformed file
     becomes `error` with one line naming the file, what is wrong and `fix` (`missing`: the fix when absent)."""

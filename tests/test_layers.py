@@ -1,7 +1,7 @@
 """The import direction of shared/design.md's Layers, checked on every import statement (lazy ones included).
 
 The layers are the folders, from the floor up (LAYERS): runtime/ (numpy + onnxruntime, sentencepiece or
-tokenizers) -> toolkit/reference/ (config, model, checkpoint, importers, tasks; torch) -> toolkit/testing/
+tokenizers, soundfile and soxr for audio) -> toolkit/reference/ (config, model, checkpoint, importers, tasks; torch) -> toolkit/testing/
 (builders of test models) -> toolkit/parity/ -> exporters/ -> toolkit/apps/ (command line, server, bench,
 demo). A module may import its own layer and the layers below it, never one above; library code never imports
 toolkit.apps.commands. Every module lives in one of these folders: a file directly under toolkit/ has no layer
@@ -18,7 +18,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS = ("runtime", "toolkit.reference", "toolkit.testing", "toolkit.parity", "exporters", "toolkit.apps")
-RUNTIME_THIRD_PARTY = {"numpy", "onnxruntime", "sentencepiece", "tokenizers"}
+RUNTIME_THIRD_PARTY = {"numpy", "onnxruntime", "sentencepiece", "tokenizers",
+                       "soundfile", "soxr"}        # runtime.audio reads and resamples audio files (the audio extra)
 COMMANDS = "toolkit.apps.commands"
 
 
@@ -78,7 +79,7 @@ def violations(path: Path) -> list[str]:
         if mine == "runtime" and theirs is None:
             top = name.split(".")[0]
             if top not in sys.stdlib_module_names and top not in RUNTIME_THIRD_PARTY and top != "__future__":
-                bad.append(f"{where}: runtime imports only numpy, onnxruntime, sentencepiece and tokenizers")
+                bad.append(f"{where}: runtime imports only numpy, onnxruntime, sentencepiece, tokenizers, soundfile and soxr")
         if theirs in LAYERS and LAYERS.index(theirs) > LAYERS.index(mine):
             bad.append(f"{where}: {mine} may not import {theirs} (an arrow running up)")
         if within(name, COMMANDS) and not (within(me, COMMANDS) or me == "toolkit.apps.cli"):

@@ -132,3 +132,26 @@ def test_python_api_example_without_torch(toy_exported, tmp_path):
     assert report == {"attempts": [], "loaded": []}
     lines = proc.stdout.splitlines()
     assert len(lines) == 6 and lines[0] == "hello" and lines[3] == "Ab3" and lines[1].startswith("  1. ")
+
+
+AUDIO_SCRIPT = '''
+import json, sys
+import numpy as np, soundfile
+from runtime.audio import batch_features, features_for, load_audio
+
+t = np.arange(44100) / 44100
+soundfile.write(sys.argv[1], np.stack([np.sin(2 * np.pi * 440 * t), np.sin(2 * np.pi * 900 * t)], 1) * 0.3, 44100)
+audio = load_audio(sys.argv[1])
+print(json.dumps({"samples": audio.shape, "features": features_for(sys.argv[1], 128).shape,
+                  "batch": batch_features([audio, audio[:8000]], 80).shape}))
+'''
+
+
+def test_audio_front_end_without_torch(tmp_path):
+    """runtime.audio reads, resamples and computes Whisper's log-mel with torch, onnx and onnxscript blocked."""
+    pytest.importorskip("soundfile")
+    pytest.importorskip("soxr")
+    proc, report = run_blocked([sys.executable, "-c", AUDIO_SCRIPT, str(tmp_path / "clip.wav")], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert report == {"attempts": [], "loaded": []}
+    assert json.loads(proc.stdout) == {"samples": [16000], "features": [1, 128, 3000], "batch": [2, 80, 3000]}

@@ -8,7 +8,7 @@ ids equal `generate`'s, `onnxformer generate BUNDLE TEXTS` prints what the trans
 batch_decode print, and `onnxformer parity DIR BUNDLE` is ok (tokenizer, logits <= 1e-5, greedy, beam 4).
 `onnxformer optimize --precision int8` passes its gate (greedy tokens >= 98% equal to the fp32 bundle's) on
 held-out texts chosen so that every greedy step of the original has a clear best token (top-2 logit margin >=
-MIN_MARGIN, toolkit/testing/confident.py): a toy model's near-ties, which move with the CPU's float kernels,
+MIN_MARGIN, toolkit/parity/confident.py): a toy model's near-ties, which move with the CPU's float kernels,
 cannot decide the check; the int8 graph's logit error can.
 """
 
@@ -30,7 +30,7 @@ from runtime.search import SearchOptions  # noqa: E402
 from toolkit.apps.cli import main  # noqa: E402
 from toolkit.parity.original import hf_generate  # noqa: E402
 from toolkit.testing.tiny_families import held_out  # noqa: E402
-from toolkit.testing.confident import confident_inputs  # noqa: E402
+from toolkit.parity.confident import confident_inputs  # noqa: E402
 from toolkit.testing.tiny_t5 import VARIANTS, trained_t5  # noqa: E402
 
 pytestmark = pytest.mark.slow

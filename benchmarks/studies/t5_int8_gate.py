@@ -1,5 +1,5 @@
 """The int8 gate on the trained tiny T5 variants: arbitrary held-out texts against texts whose greedy steps all have
-a clear best token (toolkit/testing/confident.py), per int8 recipe.
+a clear best token (toolkit/parity/confident.py), per int8 recipe.
 
     .venv/bin/python benchmarks/studies/t5_int8_gate.py --variants t5,v1.1,mt5,byt5 --steps 600 --pool 1024 \
         --recipes default,per-row --out out/t5-int8-gate
@@ -23,7 +23,7 @@ from click.testing import CliRunner
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from toolkit.apps.cli import main  # noqa: E402
-from toolkit.testing.confident import greedy_margins  # noqa: E402
+from toolkit.parity.confident import greedy_margins  # noqa: E402
 from toolkit.testing.tiny_families import held_out  # noqa: E402
 from toolkit.testing.tiny_t5 import trained_t5  # noqa: E402
 

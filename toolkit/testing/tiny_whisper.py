@@ -12,8 +12,9 @@ A random Whisper at transformers' init (std 0.02) gives the same tokens for ever
 little of the features that the positions drown them, and its cross-attention averages 1500 frames evenly. So the
 convolutions, the cross-attention's query, key and output projections are scaled up and the embeddings down
 (SCALES), and each input is noise over a mel profile of its own (constant in time, which no average washes out):
-greedy outputs then differ by input (14 distinct of 16 measured; tests assert it). Needs transformers and
-tokenizers.
+greedy outputs then differ by input (14 distinct of 16 measured; tests assert it). The suppressed ids are chosen
+so that suppression changes outputs: begin_suppress_tokens gets the first token most inputs choose unsuppressed,
+suppress_tokens the most common later one. Needs transformers and tokenizers.
 """
 
 from __future__ import annotations
@@ -89,10 +90,32 @@ def random_whisper(directory: str | Path, seed: int = 0, inputs: int = 16):
             layer.encoder_attn.q_proj.weight.mul_(SCALES["cross_qk"])
             layer.encoder_attn.k_proj.weight.mul_(SCALES["cross_qk"])
             layer.encoder_attn.out_proj.weight.mul_(SCALES["cross_out"])
+    features = sample_features(inputs, seed + 1)
+    gen = suppress_chosen(model, gen, features)
+    model.config.suppress_tokens, model.config.begin_suppress_tokens = gen["suppress_tokens"], \
+        gen["begin_suppress_tokens"]
     model.generation_config = transformers.GenerationConfig(**gen)
     model.save_pretrained(directory)
     (directory / "generation_config.json").write_text(json.dumps(gen, indent=2))
-    return model, sample_features(inputs, seed + 1)
+    return model, features
+
+
+def suppress_chosen(model, gen: dict, features) -> dict:
+    """gen with the tokens unsuppressed greedy decoding picks most (first, and later) added to begin_suppress_tokens
+    and suppress_tokens, so that both processors change what is generated."""
+    from collections import Counter
+
+    import torch
+    import transformers
+
+    model.generation_config = transformers.GenerationConfig(**{**gen, "suppress_tokens": None,
+                                                                "begin_suppress_tokens": None})
+    with torch.no_grad():
+        raw = model.generate(features, language="en", task="transcribe", max_new_tokens=8).tolist()
+    first = Counter(row[0] for row in raw).most_common(1)[0][0]
+    later = Counter(t for row in raw for t in row[1:] if t != first).most_common(1)[0][0]
+    return {**gen, "suppress_tokens": sorted({*gen["suppress_tokens"], later}),
+            "begin_suppress_tokens": [*gen["begin_suppress_tokens"], first]}
 
 
 def sample_features(inputs: int, seed: int):

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from runtime.generate import generate_ids, pad_batch
+from runtime.generate import encoder_inputs, generate_ids
 from runtime.search import SearchOptions
 from runtime.session import return_freed_memory
 from toolkit.parity.inputs import UNREPRESENTATIVE, parity_inputs  # parity_inputs: where callers found it
@@ -193,7 +193,7 @@ def _forced_logits(engine, seqs: list[list[int]], tokens: list[list[int]], visit
     for start in range(0, len(seqs), BATCH):
         chunk, outs = seqs[start:start + BATCH], tokens[start:start + BATCH]
         length = max(1, max(len(t) for t in outs))
-        ids, mask = pad_batch(chunk, engine.pad_id)
+        ids, mask = encoder_inputs(engine, chunk)               # padded ids, or an audio encoder's features
         state = engine.start(ids, mask, 1, length)
         feed = np.full(len(chunk), engine.bos_id, dtype=np.int64)
         for pos in range(length):

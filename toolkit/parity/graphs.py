@@ -389,7 +389,7 @@ def graph_parity(model: Transformer, bundle: str | Path | dict, provider: str = 
     c = model.config
     paths, precision, layout = graph_paths(model, bundle, precision, layout)
     tol = tolerance(precision, provider)
-    src_lens = list(src_lens) if src_lens is not None else default_src_lens(batch)
+    src_lens = list(src_lens) if src_lens is not None else source_lengths(c.to_dict(), batch)
     if c.features:                                     # an audio encoder's length is fixed
         src_lens = [c.source_positions] * batch
     if len(src_lens) != batch or min(src_lens) < 1:
@@ -416,7 +416,15 @@ def bundle_parity(reference: dict[str, Path], candidate: dict[str, Path], config
     tol None = report only. labels and layouts (their decoders'): (candidate, reference)."""
     return compare(OrtSide(reference, config, provider, labels[1], layouts[1]),
                    OrtSide(candidate, config, provider, labels[0], layouts[0]), ModelConfig.from_dict(config), tol,
-                   provider, precision, steps, seed, default_src_lens(batch), greedy=True, reference_name=labels[1])
+                   provider, precision, steps, seed, source_lengths(config, batch), greedy=True,
+                   reference_name=labels[1])
+
+
+def source_lengths(config: dict, batch: int) -> list[int]:
+    """The source lengths a parity batch has: varied (default_src_lens), or an audio encoder's fixed length."""
+    if config.get("encoder_input") == "features":
+        return [config["source_positions"]] * batch
+    return default_src_lens(batch)
 
 
 __all__ = ["OutputCheck", "ParityReport", "TorchSide", "OrtSide", "compare", "graph_parity", "bundle_parity",

@@ -182,3 +182,14 @@ def test_what_cannot_be_represented_is_refused(whisper, change, message):
     change(hf, state)
     with pytest.raises(ImportRefused, match=message):
         convert_state(hf, state)
+
+
+def test_onnxformer_parity_against_the_original(whisper, tmp_path):
+    _, _, ckpt, src = whisper
+    result = CliRunner().invoke(main, ["parity", str(src), str(ckpt.path), "--samples", "16"])
+    assert result.exit_code == 0, result.output
+    assert "parity with the original ok" in result.output and "log-mel features are not speech" in result.output
+    texts = tmp_path / "texts.txt"
+    texts.write_text("hello\n")
+    result = CliRunner().invoke(main, ["parity", str(src), str(ckpt.path), "--input", str(texts)])
+    assert result.exit_code == 2 and "a Whisper model reads audio" in result.stderr, result.output

@@ -102,3 +102,11 @@ def test_optimize_fuses_every_attention(bundles):
     assert ops["encoder"]["MultiHeadAttention"] == layers[0] and "Softmax" not in ops["encoder"]
     assert "Softmax" not in ops["decoder"]
     assert ops["decoder"]["MultiHeadAttention"] + ops["decoder"]["GroupQueryAttention"] == 2 * layers[1]
+
+
+def test_onnxformer_parity_of_the_bundle_against_the_original(bundles):
+    _, _, paths = bundles
+    result = CliRunner().invoke(main, ["parity", str(paths["fp32"].parent / "tiny"), str(paths["fused"]),
+                                       "--samples", "16"])
+    assert result.exit_code == 0, result.output
+    assert "greedy 100.00% tokens identical" in result.output and "beam 4 100.00% tokens identical" in result.output

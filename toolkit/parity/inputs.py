@@ -22,6 +22,20 @@ DEFAULT_SAMPLES = 100               # inputs per token check, for parity and the
 UNREPRESENTATIVE = ("random ids are not representative of a text model's inputs (it never sees them): pass "
                     "--input with source texts like the model's own (one a line)")
 
+FEATURES_NOTE = ("random log-mel features are not speech: a Whisper bundle judged on them is not judged on what it "
+                 "hears; compare real audio's features too (runtime.generate.generate_ids in Python)")
+
+
+def not_representative(source: str) -> str:
+    """Why inputs from `source` (ParityInputs.source) do not represent the model's own: random ids for a text
+    model, or random features for an audio encoder."""
+    return FEATURES_NOTE if "log-mel feature" in source else UNREPRESENTATIVE
+
+
+def input_kind(source: str) -> str:
+    """What the model reads, for the NOT-representative notes of the tables."""
+    return "audio" if "log-mel feature" in source else "text"
+
 
 @dataclass(frozen=True)
 class ParityInputs:
@@ -33,7 +47,7 @@ class ParityInputs:
 
     @property
     def note(self) -> str | None:
-        return None if self.representative else UNREPRESENTATIVE
+        return None if self.representative else not_representative(self.source)
 
 
 def choose_inputs(config, tokenizer=None, samples: int = DEFAULT_SAMPLES, texts: list[str] | None = None,

@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING
 from toolkit.reference.config import ModelConfig
 from toolkit.reference.importers.marian import DECODER_LAYER, ENCODER_LAYER, load_state
 from toolkit.reference.importers.registry import Converted, Family, ImportOptions, ImportRefused, register_family
-from toolkit.reference.importers.sources import quiet_from_pretrained, read_json, require_transformers
+from toolkit.reference.importers.sources import (model_of, one_eos, quiet_from_pretrained, read_json,
+                                                 require_transformers)
 from toolkit.reference.importers.t5 import ACTIVATIONS
 
 if TYPE_CHECKING:
@@ -62,10 +63,7 @@ def model_config(hf: dict, where: Path) -> ModelConfig:
     if hf.get("tie_word_embeddings", True) is False:
         raise ImportRefused(f"{where}: tie_word_embeddings is false; an untied Whisper head cannot be represented")
     eos = hf["eos_token_id"]
-    if isinstance(eos, list):
-        if len(eos) != 1:
-            raise ImportRefused(f"{where}: several EOS ids {eos}; the reference model stops at one")
-        eos = eos[0]
+    eos = one_eos(eos, where)
     start = hf.get("decoder_start_token_id")
     if start is None:
         raise ImportRefused(f"{where} has no decoder_start_token_id (<|startoftranscript|>); set it and import again")
@@ -126,20 +124,12 @@ def map_state(state: dict[str, torch.Tensor], config: ModelConfig, where: Path) 
 def convert_state(hf: dict, state: dict[str, torch.Tensor], where: Path = Path("config.json")):
     """The reference Transformer (eval mode) of a Whisper config.json (a dict, generation fields merged) and the
     state dict of its WhisperForConditionalGeneration (keys with or without "model.")."""
-    from toolkit.reference.model import Transformer
-
     if hf.get("model_type") != "whisper":
         raise ImportRefused(f"{where} has model_type {hf.get('model_type')!r}, not 'whisper'")
     config = model_config(hf, where)
     state = {k[len("model."):] if k.startswith("model.") else k: v for k, v in state.items()}
     mapped = map_state(state, config, where)
-    expected = Transformer.empty(config).state_dict()
-    wrong = [k for k, v in mapped.items() if k not in expected or tuple(expected[k].shape) != tuple(v.shape)]
-    missing = sorted(set(expected) - set(mapped))
-    if wrong or missing:
-        raise ImportRefused(f"{where}: the weights do not match config.json (shape or name: "
-                            f"{', '.join((wrong + missing)[:4])})")
-    return Transformer.from_state(config, mapped)
+    return model_of(config, mapped, where)
 
 
 def load_whisper(directory: str | Path, progress=None):

@@ -1,6 +1,7 @@
 """Export: a model and its graph specs in, encoder.onnx and decoder.onnx out (torch.onnx dynamo exporter).
 
     EncoderGraph   (input_ids, attention_mask) -> (encoder_hidden_states, present.{i}.encoder.key/value ...)
+    AudioEncoderGraph  (input_features) -> the same outputs (Whisper: an audio encoder has no mask)
     DecoderGraph   (input_ids, encoder_attention_mask, position_ids, decoder_attention_mask, *past_key_values in spec order)
                    -> (logits, present.{i}.decoder.key/value ...)
 
@@ -53,6 +54,18 @@ class EncoderGraph(torch.nn.Module):
         for i, (k, v) in enumerate(cross):
             named[cache_name(PRESENT, i, CROSS, "key")], named[cache_name(PRESENT, i, CROSS, "value")] = k, v
         return tuple(named[n] for n in self.output_names)
+
+
+class AudioEncoderGraph(EncoderGraph):
+    """encode() of an audio encoder (config.features): log-mel features in, no mask."""
+
+    def forward(self, input_features):
+        return super().forward(input_features, None)
+
+
+def encoder_graph(model: Transformer, spec: GraphSpec) -> EncoderGraph:
+    """The encoder's wrapper for the model's input kind (token ids and mask, or features)."""
+    return (AudioEncoderGraph if model.config.features else EncoderGraph)(model, spec)
 
 
 class DecoderGraph(torch.nn.Module):
@@ -155,7 +168,7 @@ def export_graphs(model: Transformer, out_dir: Path, opset: int = DEFAULT_OPSET,
     model.eval()
     paths = {}
     try:
-        for name, wrapper in (("encoder", EncoderGraph), ("decoder", DecoderGraph)):
+        for name, wrapper in (("encoder", encoder_graph), ("decoder", DecoderGraph)):
             start = time.perf_counter()
             path = Path(out_dir) / f"{name}.onnx"
             _export(wrapper(model, specs[name]), specs[name], config, path, opset)

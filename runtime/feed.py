@@ -39,9 +39,9 @@ import numpy as np
 import onnxruntime as ort
 
 from runtime.session import FLOAT, SessionConfig, device_of, gather_model, make_session
-from runtime.spec import (CROSS, DECODER_ATTENTION_MASK, DECODER_LAYOUTS, DYNAMIC, INPUT_IDS, PAST,
+from runtime.spec import (CROSS, DECODER_ATTENTION_MASK, DECODER_LAYOUTS, DYNAMIC, INPUT_FEATURES, INPUT_IDS, PAST,
                           PAST_SEQUENCE_LENGTH, POSITION_IDS, PRESENT, SELF, SHORTLIST_WEIGHT, STATIC_PER_ROW, VOCAB_IDS,
-                          cache_names, default_row_inputs, head_dim_of, takes_key_mask)
+                          cache_names, default_row_inputs, feature_shape, head_dim_of, takes_key_mask)
 from runtime.shortlist import Selection
 
 ENCODER_MASK = "encoder_attention_mask"
@@ -65,6 +65,7 @@ class Feed:
         self.device = device_of(provider)
         self.static, self.per_row, self.key_mask = layout != DYNAMIC, layout == STATIC_PER_ROW, takes_key_mask(layout)
         self.n_heads, self.head_dim = config["n_heads"], head_dim_of(config)
+        self.features = feature_shape(config) is not None              # an audio encoder: features in, no mask
         layers = config["n_decoder_layers"]
         self.cross_names = cache_names(layers, PRESENT, CROSS)         # encoder outputs
         self.cross_in_names = cache_names(layers, PAST, CROSS)         # ... fed to the decoder by these names
@@ -76,15 +77,22 @@ class Feed:
 
     # --- the encoder ---
 
+    def encoder_feeds(self, ids: np.ndarray, mask: np.ndarray) -> dict[str, np.ndarray]:
+        """The encoder's inputs by its spec: token ids and their mask, or an audio encoder's features alone (`ids`
+        holds them; `mask` is the decoder's, unused here)."""
+        if self.features:
+            return {INPUT_FEATURES: np.ascontiguousarray(ids, dtype=np.float32)}
+        return {INPUT_IDS: ids, "attention_mask": mask}
+
     def encode(self, ids: np.ndarray, mask: np.ndarray, names: list[str] | None = None) -> list[np.ndarray]:
         """The encoder's outputs `names` (default: the cross K/V, 2 * layers [B, H, S, Dh]) as numpy arrays."""
-        return self.encoder.run(names or self.cross_names, {INPUT_IDS: ids, "attention_mask": mask})
+        return self.encoder.run(names or self.cross_names, self.encoder_feeds(ids, mask))
 
     def encode_bound(self, ids: np.ndarray, mask: np.ndarray) -> list[ort.OrtValue]:
         """The cross K/V as OrtValues on the session's device (no host copy)."""
         binding = self.encoder.io_binding()
-        binding.bind_cpu_input(INPUT_IDS, ids)
-        binding.bind_cpu_input("attention_mask", mask)
+        for name, value in self.encoder_feeds(ids, mask).items():
+            binding.bind_cpu_input(name, value)
         self._bind_outputs(binding, self.cross_names)
         self.encoder.run_with_iobinding(binding)
         return binding.get_outputs()

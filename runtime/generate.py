@@ -6,7 +6,9 @@ An engine (PyTorch in toolkit/, ONNX Runtime in runtime/) provides
         -> DecodeState      (max_steps: the most steps the state will take; engines may size caches by it)
 
 which runs the encoder once and returns a state whose rows are the inputs, each repeated `expand`
-times (row b * expand + j), ready for `runtime.search`.
+times (row b * expand + j), ready for `runtime.search`. An audio engine (`engine.feature_shape`, Whisper's) is given
+its features [B, n_mels, frames] float32 as input_ids and, as attention_mask, ones over the encoder's positions
+(the decoder's source mask: nothing is padded); `encoder_inputs` makes either pair from a request.
 An engine with a vocabulary shortlist (`engine.shortlist`, runtime/shortlist.py) also takes `targets=` (each
 input's forced prefix ids): its state then decodes on the shortlist, unless the request's options turn it off.
 """
@@ -69,6 +71,15 @@ def pad_batch(sequences: Sequence[Sequence[int]], pad_id: int) -> tuple[np.ndarr
     return ids, mask
 
 
+def encoder_inputs(engine: Engine, sequences: Sequence) -> tuple[np.ndarray, np.ndarray]:
+    """What engine.start takes for a request's sequences: right-padded ids and their mask, or an audio encoder's
+    stacked features [B, n_mels, frames] float32 and the decoder's source mask, ones [B, frames / 2]."""
+    shape = getattr(engine, "feature_shape", None)
+    if shape is None:
+        return pad_batch(sequences, engine.src_pad_id)
+    return np.stack(sequences).astype(np.float32), np.ones((len(sequences), shape[1] // 2), dtype=np.int64)
+
+
 def generate(engine: Engine, request: Request, stop: np.ndarray | None = None,
              on_step=None) -> list[list[Hypothesis]]:
     """Hypotheses for each input of a validated request (runtime.request), in input order, best first.
@@ -90,10 +101,11 @@ def generate(engine: Engine, request: Request, stop: np.ndarray | None = None,
         raise
 
 
-def generate_ids(engine: Engine, sequences: Sequence[Sequence[int]], opts: SearchOptions,
+def generate_ids(engine: Engine, sequences: Sequence, opts: SearchOptions,
                  limits: Sequence[int] | None = None, stop: np.ndarray | None = None) -> list[list[Hypothesis]]:
-    """generate() for token id inputs: builds and validates their Request (InputError when the model cannot serve
-    them). `limits`: each input's own max new tokens (greedy), at most opts.max_new_tokens."""
+    """generate() for token id inputs (an audio engine's: log-mel feature arrays [n_mels, frames]): builds and
+    validates their Request (InputError when the model cannot serve them). `limits`: each input's own max new
+    tokens (greedy), at most opts.max_new_tokens."""
     return generate(engine, Request.build(engine, sequences, None, opts, limits), stop)
 
 
@@ -119,7 +131,7 @@ def start_search(engine: Engine, request: Request) -> "RowsOf | None":
     opts = request.opts
     if opts.max_new_tokens == 0:
         return None
-    ids, mask = pad_batch(request.sequences, engine.src_pad_id)
+    ids, mask = encoder_inputs(engine, request.sequences)
     expand = rows_per_input(opts)                                      # beams, or samples, per input
     extra = {}
     if opts.shortlist and getattr(engine, "shortlist", None) is not None:   # its rows may take their prefixes too

@@ -37,6 +37,8 @@ class SearchOptions:
     forced_eos: bool | None = None  # a target reaching max_new_tokens ends with EOS, forced and not scored
                                     # (transformers' forced_eos_token_id); None: the model's own (Request.build)
     suppress: tuple[int, ...] = ()  # token ids never generated (the model's, e.g. Marian's pad; set by generate_ids)
+    begin_suppress: tuple[int, ...] = ()  # ids not generated as the first token after the prefix (Whisper's
+                                          # begin_suppress_tokens; the model's, set by Request.build)
     sample: bool = False          # draw each token at random from the (warped) distribution instead of the best
     temperature: float = 1.0      # sampling: logits / temperature
     top_k: int = 0                # sampling: only the k most likely tokens (0 = all)

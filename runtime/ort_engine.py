@@ -30,7 +30,8 @@ import onnxruntime as ort
 
 from runtime.feed import Feed
 from runtime.shortlist import Selection, Shortlist, ShortlistWeight, widen
-from runtime.spec import DYNAMIC, empty_past, forces_eos, source_pad_id, source_vocab_size, suppressed_ids
+from runtime.spec import (DYNAMIC, begin_suppressed_ids, empty_past, feature_shape, forces_eos, source_pad_id,
+                          source_vocab_size, suppressed_ids)
 from runtime.static_cache import StaticPath
 
 
@@ -148,6 +149,7 @@ class OrtEngine:
         self.vocab_size, self.max_len = config["vocab_size"], config["max_len"]
         self.src_vocab_size, self.suppress_ids = source_vocab_size(config), suppressed_ids(config)
         self.src_pad_id, self.forced_eos = source_pad_id(config), forces_eos(config)
+        self.feature_shape, self.begin_suppress_ids = feature_shape(config), begin_suppressed_ids(config)
         self.n_heads, self.head_dim = self.feed.n_heads, self.feed.head_dim
         self.cross_names, self.past_names = self.feed.cross_names, self.feed.past_names
         self.static_cache = layout != DYNAMIC
@@ -186,10 +188,11 @@ class OrtEngine:
 
     def start(self, input_ids: np.ndarray, attention_mask: np.ndarray, expand: int,
               max_steps: int | None = None, targets: list | None = None) -> OrtState:
-        """`targets` (only where the engine has a shortlist): decode on the shortlist of the inputs' source tokens,
+        """input_ids: token ids [B, S], or an audio encoder's features [B, n_mels, frames] (runtime.generate).
+        `targets` (only where the engine has a shortlist): decode on the shortlist of the inputs' source tokens,
         each input's rows restricted to its own candidates and its targets[b] (its forced prefix ids); None: the
         whole vocabulary."""
-        ids = np.ascontiguousarray(input_ids, dtype=np.int64)          # [B, S]
+        ids = np.ascontiguousarray(input_ids, dtype=np.float32 if self.feature_shape else np.int64)   # [B, S]
         mask = np.ascontiguousarray(attention_mask, dtype=np.int64)
         shortlist = None
         if targets is not None:                                        # the projection rows: gathered once, here

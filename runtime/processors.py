@@ -6,7 +6,8 @@
     tokens = controls.draw(processed, controls.uniforms(rows))  # sampling: one draw from each row's own generator
 
 The processors are transformers' (generation/logits_process.py), vectorized over rows and applied in its order:
-RepetitionPenalty, NoRepeatNGram, NoBadWords, MinNewTokensLength, then the suppressed ids; sampling then applies
+RepetitionPenalty, NoRepeatNGram, NoBadWords, MinNewTokensLength, then the suppressed ids (SuppressTokens, and
+SuppressTokensAtBegin at a row's first token after its prefix: Whisper's); sampling then applies
 Temperature, TopK and TopP. As in transformers, a row's history is the decoder's input so far: the start token,
 the forced prefix, the generated tokens. Greedy and sampling process the raw logits; beam search processes the
 log-softmax (as transformers' beam search does), so a repetition penalty scales log-probabilities there.
@@ -27,7 +28,8 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 
-SETTINGS = ("repetition_penalty", "no_repeat_ngram_size", "bad_words_ids", "min_new_tokens", "suppress", "sample",
+SETTINGS = ("repetition_penalty", "no_repeat_ngram_size", "bad_words_ids", "min_new_tokens", "suppress",
+            "begin_suppress", "sample",
             "temperature", "top_k", "top_p")          # the options process() and draw() read (not the per-row ones)
 
 
@@ -53,7 +55,7 @@ class Controls:
     def of(cls, opts, batch: int, n: int, eos: int) -> "Controls | None":
         """The controls of `opts` over batch inputs of n rows each, or None when none is set (nothing to do)."""
         active = (opts.sample or opts.repetition_penalty != 1.0 or opts.no_repeat_ngram_size or opts.min_new_tokens
-                  or opts.bad_words_ids or opts.prefix_ids or opts.return_logprobs)
+                  or opts.bad_words_ids or opts.prefix_ids or opts.return_logprobs or opts.begin_suppress)
         return cls(opts, batch, n, eos) if active else None
 
     def forced(self, step, rows: np.ndarray) -> np.ndarray:
@@ -83,6 +85,8 @@ class Controls:
             bad_words(out, history, self.bans)
         if o.min_new_tokens:
             out[generated < o.min_new_tokens, self.eos] = -np.inf
+        if o.begin_suppress:                                           # the first token after the prefix
+            out[np.ix_(np.flatnonzero(generated == 0), list(o.begin_suppress))] = -np.inf
         return suppress(out, o.suppress)
 
     def uniforms(self, rows) -> np.ndarray:

@@ -11,7 +11,9 @@ for itself) and `merge`s them into one request, each input keeping its own limit
 
 What is checked, once:
 - the inputs: at least one; none empty (a blank text included); at most max_len tokens; source ids inside the
-  SOURCE vocabulary (a model may have separate source and target vocabularies);
+  SOURCE vocabulary (a model may have separate source and target vocabularies). An audio encoder's (Whisper's:
+  the engine's feature_shape) inputs are log-mel feature arrays of exactly that shape [n_mels, frames], finite;
+  `sequences` then holds them as float32 arrays;
 - the options: max_new_tokens in [0, max_len], beam, num_return, length_penalty; token ids the search acts on
   (`suppress`) inside the TARGET vocabulary.
 """
@@ -41,6 +43,8 @@ class Model(Protocol):
     eos_id: int                     # the end token (options may not ban it alone or hold it in a prefix)
     forced_eos: bool                # targets end with EOS at the length limit unless a request says otherwise
     max_len: int
+    # optional (getattr): feature_shape, (n_mels, frames) of an audio encoder's input (runtime.spec.feature_shape);
+    # begin_suppress_ids, ids never generated first after the prefix (runtime.spec.begin_suppressed_ids)
 
 
 def search_options(model: Model, max_new_tokens: int | None = None, **options) -> SearchOptions:
@@ -152,9 +156,15 @@ class Request:
         inputs = list(inputs)
         opts = search_options(model) if opts is None else opts
         forced = ends_with_eos(opts, getattr(model, "forced_eos", False)) if opts.forced_eos is None else opts.forced_eos
-        opts = replace(opts, suppress=tuple(sorted({*opts.suppress, *model.suppress_ids})), forced_eos=forced)
-        sequences = encode_inputs(inputs, tokenizer)
-        check_sources(sequences, model)
+        begin = tuple(sorted({*opts.begin_suppress, *getattr(model, "begin_suppress_ids", ())}))
+        opts = replace(opts, suppress=tuple(sorted({*opts.suppress, *model.suppress_ids})), forced_eos=forced,
+                       begin_suppress=begin)
+        shape = getattr(model, "feature_shape", None)
+        if shape is None:
+            sequences = encode_inputs(inputs, tokenizer)
+            check_sources(sequences, model)
+        else:
+            sequences = feature_inputs(inputs, shape)
         check_options(opts, model, len(sequences))
         limits = [opts.max_new_tokens] * len(sequences) if limits is None else [int(n) for n in limits]
         if len(limits) != len(sequences) or any(not 0 <= n <= opts.max_new_tokens for n in limits) or \
@@ -231,6 +241,32 @@ def encode_inputs(inputs: list, tokenizer) -> list[list[int]]:
     return seqs
 
 
+def feature_inputs(inputs: list, shape: tuple[int, int]) -> list:
+    """An audio encoder's inputs as float32 arrays [n_mels, frames]; InputError naming the input, its shape and the
+    one the model takes (Whisper pads or cuts every input to 30 s: 3000 frames)."""
+    import numpy as np
+
+    if len(inputs) == 0:
+        raise InputError("no inputs given; pass at least one log-mel feature array to generate from")
+    out = []
+    for i, item in enumerate(inputs):
+        if isinstance(item, (str, bytes)):
+            raise InputError(f"input {i} is text, but this model reads audio: pass log-mel features "
+                             f"[{shape[0]}, {shape[1]}] (float32)")
+        try:
+            array = np.asarray(item, dtype=np.float32)
+        except (TypeError, ValueError):
+            raise InputError(f"input {i} is not an array of numbers; pass log-mel features "
+                             f"[{shape[0]}, {shape[1]}]") from None
+        if array.shape != tuple(shape):
+            raise InputError(f"input {i} has shape {list(array.shape)}, but this model takes log-mel features of shape "
+                             f"[{shape[0]}, {shape[1]}] (n_mels, frames); pad or cut the audio to {shape[1]} frames")
+        if not np.isfinite(array).all():
+            raise InputError(f"input {i} holds NaN or infinite values; pass finite log-mel features")
+        out.append(array)
+    return out
+
+
 def token_ids(what: str, i: int, item) -> list[int]:
     """The i-th `what` (input, target) given as token ids, as a list; InputError when it is not a list of integers
     (a Python caller's mistake: the command line and the server give nothing else)."""
@@ -264,6 +300,7 @@ def check_options(opts: SearchOptions, model: Model, inputs: int = 1) -> None:
     vocabulary."""
     check_search_options(opts, inputs, model.vocab_size, model.max_len, model.eos_id)
     check_target_ids("suppressed", opts.suppress, model)
+    check_target_ids("begin-suppressed", opts.begin_suppress, model)
 
 
 def check_target_ids(what: str, ids: Sequence[int], model: Model) -> None:
@@ -275,5 +312,5 @@ def check_target_ids(what: str, ids: Sequence[int], model: Model) -> None:
 
 
 __all__ = ["Request", "search_options", "target_options", "languages", "encode_target", "merge", "split",
-           "differing", "encode_inputs", "token_ids", "check_sources", "check_options", "check_target_ids",
+           "differing", "encode_inputs", "feature_inputs", "token_ids", "check_sources", "check_options", "check_target_ids",
            "DEFAULT_MAX_NEW_TOKENS", "PER_INPUT", "PER_INPUT_OPTIONS"]

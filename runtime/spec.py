@@ -20,6 +20,7 @@ import numpy as np
 # symbolic dimension names
 BATCH, SRC_LEN, NEW_LEN, PAST_LEN, TOTAL_LEN = "batch", "src_len", "new_len", "past_len", "total_len"
 INPUT_IDS = "input_ids"                          # both graphs: token ids (the embedding lookup reads it)
+INPUT_FEATURES = "input_features"                # audio encoders (Whisper): log-mel features [B, n_mels, frames]
 PAST_SEQUENCE_LENGTH = "past_sequence_length"   # static-cache decoders: how many buffer slots are filled (per row on CPU)
 CACHE_LEN = "cache_len"                          # static-cache decoders: buffer length (<= max_len, chosen per request)
 POSITION_IDS = "position_ids"                    # decoders: each new token's position in its own target sequence
@@ -139,20 +140,30 @@ def head_dim_of(config: dict) -> int:
 
 
 def encoder_spec(n_decoder_layers: int, n_heads: int, d_model: int, float_type: str = "float32",
-                 head_dim: int | None = None) -> GraphSpec:
+                 head_dim: int | None = None, features: tuple[int, int] | None = None) -> GraphSpec:
     """encoder.onnx: token ids and mask in; hidden states and every decoder layer's cross-attention K/V out
-    (head_dim: d_model / n_heads unless given)."""
+    (head_dim: d_model / n_heads unless given). An audio encoder (features: (n_mels, frames), feature_shape) takes
+    `input_features` float32 [B, n_mels, frames] and no mask; its outputs have frames / 2 positions, a fixed size
+    (Whisper's inputs are always 30 s: 3000 frames, 1500 positions)."""
     head_dim = head_dim or d_model // n_heads
-    kv_shape = (BATCH, n_heads, SRC_LEN, head_dim)
-    outputs = [TensorSpec("encoder_hidden_states", float_type, (BATCH, SRC_LEN, d_model))]
+    src_len = SRC_LEN if features is None else features[1] // 2
+    kv_shape = (BATCH, n_heads, src_len, head_dim)
+    outputs = [TensorSpec("encoder_hidden_states", float_type, (BATCH, src_len, d_model))]
     for i in range(n_decoder_layers):
         outputs += [TensorSpec(cache_name(PRESENT, i, CROSS, kv), float_type, kv_shape) for kv in KV]
-    return GraphSpec(
-        "encoder",
-        inputs=(TensorSpec(INPUT_IDS, "int64", (BATCH, SRC_LEN)),
-                TensorSpec("attention_mask", "int64", (BATCH, SRC_LEN))),
-        outputs=tuple(outputs),
-    )
+    if features is not None:
+        inputs = (TensorSpec(INPUT_FEATURES, "float32", (BATCH, *features)),)
+    else:
+        inputs = (TensorSpec(INPUT_IDS, "int64", (BATCH, SRC_LEN)), TensorSpec("attention_mask", "int64", (BATCH, SRC_LEN)))
+    return GraphSpec("encoder", inputs=inputs, outputs=tuple(outputs))
+
+
+def feature_shape(config: dict) -> tuple[int, int] | None:
+    """(n_mels, frames) of one input of an audio encoder (the config's encoder_input "features"), None for a
+    token encoder: frames = 2 * source_positions (conv2's stride)."""
+    if config.get("encoder_input", "tokens") != "features":
+        return None
+    return config["n_mels"], 2 * config["source_positions"]
 
 
 def decoder_spec(n_decoder_layers: int, n_heads: int, d_model: int, vocab_size: int,
@@ -237,8 +248,15 @@ def source_pad_id(config: dict) -> int:
 
 
 def suppressed_ids(config: dict) -> tuple[int, ...]:
-    """Token ids the model never generates: pad, for models that start decoding from it (Marian)."""
-    return (config["pad_id"],) if config.get("suppress_pad") else ()
+    """Token ids the model never generates: pad, for models that start decoding from it (Marian), and its
+    suppress_tokens (Whisper's generation config)."""
+    pad = (config["pad_id"],) if config.get("suppress_pad") else ()
+    return tuple(sorted({*pad, *(config.get("suppress_tokens") or ())}))
+
+
+def begin_suppressed_ids(config: dict) -> tuple[int, ...]:
+    """Token ids never generated as the first token after the forced prefix (Whisper's begin_suppress_tokens)."""
+    return tuple(sorted(config.get("begin_suppress_tokens") or ()))
 
 
 def forces_eos(config: dict) -> bool:
@@ -252,13 +270,18 @@ def graph_specs(config: dict, float_type: str = "float32", layout: str = DYNAMIC
     decoder's layout (the manifest's decoder_layout)."""
     L, H, D, V = config["n_decoder_layers"], config["n_heads"], config["d_model"], config["vocab_size"]
     dh = head_dim_of(config)
-    return {"encoder": encoder_spec(L, H, D, float_type, dh), "decoder": decoder_spec(L, H, D, V, float_type, layout, dh)}
+    return {"encoder": encoder_spec(L, H, D, float_type, dh, feature_shape(config)),
+            "decoder": decoder_spec(L, H, D, V, float_type, layout, dh)}
 
 
 def config_field_of(tensor: str, axis: int) -> str:
     """The model config field a fixed dim of a graph input or output comes from (load-time checks name it)."""
     if tensor == "logits":
         return "vocab_size"
+    if tensor == INPUT_FEATURES:
+        return "n_mels" if axis == 1 else "source_positions (frames = 2 * source_positions)"
+    if (tensor == "encoder_hidden_states" and axis == 1) or axis == 2:
+        return "source_positions"                   # an audio encoder's fixed length
     if tensor == "encoder_hidden_states":
         return "d_model"
     return "n_heads" if axis == 1 else "d_kv, else d_model / n_heads (head_dim)"
@@ -270,4 +293,4 @@ __all__ = ["TensorSpec", "GraphSpec", "PAST_SEQUENCE_LENGTH", "CACHE_LEN", "POSI
            "default_row_inputs", "config_field_of", "KV_CACHES", "PAST", "PRESENT", "SELF",
            "CROSS", "KV", "cache_name", "cache_names", "parse_cache_name", "is_cache", "past_of", "present_of",
            "empty_past", "head_dim_of", "encoder_spec", "decoder_spec", "graph_specs", "source_vocab_size",
-           "source_pad_id", "suppressed_ids", "forces_eos"]
+           "source_pad_id", "suppressed_ids", "forces_eos", "INPUT_FEATURES", "feature_shape", "begin_suppressed_ids"]

@@ -112,7 +112,7 @@ SUPPORTED = ("supported: ", "marian (config.json model_type marian)", "nn-transf
 
 
 @pytest.mark.parametrize("model_type,lacks", [
-    ("umt5", "per-layer relative position buckets"), ("whisper", "an audio encoder"), ("prophetnet", "n-stream self-attention"),
+    ("umt5", "per-layer relative position buckets"), ("speech_to_text", "an audio encoder"), ("prophetnet", "n-stream self-attention"),
     ("led", "Longformer's sliding-window"), ("switch_transformers", "mixture-of-experts")])
 def test_families_the_reference_model_cannot_represent_name_what_is_missing(tmp_path, model_type, lacks):
     src = _config_dir(tmp_path, {"model_type": model_type, "d_model": 32})

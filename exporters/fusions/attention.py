@@ -17,7 +17,7 @@ The matched subgraph (kind "self": encoder self-attention; "past": decoder self-
               Div (sqrt(Dh)) | Mul (1/sqrt(Dh))                  |
            ("unscaled": none; "biased": Add(., position_bias), T5)  |
                     |                                           |
-      Where(not_mask, fill, .) | Add(., mask_bias)              |
+      Where(not_mask, fill, .) | Add(., mask_bias) | none (Whisper's encoder)
                     |                                           |
                  Softmax(-1)                                    |
                     \--------------- MatMul --------------------/
@@ -44,7 +44,7 @@ from exporters.fusions._common import MASK_FILL_LIMIT, constant, float_dtype, le
 
 KINDS = ("self", "past", "cross")
 TARGETS = ("ort", "onnx")
-MASKS = ("where", "add")
+MASKS = ("where", "add", "none")              # "none": no mask at all (Whisper's encoder attends to every frame)
 SCORES = ("scaled", "unscaled", "biased")       # Div/Mul by a constant; neither (scale 1); T5's bias added, scale 1
 
 
@@ -82,8 +82,10 @@ class AttentionFusion(pattern.RewriteRuleClassBase):
         if self.mask == "where":
             masked = pattern.OrValue([op.Where(mask_cond, fill, scaled), op.Where(mask_cond, scaled, fill)],
                                      tag_var="cond_masks_out", tag_values=[True, False])
-        else:
+        elif self.mask == "add":
             masked = op.Add(scaled, mask_bias)
+        else:
+            masked = scaled
         probs = op.Softmax(masked, _allow_other_attributes=True, _outputs=["probs"])
         context = op.MatMul(probs, v)  # [B,H,S,Dh]
         attention = op.Reshape(op.Transpose(context, perm=[0, 2, 1, 3]), out_shape, _outputs=["attention"])
@@ -132,16 +134,16 @@ class AttentionFusion(pattern.RewriteRuleClassBase):
                 return result.fail(f"the masked fill value {f} is not a large negative constant", fill)
             if mask_cond.shape is None or mask_cond.shape.rank() > 4:
                 return result.fail("the mask must have a known rank of at most 4", mask_cond)
-        elif not require_dims(result, b, mask_bias, ["_", "_", "_", "_"], "mask bias"):
+        elif self.mask == "add" and not require_dims(result, b, mask_bias, ["_", "_", "_", "_"], "mask bias"):
             return result
         self._heads = b["H"]
         return result
 
     def rewrite(self, op, query, key, value, past_key, past_value, q_shape, out_shape, mask_cond=None,
                 fill=None, mask_bias=None, cond_masks_out=True, position_bias=None, **_):
-        bias = self._bias(op, query, mask_cond, fill, mask_bias, cond_masks_out)
+        bias = None if self.mask == "none" else self._bias(op, query, mask_cond, fill, mask_bias, cond_masks_out)
         if self.scores == "biased":                 # [B,1,S,Skv] + [B or 1,H,S,Skv]: one bias per head
-            bias = op.Add(bias, position_bias)
+            bias = position_bias if bias is None else op.Add(bias, position_bias)
         if self.target == "ort":
             return self._ort(op, query, key, value, past_key, past_value, bias)
         return self._onnx(op, query, key, value, past_key, past_value, bias, q_shape, out_shape)
@@ -182,7 +184,7 @@ class AttentionFusion(pattern.RewriteRuleClassBase):
 def attention_rules(target: str = "ort") -> list[pattern.RewriteRule]:
     """All attention variants for one target: past (tried first), cross, then plain self-attention; scaled scores
     first, then T5's (unscaled, its relative position bias added)."""
-    return [AttentionFusion.rule(f"attention_{kind}" + ("" if mask == "where" else "_additive_mask")
+    return [AttentionFusion.rule(f"attention_{kind}" + {"where": "", "add": "_additive_mask", "none": "_unmasked"}[mask]
                                  + ("" if scores == "scaled" else f"_{scores}"),
                                  kind=kind, target=target, mask=mask, scores=scores)
             for scores in SCORES for kind in ("past", "cross", "self") for mask in MASKS]

@@ -28,7 +28,7 @@ from runtime.tokenizer import load_tokenizer
 from toolkit.reference.config import ModelConfig
 from toolkit.parity.generation import generation_parity
 from toolkit.parity.graphs import bundle_parity
-from toolkit.parity.inputs import DEFAULT_SAMPLES, UNREPRESENTATIVE, choose_inputs
+from toolkit.parity.inputs import DEFAULT_SAMPLES, choose_inputs, not_representative
 from toolkit.parity.report import combine, shout
 from toolkit.parity.tolerances import tolerance
 from toolkit.reference.tasks import task_accuracy
@@ -111,7 +111,7 @@ def gate_summary(record: dict) -> str:
                          f"({a['drop_points']:+.2f} points lost, at most {a['allowed_drop_points']:g} allowed)")
     line = (f"verdict {shout(record['verdict'])} against the source bundle on {record['provider']} "
             f"{record['precision']}: " + "; ".join(parts))
-    return line if gen["representative"] else f"{line}; {UNREPRESENTATIVE}"
+    return line if gen["representative"] else f"{line}; {not_representative(gen.get('source', ''))}"
 
 
 __all__ = ["bundle_gate", "gate_summary", "engine", "ACCURACY_SAMPLES"]

@@ -20,10 +20,10 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from runtime.generate import generate_ids, pad_batch
+from runtime.generate import encoder_inputs, generate_ids
 from runtime.search import SearchOptions
 from runtime.session import return_freed_memory
-from toolkit.parity.inputs import UNREPRESENTATIVE, parity_inputs  # parity_inputs: where callers found it
+from toolkit.parity.inputs import input_kind, not_representative, parity_inputs  # parity_inputs: where callers found it
 from toolkit.parity.report import Report, combine, mismatch_window, needed_distinct, shout, token_verdict
 from toolkit.parity.tolerances import MIN_REFERENCE_STD, Tolerance
 
@@ -95,7 +95,7 @@ class GenerationReport(Report):
             if c.basis != "tokens":
                 line += (f"; {c.search}: only {c.distinct_outputs} distinct reference outputs of {c.samples} inputs "
                          f"(a token verdict needs {needed_distinct(c.samples):g}), so " + _fallback(c.teacher_forced))
-        return line if self.representative else f"{line}; {UNREPRESENTATIVE}"
+        return line if self.representative else f"{line}; {not_representative(self.source)}"
 
     def table(self) -> str:
         lines = [f"{'search':<8} {'inputs':>6} {'max new':>7} {'sequences equal':>16} {'tokens equal':>13} "
@@ -104,8 +104,8 @@ class GenerationReport(Report):
             lines.append(f"{c.search:<8} {c.samples:>6} {c.max_new_tokens:>7} {c.sequences_equal:>16.2%} "
                          f"{c.tokens_equal:>13.2%} {c.token_match:>7.0%} {c.distinct_outputs:>8}  "
                          f"{c.verdict}{'' if c.basis == 'tokens' else ' (teacher-forced logits)'}")
-        lines.append(f"inputs: {self.source}" + ("" if self.representative else " (NOT representative: this model "
-                                                                                  "reads text)"))
+        lines.append(f"inputs: {self.source}" + ("" if self.representative else f" (NOT representative: this model "
+                                                                                  f"reads {input_kind(self.source)})"))
         return "\n".join(lines)
 
     def fields(self) -> dict:
@@ -193,7 +193,7 @@ def _forced_logits(engine, seqs: list[list[int]], tokens: list[list[int]], visit
     for start in range(0, len(seqs), BATCH):
         chunk, outs = seqs[start:start + BATCH], tokens[start:start + BATCH]
         length = max(1, max(len(t) for t in outs))
-        ids, mask = pad_batch(chunk, engine.pad_id)
+        ids, mask = encoder_inputs(engine, chunk)               # padded ids, or an audio encoder's features
         state = engine.start(ids, mask, 1, length)
         feed = np.full(len(chunk), engine.bos_id, dtype=np.int64)
         for pos in range(length):

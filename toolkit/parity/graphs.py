@@ -358,8 +358,14 @@ def graph_paths(model: Transformer, bundle: str | Path | dict, precision: str | 
 
 
 def sample_inputs(config, src_lens, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """Right-padded random source ids [B, S] and mask [B, S] (1 = token), ids drawn from the non-special range."""
+    """Right-padded random source ids [B, S] and mask [B, S] (1 = token), ids drawn from the non-special range. An
+    audio encoder's (config.features): standard normal features [B, n_mels, 2 * source_positions] (one row per
+    length of src_lens) and the decoder's source mask, ones [B, source_positions]."""
     rng = np.random.default_rng(seed)
+    if config.features:
+        shape = (len(src_lens), config.n_mels, 2 * config.source_positions)
+        return rng.standard_normal(shape, dtype=np.float32), np.ones((len(src_lens), config.source_positions),
+                                                                     dtype=np.int64)
     vocab = config.source_vocab_size
     low = min(3, vocab - 1)
     return pad_batch([rng.integers(low, vocab, n).tolist() for n in src_lens], source_pad_id(config.to_dict()))
@@ -383,12 +389,14 @@ def graph_parity(model: Transformer, bundle: str | Path | dict, provider: str = 
     c = model.config
     paths, precision, layout = graph_paths(model, bundle, precision, layout)
     tol = tolerance(precision, provider)
-    src_lens = list(src_lens) if src_lens is not None else default_src_lens(batch)
+    src_lens = list(src_lens) if src_lens is not None else source_lengths(c.to_dict(), batch)
+    if c.features:                                     # an audio encoder's length is fixed
+        src_lens = [c.source_positions] * batch
     if len(src_lens) != batch or min(src_lens) < 1:
         raise InputError(f"src_lens {src_lens} must give one length >= 1 per batch row ({batch})")
     if first_len < 1 or steps < 0:
         raise InputError(f"first_len ({first_len}) must be >= 1 and steps ({steps}) >= 0")
-    if max(src_lens) > c.max_len or first_len + steps > c.max_len:
+    if (max(src_lens) > c.max_len and not c.features) or first_len + steps > c.max_len:
         raise InputError(f"source length {max(src_lens)} or target length {first_len + steps} exceeds the model's "
                          f"max_len {c.max_len}; use fewer steps or shorter sources")
     candidate = OrtSide(paths, c.to_dict(), provider, layout=layout)
@@ -408,7 +416,15 @@ def bundle_parity(reference: dict[str, Path], candidate: dict[str, Path], config
     tol None = report only. labels and layouts (their decoders'): (candidate, reference)."""
     return compare(OrtSide(reference, config, provider, labels[1], layouts[1]),
                    OrtSide(candidate, config, provider, labels[0], layouts[0]), ModelConfig.from_dict(config), tol,
-                   provider, precision, steps, seed, default_src_lens(batch), greedy=True, reference_name=labels[1])
+                   provider, precision, steps, seed, source_lengths(config, batch), greedy=True,
+                   reference_name=labels[1])
+
+
+def source_lengths(config: dict, batch: int) -> list[int]:
+    """The source lengths a parity batch has: varied (default_src_lens), or an audio encoder's fixed length."""
+    if config.get("encoder_input") == "features":
+        return [config["source_positions"]] * batch
+    return default_src_lens(batch)
 
 
 __all__ = ["OutputCheck", "ParityReport", "TorchSide", "OrtSide", "compare", "graph_parity", "bundle_parity",

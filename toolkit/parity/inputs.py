@@ -3,7 +3,7 @@ judge a bundle on the same inputs:
 
     source texts given (--input, one a line, through the model's tokenizer, the first `samples`)
     > the held-out inputs of the model's task (toolkit.reference.tasks: the dates model's)
-    > `samples` seeded random id sequences
+    > `samples` seeded random id sequences (an audio encoder's: seeded random log-mel features, FEATURES)
 
 `samples` defaults to DEFAULT_SAMPLES in both. Random ids are what a model that takes ids sees, but a text model
 (one with a tokenizer) never sees them: its verdict on them says it is not representative.
@@ -22,6 +22,20 @@ DEFAULT_SAMPLES = 100               # inputs per token check, for parity and the
 UNREPRESENTATIVE = ("random ids are not representative of a text model's inputs (it never sees them): pass "
                     "--input with source texts like the model's own (one a line)")
 
+FEATURES_NOTE = ("random log-mel features are not speech: a Whisper bundle judged on them is not judged on what it "
+                 "hears; compare real audio's features too (runtime.generate.generate_ids in Python)")
+
+
+def not_representative(source: str) -> str:
+    """Why inputs from `source` (ParityInputs.source) do not represent the model's own: random ids for a text
+    model, or random features for an audio encoder."""
+    return FEATURES_NOTE if "log-mel feature" in source else UNREPRESENTATIVE
+
+
+def input_kind(source: str) -> str:
+    """What the model reads, for the NOT-representative notes of the tables."""
+    return "audio" if "log-mel feature" in source else "text"
+
 
 @dataclass(frozen=True)
 class ParityInputs:
@@ -33,7 +47,7 @@ class ParityInputs:
 
     @property
     def note(self) -> str | None:
-        return None if self.representative else UNREPRESENTATIVE
+        return None if self.representative else not_representative(self.source)
 
 
 def choose_inputs(config, tokenizer=None, samples: int = DEFAULT_SAMPLES, texts: list[str] | None = None,
@@ -47,6 +61,8 @@ def choose_inputs(config, tokenizer=None, samples: int = DEFAULT_SAMPLES, texts:
                              "so leave --input out and parity uses random ids")
         texts = texts[:samples]
         return ParityInputs([tokenizer.encode(t) for t in texts], f"{len(texts)} given source texts")
+    if config.features:
+        return random_features(config, samples, seed)
     held_out = task_parity_inputs(tokenizer, config.max_len, samples)
     if held_out is not None:
         return ParityInputs(*held_out)
@@ -66,3 +82,13 @@ def parity_inputs(config, tokenizer=None, samples: int = DEFAULT_SAMPLES, seed: 
 
 
 __all__ = ["ParityInputs", "choose_inputs", "parity_inputs", "DEFAULT_SAMPLES", "UNREPRESENTATIVE"]
+
+
+def random_features(config, samples: int, seed: int = 0) -> ParityInputs:
+    """An audio encoder's inputs [n_mels, 2 * source_positions] float32: noise (std 0.5) over a random mel profile
+    per input, the same at every frame (noise alone averages out in cross-attention: outputs would not vary)."""
+    rng = np.random.default_rng(seed)
+    shape = (config.n_mels, 2 * config.source_positions)
+    seqs = [(rng.standard_normal(shape) * 0.5 + rng.standard_normal((shape[0], 1))).astype(np.float32)
+            for _ in range(samples)]
+    return ParityInputs(seqs, f"{samples} random log-mel feature inputs {list(shape)}", representative=False)

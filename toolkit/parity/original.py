@@ -29,7 +29,7 @@ from runtime.errors import InputError
 from runtime.generate import generate_ids, pad_batch
 from runtime.search import SearchOptions
 from toolkit.parity.generation import compare_tokens
-from toolkit.parity.inputs import DEFAULT_SAMPLES, UNREPRESENTATIVE
+from toolkit.parity.inputs import DEFAULT_SAMPLES, input_kind, not_representative
 from toolkit.parity.report import Report, combine, mismatch_window, needed_distinct, shout, token_verdict
 from toolkit.parity.tolerances import IMPORTED, Tolerance
 
@@ -80,7 +80,7 @@ class OriginalReport(Report):
         if first is not None:
             window = mismatch_window(first.first_mismatch, "onnxformer", self.family)
             line += f"; first mismatch ({first.what}): {window}"
-        return line if self.representative else f"{line}; {UNREPRESENTATIVE}"
+        return line if self.representative else f"{line}; {not_representative(self.source)}"
 
     def table(self) -> str:
         lines = [f"{'check':<10} {'value':>12} {'limit':>10} {'distinct':>8}  verdict", "-" * 56]
@@ -88,8 +88,8 @@ class OriginalReport(Report):
             value = "-" if c.value is None else (f"{c.value:.2e}" if c.what in ("logits",) else f"{c.value:.2%}")
             limit = "-" if c.limit is None else (f"{c.limit:.0e}" if c.what in ("logits",) else f"{c.limit:.0%}")
             lines.append(f"{c.what:<10} {value:>12} {limit:>10} {c.distinct_outputs or '-':>8}  {c.verdict}")
-        lines.append(f"inputs: {self.source}" + ("" if self.representative else " (NOT representative: this model "
-                                                                                  "reads text)")
+        lines.append(f"inputs: {self.source}" + ("" if self.representative else f" (NOT representative: this model "
+                                                                                  f"reads {input_kind(self.source)})")
                      + f"; reference: {self.reference} from {self.original}")
         return "\n".join(lines)
 
@@ -260,6 +260,11 @@ def marian_parity(original: str | Path, engine, candidate: str = "", texts: list
 
     progress = progress or (lambda msg: None)
     family = original_of(original)
+    if family.name == "whisper":                       # audio inputs: its own checks (original_whisper.py)
+        from toolkit.parity.original_whisper import whisper_parity
+
+        return whisper_parity(original, engine, candidate, texts, samples, beams, max_new_tokens, tokenizer,
+                              token_match, progress)
     model, tok = family.load_original(Path(original))
     seqs, source, tok_check = marian_inputs(tok, tokenizer, texts, samples, family=family.name)
     report = OriginalReport(str(original), candidate, len(seqs), source, reference=family.original,

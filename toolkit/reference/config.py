@@ -13,6 +13,8 @@ from toolkit.reference.errors import ConfigError
 
 ACTIVATIONS = ("relu", "gelu", "silu", "gelu_tanh")
 POSITIONS = ("interleaved", "halves", "table", "none")
+ENCODER_INPUTS = ("tokens", "features")
+TOKEN_LISTS = ("suppress_tokens", "begin_suppress_tokens")     # tuples of ids (JSON lists in config.json)
 NORMALIZATIONS = ("layernorm", "rms")
 
 
@@ -62,6 +64,17 @@ class ModelConfig:
     relative_max_distance: int = 128    # distances from here on share T5's last (logarithmic) bucket
     head_rescale: bool = False      # the decoder output times d_model**-0.5 before the output projection (T5's
                                     # tied head); False: as is (paper)
+    # Whisper's variants (Radford et al., 2022): an audio encoder over log-mel features, no key bias, suppressed ids
+    encoder_input: str = "tokens"   # "tokens": token ids and embeddings (paper); "features": log-mel features
+                                    # [B, n_mels, 2 * source_positions] through two Conv1d (kernel 3; stride 1, then
+                                    # 2), each followed by exact GELU, plus a [source_positions, d_model] table
+                                    # (Whisper's sinusoids, stored in the checkpoint); the encoder has no mask
+    n_mels: int = 80                # "features": mel bins of the input (Whisper: 80; large-v3: 128)
+    source_positions: int = 1500    # "features": encoder positions, half the input frames (30 s at 100 frames/s)
+    key_bias: bool = True           # the attention key projection has a bias (with linear_bias); Whisper's has none
+    suppress_tokens: tuple[int, ...] = ()        # never generated (Whisper's generation_config suppress_tokens)
+    begin_suppress_tokens: tuple[int, ...] = ()  # not generated as the first token after the forced prefix (Whisper:
+                                                 # the space and the end token)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -99,9 +112,10 @@ class ModelConfig:
         if self.normalization not in NORMALIZATIONS:
             raise ConfigError(f"normalization must be one of {', '.join(NORMALIZATIONS)}, got {self.normalization!r}")
         self.validate_relative()
+        self.validate_features()
         for name in ("tie_embeddings", "scale_embeddings", "logits_bias", "share_embeddings", "final_norm",
                      "suppress_pad", "layernorm_embedding", "forced_eos", "attention_scale", "linear_bias",
-                     "gated_ffn", "head_rescale"):
+                     "gated_ffn", "head_rescale", "key_bias"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"config field {name!r} must be true or false, got {getattr(self, name)!r}")
         if self.src_vocab_size is not None and (not isinstance(self.src_vocab_size, int) or self.src_vocab_size < 1):
@@ -122,8 +136,14 @@ class ModelConfig:
         for name in ("pad_id", "bos_id", "eos_id"):
             if not 0 <= ints[name] < self.vocab_size:
                 raise ConfigError(f"{name} ({ints[name]}) must lie inside the vocabulary [0, {self.vocab_size})")
-        if self.eos_id == self.pad_id:
+        if self.eos_id == self.pad_id and self.encoder_input == "tokens":     # Whisper pads nothing: pad may be eos
             raise ConfigError("eos_id must differ from pad_id")
+        for name in TOKEN_LISTS:
+            ids = getattr(self, name)
+            if not isinstance(ids, tuple) or not all(isinstance(i, int) and not isinstance(i, bool)
+                                                     and 0 <= i < self.vocab_size for i in ids):
+                raise ConfigError(f"{name} must be a list of token ids inside the vocabulary [0, {self.vocab_size}), "
+                                  f"got {ids!r}")
 
     def validate_relative(self) -> None:
         """The relative position bias: buckets, distance, and a source of positions (absolute or relative)."""
@@ -135,13 +155,27 @@ class ModelConfig:
             raise ConfigError("positions 'none' needs a relative position bias (relative_buckets > 0): "
                               "the model would not see word order")
 
+    def validate_features(self) -> None:
+        """The audio encoder's input: a known kind, and for features positive sizes."""
+        if self.encoder_input not in ENCODER_INPUTS:
+            raise ConfigError(f"encoder_input must be one of {', '.join(ENCODER_INPUTS)}, got {self.encoder_input!r}")
+        for name in ("n_mels", "source_positions"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"config field {name!r} must be at least 1, got {getattr(self, name)}")
+
+    @property
+    def features(self) -> bool:
+        """Whether the encoder reads log-mel features (Whisper) rather than token ids."""
+        return self.encoder_input == "features"
+
     @property
     def source_vocab_size(self) -> int:
         """Size of the source vocabulary (the target's when they are shared)."""
         return self.vocab_size if self.src_vocab_size is None else self.src_vocab_size
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """The config as JSON keeps it (id tuples as lists), so that it equals a stored one."""
+        return {k: list(v) if k in TOKEN_LISTS else v for k, v in dataclasses.asdict(self).items()}
 
     @classmethod
     def from_dict(cls, data: dict) -> "ModelConfig":
@@ -151,6 +185,7 @@ class ModelConfig:
         unknown = sorted(set(data) - known)
         if unknown:
             raise ConfigError(f"unknown config field(s) {', '.join(unknown)}; known fields: {', '.join(sorted(known))}")
+        data = {k: tuple(v) if k in TOKEN_LISTS and isinstance(v, list) else v for k, v in data.items()}
         try:
             return cls(**data)
         except TypeError as exc:  # pragma: no cover - defensive

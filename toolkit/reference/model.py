@@ -9,7 +9,9 @@ returns an explicit KV cache:
     logits, self_kv = model.decode_step(tgt_ids, src_mask, self_kv, cross_kv)   # self K/V grow by new_len
 
 T5's variants (RMSNorm, the bucketed relative position bias, the gated feed-forward, unscaled scores, no biases,
-the rescaled tied head) are ModelConfig fields; the bias itself lives in toolkit/reference/relative.py.
+the rescaled tied head) are ModelConfig fields; the bias itself lives in toolkit/reference/relative.py. Whisper's
+audio encoder (encoder_input "features": AudioStem in place of the source embeddings, no encoder mask) is one too:
+its `encode` takes log-mel features [B, n_mels, frames], and its decoder is given an all-ones source mask.
 
 Shapes: B batch, S source length, T new target tokens, P past length, H heads, Dh head dim.
 """
@@ -23,6 +25,7 @@ import torch
 from torch import nn
 
 from toolkit.reference.config import ModelConfig
+from toolkit.reference.audio_stem import AudioStem, whisper_sinusoids
 from toolkit.reference.relative import RelativePositionBias, bucket_table
 
 KV = tuple[torch.Tensor, torch.Tensor]  # (key, value), each [B, H, len, Dh]
@@ -87,8 +90,9 @@ class PositionalEncoding(nn.Module):
 
 
 def per_side_positions(config: ModelConfig) -> bool:
-    """Whether source and target have their own PositionalEncoding (tables or embedding LayerNorms of their own)."""
-    return config.positions == "table" or config.layernorm_embedding
+    """Whether source and target have their own PositionalEncoding (tables or embedding LayerNorms of their own);
+    an audio encoder's positions are its stem's (AudioStem)."""
+    return (config.positions == "table" or config.layernorm_embedding) and not config.features
 
 
 class MultiHeadAttention(nn.Module):
@@ -100,7 +104,7 @@ class MultiHeadAttention(nn.Module):
         self.h, self.d_k = config.n_heads, config.head_dim
         d, inner, bias = config.d_model, config.inner_dim, config.linear_bias
         self.q_proj = nn.Linear(d, inner, bias=bias)
-        self.k_proj = nn.Linear(d, inner, bias=bias)
+        self.k_proj = nn.Linear(d, inner, bias=bias and config.key_bias)     # Whisper: no key bias
         self.v_proj = nn.Linear(d, inner, bias=bias)
         self.out_proj = nn.Linear(inner, d, bias=bias)
         self.scaled = config.attention_scale
@@ -116,14 +120,15 @@ class MultiHeadAttention(nn.Module):
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
                bias: torch.Tensor | None = None) -> torch.Tensor:
-        """Scaled dot-product attention (eq. 1); mask is True where a query may attend; bias [B|1, H, Tq, Tk] is
-        added to the scores (T5's relative position bias)."""
+        """Scaled dot-product attention (eq. 1); mask is True where a query may attend (None: every key, Whisper's
+        encoder); bias [B|1, H, Tq, Tk] is added to the scores (T5's relative position bias)."""
         scores = q @ k.transpose(-2, -1)  # [B, H, Tq, Tk]
         if self.scaled:
             scores = scores / math.sqrt(self.d_k)
         if bias is not None:
             scores = scores + bias
-        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+        if mask is not None:
+            scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
         weights = self.dropout(torch.softmax(scores, dim=-1))
         out = weights @ v  # [B, H, Tq, Dh]
         b, _, t, _ = out.shape
@@ -317,7 +322,9 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = config
         self.embed = Embeddings(config)  # the target's; also the source's when shared, and the output matrix when tied
-        if not config.share_embeddings:
+        if config.features:
+            self.audio = AudioStem(config)  # Whisper: the encoder reads log-mel features
+        elif not config.share_embeddings:
             self.src_embed = Embeddings(config, config.source_vocab_size)
         self.pos = PositionalEncoding(config)  # the target's; also the source's unless per_side_positions
         if per_side_positions(config):
@@ -367,6 +374,8 @@ class Transformer(nn.Module):
             # the embedding is also the (tied) output matrix: N(0, d^-1/2) keeps logits O(1) (as in the paper's setup)
             for embed in dict.fromkeys((self.embed, self.source_embed)):
                 embed.lut.weight.copy_(torch.randn(embed.lut.weight.shape, generator=gen) * self.config.d_model ** -0.5)
+            if self.config.features:                     # the positions are sinusoids, not random matrices
+                self.audio.pe.copy_(whisper_sinusoids(*self.audio.pe.shape))
 
     @property
     def source_embed(self) -> Embeddings:
@@ -378,10 +387,14 @@ class Transformer(nn.Module):
         """The source side's positions (the target's module unless each side has its own)."""
         return self.src_pos if per_side_positions(self.config) else self.pos
 
-    def encode(self, src_ids: torch.Tensor, src_mask: torch.Tensor) -> tuple[torch.Tensor, list[KV]]:
-        """Encoder output [B, S, D] and each decoder layer's cross-attention K/V [B, H, S, Dh]."""
-        mask = src_mask.bool()[:, None, None, :]  # [B, 1, 1, S]: keys that are real tokens
-        memory = self.encoder(self.source_pos(self.source_embed(src_ids)), mask)
+    def encode(self, src_ids: torch.Tensor, src_mask: torch.Tensor | None) -> tuple[torch.Tensor, list[KV]]:
+        """Encoder output [B, S, D] and each decoder layer's cross-attention K/V [B, H, S, Dh]. An audio encoder
+        (config.features) takes features [B, n_mels, frames] as src_ids and no mask (src_mask is ignored)."""
+        if self.config.features:
+            memory = self.encoder(self.audio(src_ids), None)
+        else:
+            mask = src_mask.bool()[:, None, None, :]  # [B, 1, 1, S]: keys that are real tokens
+            memory = self.encoder(self.source_pos(self.source_embed(src_ids)), mask)
         cross = [layer.cross_attn.project_kv(memory) for layer in self.decoder.layers]
         return memory, cross
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from runtime.spec import forces_eos, source_pad_id, source_vocab_size, suppressed_ids
+from runtime.spec import (begin_suppressed_ids, feature_shape, forces_eos, source_pad_id, source_vocab_size,
+                          suppressed_ids)
 from toolkit.reference.model import KV, Transformer
 
 
@@ -61,11 +62,13 @@ class TorchEngine:
         config = c.to_dict()
         self.src_vocab_size, self.suppress_ids = source_vocab_size(config), suppressed_ids(config)
         self.src_pad_id, self.forced_eos = source_pad_id(config), forces_eos(config)
+        self.feature_shape, self.begin_suppress_ids = feature_shape(config), begin_suppressed_ids(config)
         self.name = "torch-cache" if use_cache else "torch-nocache"
 
     @torch.no_grad()
     def start(self, input_ids: np.ndarray, attention_mask: np.ndarray, expand: int,
               max_steps: int | None = None) -> TorchState:
+        """input_ids: token ids [B, S], or an audio encoder's features [B, n_mels, frames] (runtime.generate)."""
         ids = torch.from_numpy(np.ascontiguousarray(input_ids)).to(self.device)
         mask = torch.from_numpy(np.ascontiguousarray(attention_mask)).to(self.device)
         _, cross = self.model.encode(ids, mask)

@@ -39,8 +39,8 @@ from typing import TYPE_CHECKING
 from toolkit.reference.config import ModelConfig
 from toolkit.reference.importers.marian import ACTIVATIONS, _token, load_state, map_state
 from toolkit.reference.importers.registry import Converted, Family, ImportOptions, ImportRefused, register_family
-from toolkit.reference.importers.sources import (forced_eos, quiet_from_pretrained, read_json, require_transformers,
-                                                 with_generation_config)
+from toolkit.reference.importers.sources import (forced_eos, model_of, one_eos, quiet_from_pretrained, read_json,
+                                                 require_transformers, with_generation_config)
 
 if TYPE_CHECKING:
     import torch
@@ -83,10 +83,7 @@ def model_config(arch: Architecture, hf: dict, where: Path) -> ModelConfig:
             raise ImportRefused(f"{where}: encoder and decoder have different {what} ({hf[a]} vs {hf[b]}); "
                                 f"the reference model has one value for both")
     eos, pad = hf["eos_token_id"], hf["pad_token_id"]
-    if isinstance(eos, list):
-        if len(eos) != 1:
-            raise ImportRefused(f"{where}: several EOS ids {eos}; the reference model stops at one")
-        eos = eos[0]
+    eos = one_eos(eos, where)
     start = hf.get("decoder_start_token_id")
     if start is None:
         raise ImportRefused(f"{where} has no decoder_start_token_id; set it (mBART-50 and NLLB start from eos, "
@@ -187,8 +184,6 @@ def take_norms(arch: Architecture, state: dict, config: ModelConfig, where: Path
 def convert_state(arch: Architecture, hf: dict, state: dict[str, torch.Tensor], where: Path = Path("config.json")):
     """The reference Transformer (eval mode) holding a family checkpoint's weights: config.json as a dict and the
     state dict of its *ForConditionalGeneration (keys with or without the "model." prefix)."""
-    from toolkit.reference.model import Transformer
-
     if hf.get("model_type") != arch.model_type:
         raise ImportRefused(f"{where} has model_type {hf.get('model_type')!r}, not {arch.model_type!r}")
     config = model_config(arch, hf, where)
@@ -200,13 +195,7 @@ def convert_state(arch: Architecture, hf: dict, state: dict[str, torch.Tensor], 
     if not arch.logits_bias:
         mapped.pop("generator.bias")                  # map_state's zeros: this family has no bias
     mapped.update(extra)                              # from_state makes every tensor float32 and contiguous
-    expected = Transformer.empty(config).state_dict()
-    wrong = [k for k, v in mapped.items() if k not in expected or tuple(expected[k].shape) != tuple(v.shape)]
-    missing = sorted(set(expected) - set(mapped))
-    if wrong or missing:
-        raise ImportRefused(f"{where}: the weights do not match config.json (shape or name: "
-                            f"{', '.join((wrong + missing)[:4])})")
-    return Transformer.from_state(config, mapped)
+    return model_of(config, mapped, where)
 
 
 def load_family(directory: str | Path, arch: Architecture | None = None, progress=None):

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from toolkit.reference.config import ModelConfig
 from toolkit.reference.importers.registry import Converted, Family, ImportOptions, ImportRefused, register_family
-from toolkit.reference.importers.sources import (forced_eos, quiet_from_pretrained, read_json, read_state,
+from toolkit.reference.importers.sources import (forced_eos, one_eos, quiet_from_pretrained, read_json, read_state,
                                                  require_transformers, with_generation_config)
 
 if TYPE_CHECKING:
@@ -69,10 +69,7 @@ def marian_model_config(hf: dict, where: Path) -> ModelConfig:
     target_vocab = vocab if shared else (hf.get("decoder_vocab_size") or vocab)
     pad, eos = hf.get("pad_token_id"), hf.get("eos_token_id")
     start = hf.get("decoder_start_token_id", pad)
-    if isinstance(eos, list):
-        if len(eos) != 1:
-            raise ImportRefused(f"{where}: several EOS ids {eos}; the reference model stops at one")
-        eos = eos[0]
+    eos = one_eos(eos, where)
     fields = dict(vocab_size=target_vocab, src_vocab_size=None if shared else vocab, share_embeddings=shared,
                   d_model=hf.get("d_model"), n_heads=hf.get("encoder_attention_heads"),
                   n_encoder_layers=hf.get("encoder_layers"), n_decoder_layers=hf.get("decoder_layers"),

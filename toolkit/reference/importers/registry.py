@@ -24,7 +24,6 @@ UNREPRESENTABLE = {
     "longt5": "local and transient-global attention with relative position buckets",
     "switch_transformers": "mixture-of-experts feed-forward layers",
     "nllb-moe": "mixture-of-experts feed-forward layers",
-    "whisper": "an audio encoder (convolutions over log-mel features)",
     "speech_to_text": "an audio encoder (convolutional subsampling of speech features)",
     "seamless_m4t": "speech encoders and decoders",
     "prophetnet": "n-stream self-attention predicting future n-grams",

@@ -107,6 +107,29 @@ def read_state(file: Path, fix: str, progress: Callable[[str], None]) -> dict:
     return state
 
 
+def one_eos(eos, where: Path) -> int:
+    """config.json's eos_token_id as one id (a one-id list taken apart); ImportRefused for several."""
+    if isinstance(eos, list):
+        if len(eos) != 1:
+            raise ImportRefused(f"{where}: several EOS ids {eos}; the reference model stops at one")
+        eos = eos[0]
+    return eos
+
+
+def model_of(config, mapped: dict, where: Path):
+    """The reference Transformer (eval mode) holding a family's mapped tensors; ImportRefused naming the first
+    names or shapes that do not match the config (a checkpoint that disagrees with its config.json)."""
+    from toolkit.reference.model import Transformer
+
+    expected = Transformer.empty(config).state_dict()
+    wrong = [k for k, v in mapped.items() if k not in expected or tuple(expected[k].shape) != tuple(v.shape)]
+    missing = sorted(set(expected) - set(mapped))
+    if wrong or missing:
+        raise ImportRefused(f"{where}: the weights do not match config.json (shape or name: "
+                            f"{', '.join((wrong + missing)[:4])})")
+    return Transformer.from_state(config, mapped)
+
+
 def require_transformers(what: str):
     """transformers, or an ImportRefused naming what needs it."""
     try:
@@ -135,5 +158,5 @@ def quiet_from_pretrained(load, path: Path):
             hf_logging.enable_progress_bar()
 
 
-__all__ = ["read_json", "is_hub_name", "download", "read_state", "require_transformers", "quiet_from_pretrained",
+__all__ = ["model_of", "one_eos", "read_json", "is_hub_name", "download", "read_state", "require_transformers", "quiet_from_pretrained",
            "HUB_FILES"]

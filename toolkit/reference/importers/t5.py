@@ -29,8 +29,8 @@ from typing import TYPE_CHECKING
 from toolkit.reference.config import ModelConfig
 from toolkit.reference.importers.marian import load_state
 from toolkit.reference.importers.registry import Converted, Family, ImportOptions, ImportRefused, register_family
-from toolkit.reference.importers.sources import (forced_eos, quiet_from_pretrained, read_json, require_transformers,
-                                                 with_generation_config)
+from toolkit.reference.importers.sources import (forced_eos, model_of, one_eos, quiet_from_pretrained, read_json,
+                                                 require_transformers, with_generation_config)
 
 if TYPE_CHECKING:
     import torch
@@ -78,10 +78,7 @@ def model_config(hf: dict, tied: bool, where: Path) -> ModelConfig:
         raise ImportRefused(f"{where} lacks {', '.join(missing)}; save the model again with save_pretrained")
     act, gated = feed_forward(hf, where)
     eos, pad = hf["eos_token_id"], hf["pad_token_id"]
-    if isinstance(eos, list):
-        if len(eos) != 1:
-            raise ImportRefused(f"{where}: several EOS ids {eos}; the reference model stops at one")
-        eos = eos[0]
+    eos = one_eos(eos, where)
     heads, d_kv, d = hf["num_heads"], hf["d_kv"], hf["d_model"]
     rescale = hf["scale_decoder_outputs"] if "scale_decoder_outputs" in hf else \
         hf.get("tie_word_embeddings", True) is not False
@@ -151,8 +148,6 @@ def take_layers(state: dict, config: ModelConfig, where: Path) -> dict[str, torc
 
 def convert_state(hf: dict, state: dict[str, torch.Tensor], where: Path = Path("config.json")):
     """The reference Transformer (eval mode) of a T5 config.json (a dict) and its state dict."""
-    from toolkit.reference.model import Transformer
-
     if hf.get("model_type") not in MODEL_TYPES:
         raise ImportRefused(f"{where} has model_type {hf.get('model_type')!r}, not one of {', '.join(MODEL_TYPES)}")
     state = dict(state)
@@ -163,13 +158,7 @@ def convert_state(hf: dict, state: dict[str, torch.Tensor], where: Path = Path("
         left = sorted(state)
         raise ImportRefused(f"{where}: {len(left)} weight(s) cannot be represented: {', '.join(left[:4])}"
                             f"{' ...' if len(left) > 4 else ''}")
-    expected = Transformer.empty(config).state_dict()
-    wrong = [k for k, v in mapped.items() if k not in expected or tuple(expected[k].shape) != tuple(v.shape)]
-    missing = sorted(set(expected) - set(mapped))
-    if wrong or missing:
-        raise ImportRefused(f"{where}: the weights do not match config.json (shape or name: "
-                            f"{', '.join((wrong + missing)[:4])})")
-    return Transformer.from_state(config, mapped)
+    return model_of(config, mapped, where)
 
 
 def load_t5(directory: str | Path, progress=None):

@@ -1,0 +1,118 @@
+"""Parity of a Whisper bundle or checkpoint against the WhisperForConditionalGeneration it was imported from
+(`onnxformer parity WHISPER_DIR BUNDLE`; toolkit/parity/original.py hands Whisper directories here).
+
+    report = whisper_parity("whisper-tiny/", engine, tokenizer=bundle.tokenizer, samples=16)
+
+checks, on seeded random log-mel features (toolkit.parity.inputs.random_features: not speech, so the report says
+it is not representative; real audio's features are the caller's, in Python):
+- logits: the reference model imported in memory vs the original, teacher-forced, max abs error <= 1e-5 (float64
+  where float32 rounding alone exceeds it);
+- tokens: the engine's best hypotheses (greedy, beam K) vs `generate(input_features, language, task="transcribe")`
+  with the same prompt forced (runtime.speech.prompt_ids: the first of the model's languages, "en" where it has
+  it; none for English-only models) and the same suppressed ids (the model's generation config), judged by the
+  token rule (reference outputs must vary).
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import numpy as np
+
+from runtime.errors import InputError
+from runtime.generate import generate_ids
+from runtime.search import SearchOptions
+from runtime.speech import prompt_ids
+from toolkit.parity.generation import compare_tokens
+from toolkit.parity.inputs import random_features
+from toolkit.parity.report import token_verdict
+from toolkit.parity.tolerances import IMPORTED
+
+BATCH = 16                          # features per original forward / generate (each [80, 3000])
+TARGET_TOKENS = 8
+
+
+def whisper_logits(model, reference, features: np.ndarray, seed: int = 0):
+    """OriginalCheck of teacher-forced logits: the original vs the imported reference model."""
+    import torch
+
+    from toolkit.parity.original import OriginalCheck, ok_or_failed
+
+    c = reference.config
+    feats = torch.from_numpy(features[:BATCH])
+    tgt = torch.from_numpy(np.random.default_rng(seed).integers(0, c.vocab_size, (len(feats), TARGET_TOKENS)))
+    tgt[:, 0] = c.bos_id
+
+    def error(hf, ours, x):
+        with torch.no_grad():
+            want = hf(input_features=x, decoder_input_ids=tgt).logits
+            _, cross = ours.encode(x, None)
+            got, _ = ours.decode_step(tgt, torch.ones(len(x), c.source_positions), ours.empty_cache(
+                len(x), dtype=x.dtype), cross)
+        return want, float((want - got).abs().max())
+
+    want, err = error(model, reference, feats)
+    varied, where = float(want.std()) > 1e-3, f"{len(feats)} feature inputs x {TARGET_TOKENS} target tokens"
+    if err > IMPORTED.atol:                            # float32 rounding alone, or the import: float64 decides
+        _, err64 = error(copy.deepcopy(model).double(), copy.deepcopy(reference).double(), feats.double())
+        return OriginalCheck("logits", ok_or_failed(err64 <= IMPORTED.atol, varied),
+                             f"max abs error {err64:.2e} in float64 (limit {IMPORTED.atol:.0e}, {where}); float32: "
+                             f"{err:.2e}", err64, IMPORTED.atol)
+    return OriginalCheck("logits", ok_or_failed(True, varied), f"max abs error {err:.2e} (limit "
+                         f"{IMPORTED.atol:.0e}, {where})", err, IMPORTED.atol)
+
+
+def whisper_generate(model, features: np.ndarray, language: str | None, beam: int, max_new_tokens: int):
+    """The original's generate after the prompt, cut after the first end token."""
+    import torch
+
+    eos, out = model.generation_config.eos_token_id, []
+    for start in range(0, len(features), BATCH):
+        with torch.no_grad():
+            gen = model.generate(torch.from_numpy(features[start:start + BATCH]), language=language,
+                                 task="transcribe" if language else None, max_new_tokens=max_new_tokens,
+                                 num_beams=beam, do_sample=False)
+        out += [row[: row.index(eos) + 1] if eos in row else row for row in gen.tolist()]
+    return out
+
+
+def whisper_parity(original: str | Path, engine, candidate: str = "", texts=None, samples: int = 100,
+                   beams=(1, 4), max_new_tokens: int = 32, tokenizer=None, token_match: float = 1.0, progress=None):
+    """Compare an engine (bundle or checkpoint) with the Whisper model it was imported from."""
+    from toolkit.parity.original import OriginalCheck, OriginalReport, original_of
+    from toolkit.reference.importers import reference_of
+
+    progress = progress or (lambda msg: None)
+    if texts:
+        raise InputError("--input gives texts, but a Whisper model reads audio; leave --input out (parity uses "
+                         "random log-mel features) or compare real audio's features in Python")
+    if tokenizer is None or not tokenizer.spec.get("decoder_prompt"):
+        raise InputError(f"{candidate or 'the candidate'} has no Whisper tokenizer, so its prompt is unknown; "
+                         f"import the Whisper directory with its tokenizer.json")
+    family = original_of(original)
+    model, _ = family.load_original(Path(original))
+    ours = reference_of(original)
+    inputs = random_features(ours.config, samples)
+    features = np.stack(inputs.seqs)
+    report = OriginalReport(str(original), candidate, len(features), inputs.source, reference=family.original,
+                            representative=False, family=family.name)
+    progress(f"logits: {family.original} vs the imported reference model")
+    report.checks.append(whisper_logits(model, ours, features))
+    language = "en" if "en" in tokenizer.languages else (tokenizer.languages[0] if tokenizer.languages else None)
+    prefix = tuple(prompt_ids(tokenizer, language))
+    max_new_tokens = min(max_new_tokens, engine.max_len - len(prefix) - 1)
+    for beam in beams:
+        ref = whisper_generate(model, features, language, beam, max_new_tokens)
+        opts = SearchOptions(max_new_tokens=max_new_tokens, beam=beam, prefix_ids=(prefix,) * len(features))
+        got = [h[0].tokens[len(prefix):] for h in generate_ids(engine, list(features), opts)]
+        _, tok_eq, first = compare_tokens(ref, got)
+        distinct = len({tuple(r) for r in ref})
+        verdict = token_verdict(tok_eq, token_match, distinct, len(features))
+        report.checks.append(OriginalCheck("greedy" if beam == 1 else f"beam {beam}", verdict,
+                                           f"{tok_eq:.2%} tokens identical ({distinct} distinct; prompt language "
+                                           f"{language})", tok_eq, token_match, distinct, first))
+    return report
+
+
+__all__ = ["whisper_parity", "whisper_logits", "whisper_generate"]

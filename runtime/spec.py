@@ -280,10 +280,10 @@ def config_field_of(tensor: str, axis: int) -> str:
         return "vocab_size"
     if tensor == INPUT_FEATURES:
         return "n_mels" if axis == 1 else "source_positions (frames = 2 * source_positions)"
-    if (tensor == "encoder_hidden_states" and axis == 1) or axis == 2:
-        return "source_positions"                   # an audio encoder's fixed length
     if tensor == "encoder_hidden_states":
-        return "d_model"
+        return "source_positions" if axis == 1 else "d_model"   # axis 1: an audio encoder's fixed length
+    if axis == 2:
+        return "source_positions"                   # a cross cache's source axis (self caches' is symbolic)
     return "n_heads" if axis == 1 else "d_kv, else d_model / n_heads (head_dim)"
 
 

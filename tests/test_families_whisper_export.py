@@ -110,3 +110,21 @@ def test_onnxformer_parity_of_the_bundle_against_the_original(bundles):
                                        "--samples", "16"])
     assert result.exit_code == 0, result.output
     assert "greedy 100.00% tokens identical" in result.output and "beam 4 100.00% tokens identical" in result.output
+
+
+@pytest.mark.parametrize("field, change, named", [
+    ("source_positions", lambda v: v // 2, "source_positions"), ("n_mels", lambda v: v * 2, "n_mels"),
+    ("d_model", lambda v: v + 8, "d_model")])
+def test_an_edited_audio_config_is_refused_at_load_naming_the_field(bundles, tmp_path, field, change, named):
+    """An audio bundle's fixed dims (frames, mel bins, the cross caches' source axis) name the config field
+    that gives them, as the text families' do."""
+    import shutil
+
+    from runtime.bundle import BundleError
+    path = shutil.copytree(bundles[2]["fp32"], tmp_path / "bundle")
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest["model"][field] = change(manifest["model"][field])
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(BundleError, match=rf"model config .*{named}.*copy the bundle again or re-export") as err:
+        load_bundle(path, provider="cpu")
+    assert "\n" not in str(err.value)

@@ -4,6 +4,7 @@
 #
 #   bash scripts/test_isa.sh [OUT_DIR]            # make test-isa; OUT_DIR defaults to out/test-isa
 #   SETTINGS="avx2 bits7" bash scripts/test_isa.sh   # only some of the settings below
+#   TESTS="tests/test_layers.py tests/test_runtime.py" bash scripts/test_isa.sh   # only these files (default: all)
 #
 # Settings (each one whole run of the fast suite, in its own process):
 #   default, avx2, avx512   torch's kernels forced to that instruction set: ATen's (ATEN_CPU_CAPABILITY) and MKL's
@@ -58,7 +59,7 @@ for s in $settings; do
   [[ $spec == *--* ]] && args=${spec#*-- }
   echo "==> [$i/$n] $s: ${vars:-(the kernels of this CPU)} ${args}"
   start=$(date +%s)
-  env $vars "$PY" -m pytest -q -p no:cacheprovider -m "not gpu and not slow" $args > "$OUT/$s.log" 2>&1
+  env $vars "$PY" -m pytest -q -p no:cacheprovider -m "not gpu and not slow" $args ${TESTS:-} > "$OUT/$s.log" 2>&1
   rc=$?
   counts=$(grep -E '^(=+ )?[0-9]+ (passed|failed)' "$OUT/$s.log" | tail -1 | sed 's/=//g; s/^ *//; s/ *$//')
   line=$(printf '%-8s rc=%s %4ss  %s  [%s]' "$s" "$rc" "$(( $(date +%s) - start ))" "${counts:-no summary line}" "${vars}${args}")

@@ -47,40 +47,58 @@ def ct2_vocabulary(original: Path, model: Path) -> dict[str, int]:
 
 
 def engine_fn(engine: str, model: str, spec: dict):
-    marian = Path(spec["marian"])
-    eos, pad, start = special_ids(marian)
-    beam, new, low, threads = spec["beam"], spec["max_new_tokens"], spec["min_new_tokens"], spec["threads"]
+    """The engine's run(seqs) -> token lists, with the spec's search settings."""
+    ids = special_ids(Path(spec["marian"]))
     if engine == "onnxformer":
-        from runtime.bundle import load_bundle
-        from runtime.generate import generate_ids
-        from runtime.search import SearchOptions
-
-        eng = load_bundle(model, provider="cpu", threads=threads).engine
-        # pad suppressed as the other engines are told to (bad_words_ids, suppress_sequences): T5 starts decoding
-        # from pad, and a random T5 picks it again every step unless it is banned (Marian's bundles ban it already)
-        opts = SearchOptions(max_new_tokens=new, beam=beam, ignore_eos=low >= new, suppress=(pad,))
-
-        def run(seqs):
-            return [[t for t in h[0].tokens if t != eos] for h in generate_ids(eng, seqs, opts)]
-        return run
+        return onnxformer_fn(model, spec, ids)
     if engine == "ctranslate2":
-        import ctranslate2
+        return ctranslate2_fn(model, spec)
+    return transformers_fn(engine, model, spec, ids)
 
-        vocab = ct2_vocabulary(marian, Path(model))
-        pieces = {i: p for p, i in vocab.items()}
-        translator = ctranslate2.Translator(model, device="cpu", intra_threads=threads, inter_threads=1,
-                                            compute_type=spec.get("compute_type", "default"))
-        ct2_vocab = set(json.loads((Path(model) / "shared_vocabulary.json").read_text()))
-        suppress = [["<pad>"]] if "<pad>" in ct2_vocab else None     # its Marian converter drops <pad>
 
-        def run(seqs):
-            out = translator.translate_batch([[pieces[i] for i in s] for s in seqs], beam_size=beam,
-                                             max_decoding_length=new, min_decoding_length=low, length_penalty=1.0,
-                                             suppress_sequences=suppress, use_vmap=spec.get("use_vmap", False))
-            return [[vocab.get(p, -1) for p in r.hypotheses[0]] for r in out]
-        return run
+def onnxformer_fn(model: str, spec: dict, ids: tuple[int, int, int]):
+    from runtime.bundle import load_bundle
+    from runtime.generate import generate_ids
+    from runtime.search import SearchOptions
+
+    eos, pad, _ = ids
+    eng = load_bundle(model, provider="cpu", threads=spec["threads"]).engine
+    # pad suppressed as the other engines are told to (bad_words_ids, suppress_sequences): T5 starts decoding
+    # from pad, and a random T5 picks it again every step unless it is banned (Marian's bundles ban it already)
+    opts = SearchOptions(max_new_tokens=spec["max_new_tokens"], beam=spec["beam"],
+                         ignore_eos=spec["min_new_tokens"] >= spec["max_new_tokens"], suppress=(pad,))
+
+    def run(seqs):
+        return [[t for t in h[0].tokens if t != eos] for h in generate_ids(eng, seqs, opts)]
+    return run
+
+
+def ctranslate2_fn(model: str, spec: dict):
+    import ctranslate2
+
+    vocab = ct2_vocabulary(Path(spec["marian"]), Path(model))
+    pieces = {i: p for p, i in vocab.items()}
+    translator = ctranslate2.Translator(model, device="cpu", intra_threads=spec["threads"], inter_threads=1,
+                                        compute_type=spec.get("compute_type", "default"))
+    ct2_vocab = set(json.loads((Path(model) / "shared_vocabulary.json").read_text()))
+    suppress = [["<pad>"]] if "<pad>" in ct2_vocab else None     # its Marian converter drops <pad>
+
+    def run(seqs):
+        out = translator.translate_batch([[pieces[i] for i in s] for s in seqs], beam_size=spec["beam"],
+                                         max_decoding_length=spec["max_new_tokens"],
+                                         min_decoding_length=spec["min_new_tokens"], length_penalty=1.0,
+                                         suppress_sequences=suppress, use_vmap=spec.get("use_vmap", False))
+        return [[vocab.get(p, -1) for p in r.hypotheses[0]] for r in out]
+    return run
+
+
+def transformers_fn(engine: str, model: str, spec: dict, ids: tuple[int, int, int]):
+    """PyTorch eager (engine "transformers") or Optimum's onnxruntime model (engine "optimum")."""
     import torch
+    from transformers import GenerationConfig
 
+    eos, pad, start = ids
+    threads, new, low = spec["threads"], spec["max_new_tokens"], spec["min_new_tokens"]
     torch.set_num_threads(threads)
     if engine == "optimum":
         import onnxruntime as ort
@@ -93,15 +111,12 @@ def engine_fn(engine: str, model: str, spec: dict):
         from transformers import AutoModelForSeq2SeqLM
 
         hf = AutoModelForSeq2SeqLM.from_pretrained(model).eval()
-
-    from transformers import GenerationConfig
-
     # the settings in full, as toolkit.parity.original.hf_generate: the model's own generation_config.json
     # (num_beams, max_length, ...) must not leak in
-    gc = GenerationConfig(num_beams=beam, max_new_tokens=new, min_new_tokens=low or None, do_sample=False, early_stopping="never",
-                          length_penalty=1.0, bad_words_ids=[[pad]], forced_eos_token_id=None, forced_bos_token_id=None,
-                          decoder_start_token_id=start, eos_token_id=eos, pad_token_id=pad, num_return_sequences=1,
-                          no_repeat_ngram_size=0, repetition_penalty=1.0, use_cache=True)
+    gc = GenerationConfig(num_beams=spec["beam"], max_new_tokens=new, min_new_tokens=low or None, do_sample=False,
+                          early_stopping="never", length_penalty=1.0, bad_words_ids=[[pad]], forced_eos_token_id=None,
+                          forced_bos_token_id=None, decoder_start_token_id=start, eos_token_id=eos, pad_token_id=pad,
+                          num_return_sequences=1, no_repeat_ngram_size=0, repetition_penalty=1.0, use_cache=True)
 
     def run(seqs):
         width = max(len(s) for s in seqs)
@@ -109,11 +124,7 @@ def engine_fn(engine: str, model: str, spec: dict):
         mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])
         with torch.no_grad():
             gen = hf.generate(input_ids=ids, attention_mask=mask, generation_config=gc)
-        out = []
-        for row in gen[:, 1:].tolist():
-            row = row[: row.index(eos)] if eos in row else row
-            out.append(row)
-        return out
+        return [row[: row.index(eos)] if eos in row else row for row in gen[:, 1:].tolist()]
     return run
 
 

@@ -178,7 +178,7 @@ def folder_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="tiny")
     ap.add_argument("--batch-sizes", default="1,8")
@@ -202,17 +202,13 @@ def main() -> None:
     ap.add_argument("--build-only", action="store_true", help="convert every engine's model, then stop (the "
                     "conversions need no quiet machine; the timed run does)")
     args = ap.parse_args()
-    speed = args.model != "tiny"
-    new = args.new_tokens or (64 if speed else 32)
-    src_len = args.src_len or (32 if speed else None)
-    marian, out = build(args.model, new, optimum=not args.no_optimum)
-    spec = {"marian": str(marian), "inputs": inputs(marian, args.samples, src_len, spread=args.shortlist > 0),
-            "batch_sizes": [int(b) for b in args.batch_sizes.split(",")], "beam": args.beam, "max_new_tokens": new,
-            "min_new_tokens": new if speed else 0, "threads": args.threads, "repeat": args.repeat, "warmup": 1}
-    spec_file = out / "race-inputs.json"
-    spec_file.write_text(json.dumps(spec))
+    args.error = ap.error
+    return args
+
+
+def engine_list(args: argparse.Namespace, marian: Path, out: Path) -> list[tuple]:
+    """(label, python, engine, model folder, spec extras) for every engine this run races."""
     ct2, opt = env_python("ct2"), env_python("optimum")
-    worker = ROOT / "benchmarks" / "peer_worker.py"
     engines = [("transformers (PyTorch eager)", ct2, "transformers", marian, {}),
                ("onnxformer fp32", PY, "onnxformer", out / "onnxformer-fp32", {}),
                ("onnxformer int8", PY, "onnxformer", out / "onnxformer-int8", {}),
@@ -226,26 +222,33 @@ def main() -> None:
         engines = [e for e in engines if e[2] != "optimum"]
     if args.shortlist:
         engines += shortlisted(out, args.shortlist, args.always)
-    if args.build_only:
-        log(f"built: {', '.join(str(e[3]) for e in engines)}")
-        return
-    if args.only:
+    if args.only and not args.build_only:
         wanted = [w.strip() for w in args.only.split(",")]
         unknown = [w for w in wanted if w not in {e[0] for e in engines}]
         if unknown:
-            ap.error(f"--only: no engine labelled {', '.join(map(repr, unknown))}; the labels are: "
-                     f"{', '.join(e[0] for e in engines)}")
+            args.error(f"--only: no engine labelled {', '.join(map(repr, unknown))}; the labels are: "
+                       f"{', '.join(e[0] for e in engines)}")
         engines = [e for e in engines if e[0] in wanted or e[0] == "transformers (PyTorch eager)"]
+    return engines
+
+
+def run_engines(engines: list[tuple], spec: dict, out: Path, threads: int) -> dict[str, dict]:
+    """Each engine in its own process under the bench lock; label -> the worker's result."""
+    worker = ROOT / "benchmarks" / "peer_worker.py"
     results = {}
-    load = os.getloadavg()
     for label, py, engine, model, extra in engines:
         log(f"{label}: {model}")
         f = out / f"race-{engine}-{Path(model).name}.json"
         ef = out / f"race-spec-{Path(model).name}.json"
         ef.write_text(json.dumps({**spec, **extra}))
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(args.threads)}
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(threads)}
         sh("flock", LOCK, py, worker, engine, model, ef, f, env=env, cwd=ROOT)
         results[label] = json.loads(f.read_text())
+    return results
+
+
+def rows_of(results: dict[str, dict], new: int, speed: bool) -> list[dict]:
+    """One row an engine: p50 times, tokens/s, agreement with PyTorch's sequences, model and peak MB."""
     ref = results["transformers (PyTorch eager)"]["tokens"]
     rows = []
     for label, r in results.items():
@@ -258,9 +261,10 @@ def main() -> None:
             row[f"batch {b} ms"] = p50 * 1000
             row[f"batch {b} tokens/s"] = int(b) * new / p50 if speed else None
         rows.append(row)
-    print(f"model {marian} ({'speed: exactly' if speed else 'tokens: at most'} {new} new tokens, beam {args.beam}, "
-          f"{args.threads} threads, {args.repeat} rounds; load average before: {load[0]:.2f})")
-    sizes = spec["batch_sizes"]
+    return rows
+
+
+def print_table(rows: list[dict], sizes: list[int], speed: bool) -> None:
     head = f"{'engine':<28} " + " ".join(f"{'b' + str(b) + ' ms':>10}" for b in sizes) + \
         (" " + " ".join(f"{'b' + str(b) + ' tok/s':>11}" for b in sizes) if speed else "") + f" {'= HF':>7}" + \
         f" {'model MB':>9} {'peak MB':>8}"
@@ -271,7 +275,28 @@ def main() -> None:
             line += " " + " ".join(f"{row[f'batch {b} tokens/s']:>11.0f}" for b in sizes)
         print(line + f" {row['sequences_equal_to_transformers']:>7.1%} {row['model_mb']:>9.1f} "
               f"{row['peak_rss_mb']:>8.0f}")
-    print(f"reference outputs: {rows[0]['distinct_reference_outputs']} distinct of {len(ref)}; "
+
+
+def main() -> None:
+    args = parse_args()
+    speed = args.model != "tiny"
+    new = args.new_tokens or (64 if speed else 32)
+    src_len = args.src_len or (32 if speed else None)
+    marian, out = build(args.model, new, optimum=not args.no_optimum)
+    spec = {"marian": str(marian), "inputs": inputs(marian, args.samples, src_len, spread=args.shortlist > 0),
+            "batch_sizes": [int(b) for b in args.batch_sizes.split(",")], "beam": args.beam, "max_new_tokens": new,
+            "min_new_tokens": new if speed else 0, "threads": args.threads, "repeat": args.repeat, "warmup": 1}
+    (out / "race-inputs.json").write_text(json.dumps(spec))
+    engines = engine_list(args, marian, out)
+    if args.build_only:
+        log(f"built: {', '.join(str(e[3]) for e in engines)}")
+        return
+    load = os.getloadavg()
+    rows = rows_of(run_engines(engines, spec, out, args.threads), new, speed)
+    print(f"model {marian} ({'speed: exactly' if speed else 'tokens: at most'} {new} new tokens, beam {args.beam}, "
+          f"{args.threads} threads, {args.repeat} rounds; load average before: {load[0]:.2f})")
+    print_table(rows, spec["batch_sizes"], speed)
+    print(f"reference outputs: {rows[0]['distinct_reference_outputs']} distinct of {len(spec['inputs'])}; "
           f"load average after: {os.getloadavg()[0]:.2f}")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))

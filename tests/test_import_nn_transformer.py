@@ -324,6 +324,35 @@ def test_sentencepiece_models_per_side(tmp_path):
     assert result.exit_code == 0, result.output
 
 
+def train_as_the_tutorial(model, srcs: list[list[int]], tgts: list[list[int]], steps: int = 3000) -> None:
+    """The tutorial's training loop (Adam, warm-up then linear decay, batches of 32 pairs), on one thread."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        warmup = steps // 10
+        opt = torch.optim.Adam(model.parameters(), lr=3e-3, betas=(0.9, 0.98))
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min((s + 1) / warmup, max(
+            0.1, 1 - (s - warmup) / (steps - warmup))))
+        loss_fn = nn.CrossEntropyLoss(ignore_index=PAD_IDX)
+        gen = torch.Generator().manual_seed(0)
+        model.train()
+        for _ in range(steps):                           # the tutorial's training step, on the cipher pairs
+            rows = torch.randint(0, len(srcs), (32,), generator=gen).tolist()
+            src = nn.utils.rnn.pad_sequence([torch.tensor(srcs[r]) for r in rows], padding_value=PAD_IDX)
+            tgt = nn.utils.rnn.pad_sequence([torch.tensor(tgts[r]) for r in rows], padding_value=PAD_IDX)
+            tgt_in = tgt[:-1]
+            logits = model(src, tgt_in, torch.zeros((src.shape[0],) * 2, dtype=torch.bool),
+                           generate_square_subsequent_mask(tgt_in.shape[0]), (src == PAD_IDX).T,
+                           (tgt_in == PAD_IDX).T, (src == PAD_IDX).T)
+            loss = loss_fn(logits.reshape(-1, 100), tgt[1:].reshape(-1))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            sched.step()
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.slow
 def test_trained_tutorial_model_passes_the_int8_gate(tmp_path):
     """The tutorial-like family on a realistic footing: the tutorial's module (interleaved positions, relu, the final
@@ -353,31 +382,7 @@ def test_trained_tutorial_model_passes_the_int8_gate(tmp_path):
     for p in model.parameters():
         if p.dim() > 1:
             nn.init.xavier_uniform_(p)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        steps, warmup = 3000, 300
-        opt = torch.optim.Adam(model.parameters(), lr=3e-3, betas=(0.9, 0.98))
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min((s + 1) / warmup, max(
-            0.1, 1 - (s - warmup) / (steps - warmup))))
-        loss_fn = nn.CrossEntropyLoss(ignore_index=PAD_IDX)
-        gen = torch.Generator().manual_seed(0)
-        model.train()
-        for _ in range(steps):                           # the tutorial's training step, on the cipher pairs
-            rows = torch.randint(0, len(lines), (32,), generator=gen).tolist()
-            src = nn.utils.rnn.pad_sequence([torch.tensor(srcs[r]) for r in rows], padding_value=PAD_IDX)
-            tgt = nn.utils.rnn.pad_sequence([torch.tensor(tgts[r]) for r in rows], padding_value=PAD_IDX)
-            tgt_in = tgt[:-1]
-            logits = model(src, tgt_in, torch.zeros((src.shape[0],) * 2, dtype=torch.bool),
-                           generate_square_subsequent_mask(tgt_in.shape[0]), (src == PAD_IDX).T,
-                           (tgt_in == PAD_IDX).T, (src == PAD_IDX).T)
-            loss = loss_fn(logits.reshape(-1, 100), tgt[1:].reshape(-1))
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            sched.step()
-    finally:
-        torch.set_num_threads(threads)
+    train_as_the_tutorial(model, srcs, tgts)
     model.eval()
     pt, hp = save(model, tmp_path, {**HP, "source_spm": "src.model", "target_spm": "tgt.model", "max_len": 128})
     ckpt = import_model(pt, tmp_path / "ckpt", config_file=hp)

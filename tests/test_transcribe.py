@@ -1,0 +1,165 @@
+"""`onnxformer transcribe` and runtime.Transcriber against transformers' WhisperForConditionalGeneration.
+
+A tiny random Whisper WITH timestamp tokens is built offline (toolkit/testing/tiny_whisper.py, timestamps=True: 1501
+timestamp tokens after <|notimestamps|>, max_initial_timestamp_index 50) and imported once for the module. Proofs:
+language detection equals detect_language on features whose detected language varies; ids with the timestamp rules
+equal generate(return_timestamps=True)'s first window (timestamps chosen, asserted); the command line decodes wav
+files as the API decodes their features (greedy; beam 4 slow); the formats; the errors. Slow: an exported bundle
+transcribes as the checkpoint. Not proven here: beam ids against generate, long-form segments against
+transformers' long-form generate (the tiny random model gives synthesized audio clips one output).
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+
+transformers = pytest.importorskip("transformers")
+sf = pytest.importorskip("soundfile")
+
+from runtime.audio import features_for  # noqa: E402
+from runtime.generate import generate  # noqa: E402
+from runtime.request import Request  # noqa: E402
+from runtime.transcribe import Transcriber  # noqa: E402
+from toolkit.apps.cli import main  # noqa: E402
+from toolkit.reference.checkpoint import load_checkpoint  # noqa: E402
+from toolkit.reference.torch_engine import TorchEngine  # noqa: E402
+from toolkit.testing.tiny_whisper import random_whisper  # noqa: E402
+
+INPUTS = 16
+MAX_NEW = 12
+CLIPS = 8
+
+
+@pytest.fixture(scope="module")
+def whisper(tmp_path_factory):
+    """(transformers model, features [16, 80, 3000], checkpoint dir, Transcriber on it, wav paths, root)."""
+    root = tmp_path_factory.mktemp("transcribe")
+    model, features = random_whisper(root / "tiny", inputs=INPUTS, timestamps=True)
+    result = CliRunner().invoke(main, ["import", str(root / "tiny"), "--out", str(root / "ckpt")])
+    assert result.exit_code == 0, result.output
+    ckpt = load_checkpoint(root / "ckpt")
+    return model, features, root / "ckpt", Transcriber.from_engine(TorchEngine(ckpt.model), ckpt.tokenizer), \
+        clips(root), root
+
+
+def clips(root) -> list:
+    """CLIPS wav files of 16 kHz tones (each its own frequencies and loudness: a mel profile of its own) over noise."""
+    rng, t, paths = np.random.default_rng(3), np.arange(16000 * 4) / 16000, []
+    for i in range(CLIPS):
+        tones = sum(rng.uniform(0.05, 0.4) * np.sin(2 * np.pi * rng.uniform(80, 7000) * t) for _ in range(6))
+        audio = (tones + rng.normal(0, 0.02, t.shape)).astype(np.float32) / 3
+        sf.write(root / f"clip{i}.wav", audio, 16000)
+        paths.append(root / f"clip{i}.wav")
+    return paths
+
+
+def hf_ids(model, features, beams=1, **kw):
+    """generate's sequences after the prompt [<|startoftranscript|>, <|en|>, <|transcribe|>, <|notimestamps|>] (the
+    raw sequences, return_dict_in_generate: the plain return re-cuts ids at timestamp tokens), and the end id."""
+    with torch.no_grad():
+        out = model.generate(features, language="en", task="transcribe", max_new_tokens=MAX_NEW, num_beams=beams,
+                             return_dict_in_generate=True, **kw)["sequences"].tolist()
+    eos = model.generation_config.eos_token_id
+    return [r[4:] for r in out], eos
+
+
+def test_language_detection_equals_detect_language(whisper):
+    model, features, _, tr, _, _ = whisper
+    with torch.no_grad():
+        want = model.detect_language(features).tolist()
+    assert len(set(want)) == 3, want                                   # detection varies over the inputs
+    got = tr.detect_language(features.numpy())
+    assert [tr.tokenizer._ids([f"<|{code}|>"], "lang")[0] for code, _ in got] == want
+    assert all(1 / 3 <= p <= 1 for _, p in got)
+
+
+def test_timestamp_ids_equal_generate_return_timestamps(whisper):
+    model, features, _, tr, _, _ = whisper
+    with torch.no_grad():
+        out = model.generate(features, language="en", task="transcribe", return_timestamps=True,
+                             max_new_tokens=MAX_NEW, return_segments=True)
+    eos, prompt = model.generation_config.eos_token_id, tr.prompt("en", "transcribe", True)
+    want = []
+    for i in range(INPUTS):                                            # each input's first 30 s window
+        row = out["segments"][i][0]["result"].tolist()[1 + len(prompt):]
+        want.append(row[: row.index(eos) + 1] if eos in row else row)
+    assert len({tuple(r) for r in want}) >= max(4, INPUTS // 4), want
+    stamps = [t for r in want for t in r if t >= tr.timestamp_begin]
+    assert len(stamps) >= INPUTS and len(set(stamps)) >= 8             # timestamp tokens exist and are chosen
+    opts = tr.options(prompt, True, max_new_tokens=MAX_NEW)
+    from dataclasses import replace
+    opts = replace(opts, prefix_ids=(tuple(prompt),) * INPUTS)
+    hyps = generate(tr.engine, Request.build(tr.engine, list(features.numpy()), None, opts))
+    assert [h[0].tokens[len(prompt):] for h in hyps] == want
+
+
+def cli_records(ckpt, paths, *flags):
+    result = CliRunner().invoke(main, ["transcribe", str(ckpt), *map(str, paths), "--language", "en", "--format",
+                                       "json", "--no-fallback", "--max-new-tokens", str(MAX_NEW), *flags])
+    assert result.exit_code == 0, result.output
+    return [json.loads(line) for line in result.stdout.splitlines()]
+
+
+@pytest.mark.parametrize("beams", [1, pytest.param(4, marks=pytest.mark.slow)])
+def test_cli_ids_are_the_apis(whisper, beams):
+    """The command line decodes each file as runtime.Transcriber decodes its features (plumbing: the tiny random
+    model gives these audio clips one output, so the parity of ids is the feature tests' above)."""
+    _, _, ckpt, tr, paths, _ = whisper
+    opts = tr.options(tr.prompt("en", "transcribe", False), False, beams, max_new_tokens=MAX_NEW)
+    want = [tr.decode_window(features_for(p)[0], opts).tokens for p in paths]
+    got = cli_records(ckpt, paths, "--beam", str(beams))
+    assert [rec["segments"][0]["tokens"] for rec in got] == want
+    assert [rec["text"] for rec in got] == [tr.text_of(r) for r in want]
+    assert all(rec["language"] == "en" and rec["duration"] == 4.0 for rec in got)
+
+
+def test_cli_detects_and_writes_formats(whisper, tmp_path):
+    _, _, ckpt, tr, paths, _ = whisper
+    for fmt, head in (("srt", "1\n00:00:"), ("vtt", "WEBVTT\n\n00:00:"), ("txt", "")):
+        result = CliRunner().invoke(main, ["transcribe", str(ckpt), str(paths[0]), "--timestamps", "--format", fmt,
+                                           "--no-fallback", "--max-new-tokens", str(MAX_NEW)])
+        assert result.exit_code == 0, result.output
+        assert result.stdout.startswith(head), result.stdout
+    result = CliRunner().invoke(main, ["transcribe", str(ckpt), *map(str, paths[:2]), "--format", "vtt",
+                                       "--timestamps", "--no-fallback", "--max-new-tokens", str(MAX_NEW),
+                                       "--out", str(tmp_path / "subs")])
+    assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in (tmp_path / "subs").iterdir()) == ["clip0.vtt", "clip1.vtt", "transcribe.json"]
+    again = CliRunner().invoke(main, ["transcribe", str(ckpt), str(paths[0]), "--out", str(tmp_path / "subs")])
+    assert again.exit_code == 2                                        # not replaced without --force
+    detected = tr.transcribe(paths[0], timestamps=True, max_new_tokens=MAX_NEW, temperatures=(0.0,),
+                             no_speech_threshold=None)
+    want = tr.detect_language(features_for(paths[0]))[0]
+    assert (detected.language, detected.language_probability) == want
+    assert detected.segments and all(s.end >= s.start for s in detected.segments)
+
+
+def test_errors_are_one_line(whisper, tmp_path):
+    _, _, ckpt, _, paths, _ = whisper
+    bad = tmp_path / "bad.wav"
+    bad.write_bytes(b"not audio at all")
+    for args, message in (([str(ckpt), str(bad)], "cannot be read as audio"),
+                          ([str(ckpt), str(tmp_path / "absent.wav")], "is missing"),
+                          ([str(ckpt), str(paths[0]), "--language", "xx"], "give the audio's language")):
+        result = CliRunner().invoke(main, ["transcribe", *args])
+        assert result.exit_code == 2 and message in result.stderr, result.output
+        assert len(result.stderr.strip().splitlines()) == 1
+    result = CliRunner().invoke(main, ["init", "--out", str(tmp_path / "text")])
+    assert result.exit_code == 0, result.output
+    result = CliRunner().invoke(main, ["transcribe", str(tmp_path / "text"), str(paths[0])])
+    assert result.exit_code == 2 and "is not a Whisper model" in result.stderr, result.output
+
+
+@pytest.mark.slow
+def test_an_exported_bundle_transcribes_as_the_checkpoint(whisper):
+    _, _, ckpt, _, paths, root = whisper
+    result = CliRunner().invoke(main, ["export", str(ckpt), "--out", str(root / "fp32")])
+    assert result.exit_code == 0, result.output
+    assert cli_records(root / "fp32", paths, "--timestamps") == cli_records(ckpt, paths, "--timestamps")
+    got = Transcriber(root / "fp32", provider="cpu").transcribe(paths[1], language="en", max_new_tokens=MAX_NEW)
+    assert got.segments[0].tokens == cli_records(ckpt, paths[1:2])[0]["segments"][0]["tokens"]

@@ -117,6 +117,26 @@ def test_a_window_is_cut_at_timestamp_pairs_and_seeks_to_the_last():
     assert segments_of(tr, [7, 8], 2.0, 1200) == ([(2.0, 14.0, [7, 8])], 1200)
 
 
+def test_audio_past_30_s_goes_window_by_window(whisper):
+    """A 45 s clip: two windows (0-30 s, 30-45 s) without timestamps, each decoded from its slice of the clip's
+    log-mel; with timestamps, segments in order inside the clip (seek by the last timestamp)."""
+    from runtime.longform import whole_mel
+
+    _, _, _, tr, _, _ = whisper
+    rng = np.random.default_rng(5)
+    audio = (rng.normal(0, 0.1, 16000 * 45) * np.repeat(rng.uniform(0.2, 1.0, 45), 16000)).astype(np.float32)
+    plain = dict(language="en", max_new_tokens=MAX_NEW, temperatures=(0.0,), no_speech_threshold=None)
+    got = tr.transcribe(audio, **plain)
+    assert [(s.start, s.end) for s in got.segments] == [(0.0, 30.0), (30.0, 45.0)] and got.duration == 45.0
+    mel, _ = whole_mel(audio, 80)
+    opts = tr.options(tr.prompt("en", "transcribe", False), False, max_new_tokens=MAX_NEW)
+    assert [s.tokens for s in got.segments] == [tr.decode_window(mel[:, at:at + 3000], opts).tokens
+                                                 for at in (0, 3000)]
+    stamped = tr.transcribe(audio, timestamps=True, **plain).segments
+    assert stamped and all(0 <= a.start <= a.end for a in stamped)
+    assert all(a.start <= b.start for a, b in zip(stamped, stamped[1:])) and stamped[-1].start < 45.0
+
+
 def cli_records(ckpt, paths, *flags):
     result = CliRunner().invoke(main, ["transcribe", str(ckpt), *map(str, paths), "--language", "en", "--format",
                                        "json", "--no-fallback", "--max-new-tokens", str(MAX_NEW), *flags])

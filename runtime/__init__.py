@@ -1,6 +1,7 @@
 """onnxformer runtime: load a bundle and generate with ONNX Runtime. Imports only numpy and onnxruntime.
 
     from runtime import Translator          # the Python API (runtime.api): generate, score, stream
+    from runtime import Transcriber         # Whisper: audio to text and segments (runtime.transcribe)
 """
 
 from __future__ import annotations
@@ -9,8 +10,10 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from runtime.api import Result, ScoreRecord, Translator
+    from runtime.transcribe import Segment, Transcriber, Transcription
 
 API = ("Translator", "Result", "ScoreRecord")
+SPEECH = ("Transcriber", "Transcription", "Segment")
 
 
 def __getattr__(name: str):
@@ -19,7 +22,11 @@ def __getattr__(name: str):
         from runtime import api
 
         return getattr(api, name)
+    if name in SPEECH:
+        from runtime import transcribe
+
+        return getattr(transcribe, name)
     raise AttributeError(f"module 'runtime' has no attribute {name!r}")
 
 
-__all__ = list(API)
+__all__ = [*API, *SPEECH]

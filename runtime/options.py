@@ -39,6 +39,9 @@ class SearchOptions:
     suppress: tuple[int, ...] = ()  # token ids never generated (the model's, e.g. Marian's pad; set by generate_ids)
     begin_suppress: tuple[int, ...] = ()  # ids not generated as the first token after the prefix (Whisper's
                                           # begin_suppress_tokens; the model's, set by Request.build)
+    timestamps: int | None = None   # Whisper: the id of <|0.00|>, the first timestamp token: timestamp rules on
+                                    # (runtime.processors.timestamp_rules); None = off
+    max_initial_timestamp: int | None = None   # with timestamps: the first timestamp's largest index (50 = 1.00 s)
     sample: bool = False          # draw each token at random from the (warped) distribution instead of the best
     temperature: float = 1.0      # sampling: logits / temperature
     top_k: int = 0                # sampling: only the k most likely tokens (0 = all)
@@ -92,6 +95,19 @@ def check_options(opts: SearchOptions, inputs: int, vocab_size: int, max_len: in
             raise InputError(f"bad_words_ids[{i}] bans the end token {eos} alone, so no target could end; "
                              f"use min_new_tokens to delay it")
     _check_prefixes(opts, inputs, vocab_size, max_len, eos)
+    _check_timestamps(opts, vocab_size, eos)
+
+
+def _check_timestamps(opts: SearchOptions, vocab_size: int, eos: int) -> None:
+    """timestamps: an id past the end token, inside the vocabulary; max_initial_timestamp only with it."""
+    if opts.timestamps is None:
+        if opts.max_initial_timestamp is not None:
+            raise InputError("max_initial_timestamp limits the first timestamp; set timestamps too (or drop it)")
+        return
+    _number("timestamps", opts.timestamps, eos + 2, vocab_size - 1, integer=True,
+            what="the id of the first timestamp token, after <|notimestamps|>")
+    if opts.max_initial_timestamp is not None:
+        _number("max_initial_timestamp", opts.max_initial_timestamp, 0, vocab_size, integer=True)
 
 
 def _check_sampling(opts: SearchOptions, inputs: int, vocab_size: int) -> None:

@@ -29,7 +29,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 
 SETTINGS = ("repetition_penalty", "no_repeat_ngram_size", "bad_words_ids", "min_new_tokens", "suppress",
-            "begin_suppress", "sample",
+            "begin_suppress", "timestamps", "max_initial_timestamp", "sample",
             "temperature", "top_k", "top_p")          # the options process() and draw() read (not the per-row ones)
 
 
@@ -43,7 +43,8 @@ class Controls:
         self.prefix = np.full((batch * n, max(lengths, default=0)), -1, dtype=np.int64)
         for b, p in enumerate(opts.prefix_ids):
             self.prefix[b * n:(b + 1) * n, :len(p)] = p
-        self.needs_history = bool(opts.repetition_penalty != 1.0 or opts.no_repeat_ngram_size or opts.bad_words_ids)
+        self.needs_history = bool(opts.repetition_penalty != 1.0 or opts.no_repeat_ngram_size or opts.bad_words_ids
+                                  or opts.timestamps is not None)
         self.bans = [tuple(w) for w in opts.bad_words_ids]
         self.settings = tuple(getattr(opts, name) for name in SETTINGS)   # rows of equal settings process together
         self.generators = None
@@ -55,7 +56,8 @@ class Controls:
     def of(cls, opts, batch: int, n: int, eos: int) -> "Controls | None":
         """The controls of `opts` over batch inputs of n rows each, or None when none is set (nothing to do)."""
         active = (opts.sample or opts.repetition_penalty != 1.0 or opts.no_repeat_ngram_size or opts.min_new_tokens
-                  or opts.bad_words_ids or opts.prefix_ids or opts.return_logprobs or opts.begin_suppress)
+                  or opts.bad_words_ids or opts.prefix_ids or opts.return_logprobs or opts.begin_suppress
+                  or opts.timestamps is not None)
         return cls(opts, batch, n, eos) if active else None
 
     def forced(self, step, rows: np.ndarray) -> np.ndarray:
@@ -87,7 +89,10 @@ class Controls:
             out[generated < o.min_new_tokens, self.eos] = -np.inf
         if o.begin_suppress:                                           # the first token after the prefix
             out[np.ix_(np.flatnonzero(generated == 0), list(o.begin_suppress))] = -np.inf
-        return suppress(out, o.suppress)
+        out = suppress(out, o.suppress)
+        if o.timestamps is not None:                                   # Whisper's timestamp rules come last
+            timestamp_rules(out, history, generated, o.timestamps, self.eos, o.max_initial_timestamp)
+        return out
 
     def uniforms(self, rows) -> np.ndarray:
         """The next uniform [0, 1) draw of each row's own generator (rows: row ids): one a row and step."""
@@ -128,6 +133,40 @@ def repetition_penalty(scores: np.ndarray, history: np.ndarray, penalty: float) 
     history = np.where(history < 0, history[:, -1:], history)
     seen = np.take_along_axis(scores, history, axis=1)
     np.put_along_axis(scores, history, np.where(seen < 0, seen * penalty, seen / penalty), axis=1)
+
+
+def timestamp_rules(scores: np.ndarray, history: np.ndarray, generated: np.ndarray, begin: int, eos: int,
+                    max_initial: int | None = None) -> None:
+    """WhisperTimeStampLogitsProcessor, in place: ids >= `begin` are timestamps (<|0.00|>, <|0.02|>, ...) and
+    `begin - 1` is <|notimestamps|> (never chosen). Over each row's generated tokens (the last `generated` of its
+    history): timestamps come in pairs (after a lone timestamp only a timestamp or the end, after a pair text),
+    never decrease (and a pair's end is not repeated); the first token is a timestamp, at most `max_initial`
+    (an index: 50 is 1.00 s); and where the timestamps' summed probability beats the likeliest text token's, a
+    timestamp is taken."""
+    scores[:, begin - 1] = -np.inf
+    for r in range(len(scores)):
+        seq = history[r, history.shape[1] - int(generated[r]):] if generated[r] else history[r, :0]
+        last = len(seq) >= 1 and seq[-1] >= begin
+        penultimate = len(seq) < 2 or seq[-2] >= begin
+        if last:
+            if penultimate:
+                scores[r, begin:] = -np.inf                          # a pair closed: text next
+            else:
+                scores[r, :eos] = -np.inf                            # a lone timestamp: no text token next
+        stamps = seq[seq >= begin]
+        if len(stamps):                                              # monotonic: not below the last one
+            floor = int(stamps[-1]) if last and not penultimate else int(stamps[-1]) + 1
+            scores[r, begin:floor] = -np.inf
+        if generated[r] == 0:                                        # the first token: a timestamp, early enough
+            scores[r, :begin] = -np.inf
+            if max_initial is not None:
+                scores[r, begin + max_initial + 1:] = -np.inf
+    with np.errstate(divide="ignore", invalid="ignore"):
+        logp = scores - scores.max(axis=1, keepdims=True)
+        logp = logp - np.log(np.exp(logp).sum(axis=1, keepdims=True))
+        stamp = np.logaddexp.reduce(logp[:, begin:], axis=1)
+    take = stamp > logp[:, :begin].max(axis=1)
+    scores[np.ix_(np.flatnonzero(take), np.arange(begin))] = -np.inf
 
 
 def no_repeat_ngram(scores: np.ndarray, history: np.ndarray, n: int) -> None:

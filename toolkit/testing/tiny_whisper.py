@@ -29,12 +29,16 @@ TEXT_VOCAB = 320           # byte-level BPE: 256 bytes and merges
 SIZES = dict(d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
              encoder_ffn_dim=128, decoder_ffn_dim=128, num_mel_bins=80, max_source_positions=1500,
              max_target_positions=64, dropout=0.0)
-SCALES = {"conv": 10.0, "cross_qk": 2.0, "cross_out": 4.0, "embed": 0.25}   # see the module docstring
+TIMESTAMPS = tuple(f"<|{i * 0.02:.2f}|>" for i in range(1501))   # 0.00 s to 30.00 s, 20 ms apart
+MAX_INITIAL_TIMESTAMP = 50                                            # generation_config's: the first at most 1.00 s
+SCALES = {"conv": 10.0, "cross_qk": 2.0, "cross_out": 4.0, "embed": 0.25, "timestamps": 1.0}   # see the module docstring
 
 
-def byte_bpe(directory: Path) -> dict[str, int]:
-    """tokenizer.json (GPT-2-style byte-level BPE + Whisper's special tokens after the text tokens) and a
-    tokenizer_config.json naming WhisperTokenizer; returns token -> id of the specials."""
+def byte_bpe(directory: Path, timestamps: bool = False) -> dict[str, int]:
+    """tokenizer.json (GPT-2-style byte-level BPE + Whisper's special tokens after the text tokens, and with
+    `timestamps` Whisper's 1501 timestamp tokens <|0.00|> ... <|30.00|> after <|notimestamps|>, added as non-special
+    tokens as openai/whisper-*'s are) and a tokenizer_config.json naming WhisperTokenizer; returns token -> id of the
+    specials."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     from toolkit.testing.tiny_families import WORDS
@@ -46,6 +50,8 @@ def byte_bpe(directory: Path) -> dict[str, int]:
                                   show_progress=False)
     tok.train_from_iterator([" ".join(WORDS)] * 4, trainer)
     tok.add_special_tokens(list(SPECIALS))
+    if timestamps:
+        tok.add_tokens(list(TIMESTAMPS))
     tok.save(str(directory / "tokenizer.json"))
     config = {"tokenizer_class": "WhisperTokenizer", "bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>",
               "unk_token": "<|endoftext|>", "pad_token": "<|endoftext|>", "model_max_length": 64,
@@ -54,10 +60,12 @@ def byte_bpe(directory: Path) -> dict[str, int]:
     return {t: tok.token_to_id(t) for t in SPECIALS} | {"vocab_size": tok.get_vocab_size(), "space": tok.token_to_id("Ġ")}
 
 
-def generation_config(ids: dict) -> dict:
-    """What WhisperForConditionalGeneration.generate reads: the prompt tokens by name, the suppressed ids."""
+def generation_config(ids: dict, timestamps: bool = False) -> dict:
+    """What WhisperForConditionalGeneration.generate reads: the prompt tokens by name, the suppressed ids (and with
+    `timestamps` max_initial_timestamp_index)."""
     eot = ids["<|endoftext|>"]
-    return {"decoder_start_token_id": ids["<|startoftranscript|>"], "eos_token_id": eot, "pad_token_id": eot,
+    extra = {"max_initial_timestamp_index": MAX_INITIAL_TIMESTAMP} if timestamps else {}
+    return extra | {"decoder_start_token_id": ids["<|startoftranscript|>"], "eos_token_id": eot, "pad_token_id": eot,
             "bos_token_id": eot, "is_multilingual": True, "no_timestamps_token_id": ids["<|notimestamps|>"],
             "lang_to_id": {f"<|{c}|>": ids[f"<|{c}|>"] for c in LANGUAGES},
             "task_to_id": {t: ids[f"<|{t}|>"] for t in ("translate", "transcribe")},
@@ -65,15 +73,17 @@ def generation_config(ids: dict) -> dict:
             "begin_suppress_tokens": [ids["space"], eot], "max_length": SIZES["max_target_positions"]}
 
 
-def random_whisper(directory: str | Path, seed: int = 0, inputs: int = 16):
-    """(WhisperForConditionalGeneration in eval mode, features [inputs, 80, 3000] float32) saved to directory."""
+def random_whisper(directory: str | Path, seed: int = 0, inputs: int = 16, timestamps: bool = False):
+    """(WhisperForConditionalGeneration in eval mode, features [inputs, 80, 3000] float32) saved to directory;
+    `timestamps`: with Whisper's timestamp tokens (byte_bpe), their embedding rows scaled by SCALES["timestamps"] so
+    that text and timestamps both get chosen."""
     import torch
     import transformers
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    ids = byte_bpe(directory)
-    gen = generation_config(ids)
+    ids = byte_bpe(directory, timestamps)
+    gen = generation_config(ids, timestamps)
     config = transformers.WhisperConfig(vocab_size=ids["vocab_size"], **SIZES, pad_token_id=gen["pad_token_id"],
                                         bos_token_id=gen["bos_token_id"], eos_token_id=gen["eos_token_id"],
                                         decoder_start_token_id=gen["decoder_start_token_id"],
@@ -84,6 +94,8 @@ def random_whisper(directory: str | Path, seed: int = 0, inputs: int = 16):
     with torch.no_grad():
         encoder, decoder = model.model.encoder, model.model.decoder
         decoder.embed_tokens.weight.mul_(SCALES["embed"])
+        if timestamps:
+            decoder.embed_tokens.weight[ids["<|notimestamps|>"] + 1:].mul_(SCALES["timestamps"])
         encoder.conv1.weight.mul_(SCALES["conv"])
         encoder.conv2.weight.mul_(SCALES["conv"])
         for layer in decoder.layers:
@@ -128,4 +140,5 @@ def sample_features(inputs: int, seed: int):
     return noise * 0.5 + profile
 
 
-__all__ = ["random_whisper", "byte_bpe", "generation_config", "sample_features", "LANGUAGES", "SPECIALS", "SIZES"]
+__all__ = ["random_whisper", "byte_bpe", "generation_config", "sample_features", "LANGUAGES", "SPECIALS", "SIZES",
+           "TIMESTAMPS", "MAX_INITIAL_TIMESTAMP"]

@@ -1,0 +1,210 @@
+"""`onnxformer transcribe` and runtime.Transcriber against transformers' WhisperForConditionalGeneration.
+
+A tiny random Whisper WITH timestamp tokens is built offline (toolkit/testing/tiny_whisper.py, timestamps=True: 1501
+timestamp tokens after <|notimestamps|>, max_initial_timestamp_index 50) and imported once for the module. Proofs:
+language detection equals detect_language on features whose detected language varies; ids with the timestamp rules
+equal generate(return_timestamps=True)'s first window (timestamps chosen, asserted), greedy on 16 inputs and beam 4
+on 8; openai-whisper's cut of a window into segments and its seek; the command line decodes wav files as the API
+decodes their features (greedy; beam 4 slow); the formats; the errors. Slow: an exported bundle transcribes as
+the checkpoint. Not proven here: ids without timestamps against generate (on this model, whose vocabulary has
+timestamp tokens, its plain return re-cuts ids at them, and return_dict_in_generate with beams returns one row),
+long-form segments against transformers' long-form generate, and parity on audio clips (the tiny random model gives
+synthesized clips one output).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+
+transformers = pytest.importorskip("transformers")
+sf = pytest.importorskip("soundfile")
+
+from runtime.audio import features_for  # noqa: E402
+from runtime.generate import generate  # noqa: E402
+from runtime.request import Request  # noqa: E402
+from runtime.transcribe import Transcriber  # noqa: E402
+from toolkit.apps.cli import main  # noqa: E402
+from toolkit.reference.checkpoint import load_checkpoint  # noqa: E402
+from toolkit.reference.torch_engine import TorchEngine  # noqa: E402
+from toolkit.testing.tiny_whisper import random_whisper  # noqa: E402
+
+INPUTS = 16
+MAX_NEW = 12
+CLIPS = 4
+
+
+@pytest.fixture(scope="module")
+def whisper(tmp_path_factory):
+    """(transformers model, features [16, 80, 3000], checkpoint dir, Transcriber on it, wav paths, root)."""
+    root = tmp_path_factory.mktemp("transcribe")
+    model, features = random_whisper(root / "tiny", inputs=INPUTS, timestamps=True)
+    result = CliRunner().invoke(main, ["import", str(root / "tiny"), "--out", str(root / "ckpt")])
+    assert result.exit_code == 0, result.output
+    ckpt = load_checkpoint(root / "ckpt")
+    return model, features, root / "ckpt", Transcriber.from_engine(TorchEngine(ckpt.model), ckpt.tokenizer), \
+        clips(root), root
+
+
+def clips(root) -> list:
+    """CLIPS wav files of 16 kHz tones (each its own frequencies and loudness: a mel profile of its own) over noise."""
+    rng, t, paths = np.random.default_rng(3), np.arange(16000 * 4) / 16000, []
+    for i in range(CLIPS):
+        tones = sum(rng.uniform(0.05, 0.4) * np.sin(2 * np.pi * rng.uniform(80, 7000) * t) for _ in range(6))
+        audio = (tones + rng.normal(0, 0.02, t.shape)).astype(np.float32) / 3
+        sf.write(root / f"clip{i}.wav", audio, 16000)
+        paths.append(root / f"clip{i}.wav")
+    return paths
+
+
+def hf_ids(model, features, beams=1, **kw):
+    """generate's sequences after the prompt [<|startoftranscript|>, <|en|>, <|transcribe|>, <|notimestamps|>] (the
+    raw sequences, return_dict_in_generate: the plain return re-cuts ids at timestamp tokens), and the end id."""
+    with torch.no_grad():
+        out = model.generate(features, language="en", task="transcribe", max_new_tokens=MAX_NEW, num_beams=beams,
+                             return_dict_in_generate=True, **kw)["sequences"].tolist()
+    eos = model.generation_config.eos_token_id
+    return [r[4:] for r in out], eos
+
+
+def test_language_detection_equals_detect_language(whisper):
+    model, features, _, tr, _, _ = whisper
+    with torch.no_grad():
+        want = model.detect_language(features).tolist()
+    assert len(set(want)) == 3, want                                   # detection varies over the inputs
+    got = tr.detect_language(features.numpy())
+    assert [tr.tokenizer._ids([f"<|{code}|>"], "lang")[0] for code, _ in got] == want
+    assert all(1 / 3 <= p <= 1 for _, p in got)
+
+
+@pytest.mark.parametrize("beams,inputs", [(1, INPUTS), (4, 8)])
+def test_timestamp_ids_equal_generate_return_timestamps(whisper, beams, inputs):
+    """Greedy on 16 inputs, beam 4 on 8: the ids of each input's first 30 s window, timestamps included."""
+    model, features, _, tr, _, _ = whisper
+    features = features[:inputs]
+    with torch.no_grad():
+        out = model.generate(features, language="en", task="transcribe", return_timestamps=True, num_beams=beams,
+                             max_new_tokens=MAX_NEW, return_segments=True)
+    eos, prompt = model.generation_config.eos_token_id, tr.prompt("en", "transcribe", True)
+    want = []
+    for i in range(inputs):                                            # each input's first window's raw ids
+        row = out["segments"][i][0]["result"].tolist()[1 + len(prompt):]
+        want.append(row[: row.index(eos) + 1] if eos in row else row)
+    assert len({tuple(r) for r in want}) >= max(4, inputs // 4), want
+    stamps = [t for r in want for t in r if t >= tr.timestamp_begin]
+    assert len(stamps) >= inputs and len(set(stamps)) >= 8            # timestamp tokens exist and are chosen
+    opts = replace(tr.options(prompt, True, beams, max_new_tokens=MAX_NEW), prefix_ids=(tuple(prompt),) * inputs)
+    hyps = generate(tr.engine, Request.build(tr.engine, list(features.numpy()), None, opts))
+    assert [h[0].tokens[len(prompt):] for h in hyps] == want
+
+
+def test_a_window_is_cut_at_timestamp_pairs_and_seeks_to_the_last():
+    from types import SimpleNamespace
+
+    from runtime.longform import segments_of
+
+    tr, b = SimpleNamespace(timestamp_begin=1000), 1000
+    pieces, seek = segments_of(tr, [b, 7, b + 10, b + 10, 8, b + 25, b + 25], 30.0, 3000)
+    assert pieces == [(30.0, 30.2, [b, 7, b + 10]), (30.2, 30.5, [b + 10, 8, b + 25])] and seek == 50
+    pieces, seek = segments_of(tr, [b, 7, b + 10, b + 10, 8, b + 25], 0.0, 3000)     # a lone last timestamp
+    assert [p[:2] for p in pieces] == [(0.0, 0.2), (0.2, 0.5)] and seek == 3000
+    assert segments_of(tr, [b, 7, 8, b + 40], 0.0, 1200) == ([(0.0, 0.8, [b, 7, 8, b + 40])], 1200)   # no pair
+    assert segments_of(tr, [7, 8], 2.0, 1200) == ([(2.0, 14.0, [7, 8])], 1200)
+
+
+def test_audio_past_30_s_goes_window_by_window(whisper):
+    """A 45 s clip: two windows (0-30 s, 30-45 s) without timestamps, each decoded from its slice of the clip's
+    log-mel; with timestamps, segments in order inside the clip (seek by the last timestamp)."""
+    from runtime.longform import whole_mel
+
+    _, _, _, tr, _, _ = whisper
+    rng = np.random.default_rng(5)
+    audio = (rng.normal(0, 0.1, 16000 * 45) * np.repeat(rng.uniform(0.2, 1.0, 45), 16000)).astype(np.float32)
+    plain = dict(language="en", max_new_tokens=MAX_NEW, temperatures=(0.0,), no_speech_threshold=None)
+    got = tr.transcribe(audio, **plain)
+    assert [(s.start, s.end) for s in got.segments] == [(0.0, 30.0), (30.0, 45.0)] and got.duration == 45.0
+    mel, _ = whole_mel(audio, 80)
+    opts = tr.options(tr.prompt("en", "transcribe", False), False, max_new_tokens=MAX_NEW)
+    assert [s.tokens for s in got.segments] == [tr.decode_window(mel[:, at:at + 3000], opts).tokens
+                                                 for at in (0, 3000)]
+    stamped = tr.transcribe(audio, timestamps=True, **plain).segments
+    assert stamped and all(0 <= a.start <= a.end for a in stamped)
+    assert all(a.start <= b.start for a, b in zip(stamped, stamped[1:])) and stamped[-1].start < 45.0
+
+
+def cli_records(ckpt, paths, *flags):
+    result = CliRunner().invoke(main, ["transcribe", str(ckpt), *map(str, paths), "--language", "en", "--format",
+                                       "json", "--no-fallback", "--max-new-tokens", str(MAX_NEW), *flags])
+    assert result.exit_code == 0, result.output
+    return [json.loads(line) for line in result.stdout.splitlines()]
+
+
+@pytest.mark.parametrize("beams", [1, pytest.param(4, marks=pytest.mark.slow)])
+def test_cli_ids_are_the_apis(whisper, beams):
+    """The command line decodes each file as runtime.Transcriber decodes its features (plumbing: the tiny random
+    model gives these audio clips one output, so the parity of ids is the feature tests' above)."""
+    _, _, ckpt, tr, paths, _ = whisper
+    opts = tr.options(tr.prompt("en", "transcribe", False), False, beams, max_new_tokens=MAX_NEW)
+    want = [tr.decode_window(features_for(p)[0], opts).tokens for p in paths]
+    got = cli_records(ckpt, paths, "--beam", str(beams))
+    assert [rec["segments"][0]["tokens"] for rec in got] == want
+    assert [rec["text"] for rec in got] == [tr.text_of(r) for r in want]
+    assert all(rec["language"] == "en" and rec["duration"] == 4.0 for rec in got)
+
+
+def test_cli_detects_and_writes_formats(whisper, tmp_path):
+    _, _, ckpt, tr, paths, _ = whisper
+    for fmt, head in (("srt", "1\n00:00:"), ("vtt", "WEBVTT\n\n00:00:"), ("txt", "")):
+        result = CliRunner().invoke(main, ["transcribe", str(ckpt), str(paths[0]), "--timestamps", "--format", fmt,
+                                           "--no-fallback", "--max-new-tokens", str(MAX_NEW)])
+        assert result.exit_code == 0, result.output
+        assert result.stdout.startswith(head), result.stdout
+    result = CliRunner().invoke(main, ["transcribe", str(ckpt), *map(str, paths[:2]), "--format", "vtt",
+                                       "--timestamps", "--no-fallback", "--max-new-tokens", str(MAX_NEW),
+                                       "--out", str(tmp_path / "subs")])
+    assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in (tmp_path / "subs").iterdir()) == ["clip0.vtt", "clip1.vtt", "transcribe.json"]
+    again = CliRunner().invoke(main, ["transcribe", str(ckpt), str(paths[0]), "--out", str(tmp_path / "subs")])
+    assert again.exit_code == 2                                        # not replaced without --force
+    detected = tr.transcribe(paths[0], timestamps=True, max_new_tokens=MAX_NEW, temperatures=(0.0,),
+                             no_speech_threshold=None)
+    want = tr.detect_language(features_for(paths[0]))[0]
+    assert (detected.language, detected.language_probability) == want
+    assert detected.segments and all(s.end >= s.start for s in detected.segments)
+
+
+def test_errors_are_one_line(whisper, tmp_path):
+    _, _, ckpt, _, paths, _ = whisper
+    bad = tmp_path / "bad.wav"
+    bad.write_bytes(b"not audio at all")
+    for args, message in (([str(ckpt), str(bad)], "cannot be read as audio"),
+                          ([str(ckpt), str(tmp_path / "absent.wav")], "is missing"),
+                          ([str(ckpt), str(paths[0]), "--language", "xx"], "give the audio's language")):
+        result = CliRunner().invoke(main, ["transcribe", *args])
+        assert result.exit_code == 2 and message in result.stderr, result.output
+        assert len(result.stderr.strip().splitlines()) == 1
+    result = CliRunner().invoke(main, ["init", "--out", str(tmp_path / "text")])
+    assert result.exit_code == 0, result.output
+    result = CliRunner().invoke(main, ["transcribe", str(tmp_path / "text"), str(paths[0])])
+    assert result.exit_code == 2 and "is not a Whisper model" in result.stderr, result.output
+
+
+@pytest.mark.slow
+def test_an_exported_bundle_transcribes_as_the_checkpoint(whisper):
+    _, _, ckpt, _, paths, root = whisper
+    result = CliRunner().invoke(main, ["export", str(ckpt), "--out", str(root / "fp32")])
+    assert result.exit_code == 0, result.output
+    def ids(model):                                                    # scores differ by float rounding only
+        return [[(s["start"], s["end"], s["tokens"], s["text"]) for s in rec["segments"]]
+                for rec in cli_records(model, paths, "--timestamps")]
+
+    want = ids(ckpt)
+    assert ids(root / "fp32") == want and all(want)
+    got = Transcriber(root / "fp32", provider="cpu").transcribe(paths[1], language="en", max_new_tokens=MAX_NEW,
+                                                              temperatures=(0.0,), no_speech_threshold=None)
+    assert got.segments[0].tokens == cli_records(ckpt, paths[1:2])[0]["segments"][0]["tokens"]

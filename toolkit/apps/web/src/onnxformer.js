@@ -1,10 +1,10 @@
 // onnxformer in the browser: an onnxformer bundle (manifest.json, encoder/decoder graphs, tokenizer.json) run
 // with onnxruntime-web's WASM execution provider; greedy and beam search as runtime/search.py does them, so the
 // ids equal the Python runtime's. window.onnxformer.translate(texts, {beam, maxNewTokens}) -> [{ids, text}].
-import * as ort from "./ort/ort.wasm.min.mjs";
+import * as ort from "./ort.wasm.min.mjs";
 
-const BUNDLE = "./bundle/";
-ort.env.wasm.wasmPaths = "./ort/";
+const BUNDLE = "./";                    // onnxformer web writes the site flat: page, runtime and bundle side by side
+ort.env.wasm.wasmPaths = "./";
 ort.env.wasm.numThreads = 1;            // one thread: the same sums, in the same order, every run
 
 async function fetchJson(name) {
@@ -50,7 +50,7 @@ function tokenizerOf(spec) {
 
 // --- tensors ---
 const int64 = (values, dims) => new ort.Tensor("int64", BigInt64Array.from(values.map(BigInt)), dims);
-const LAYOUTS = ["dynamic"];           // the static-cache layouts are not fed here yet (onnxformer web refuses them)
+const LAYOUTS = ["dynamic", "static-per-row", "static-shared"];
 
 function repeatRows(t, k) {           // [1, ...] -> [k, ...]
   const n = t.data.length, data = new Float32Array(n * k);
@@ -69,7 +69,7 @@ class Model {
   static async load() {
     const manifest = await fetchJson("manifest.json");
     const layout = manifest.decoder_layout || "dynamic";
-    if (!LAYOUTS.includes(layout)) throw new Error(`decoder layout ${layout} is not supported in the browser (dynamic only)`);
+    if (!LAYOUTS.includes(layout)) throw new Error(`decoder layout ${layout} is not one of ${LAYOUTS.join(", ")}`);
     const [encoder, decoder, tok] = await Promise.all([session(manifest.graphs.encoder),
       session(manifest.graphs.decoder), fetchJson(manifest.tokenizer || "tokenizer.json")]);
     return new Model(manifest, layout, encoder, decoder, tokenizerOf(tok));
@@ -97,19 +97,22 @@ class Model {
   }
 
   // a decoder state over `rows` rows of one input: step(tokens, keep) -> logits rows (Float32Array each)
-  async start(ids, rows) {
+  async start(ids, rows, capacity) {
     const cross = (await this.encode(ids)).map((t) => rows === 1 ? t : repeatRows(t, rows));
-    return new DecodeState(this, cross, ids.length, rows);
+    return new DecodeState(this, cross, ids.length, rows, capacity);
   }
 }
 
 class DecodeState {
-  // the dynamic contract (runtime/feed.py): past [B, H, P, Dh] in, present [B, H, P + 1, Dh] out, position_ids
-  // [B, 1] = P, decoder_attention_mask [B, P] all ones, the source mask [B, S] (one unpadded input: all ones)
-  constructor(model, cross, srcLen, rows) {
-    Object.assign(this, { model, cross, srcLen, rows, filled: 0 });
-    const m = model;
-    this.cache = m.past.map(() => new ort.Tensor("float32", new Float32Array(0), [rows, m.heads, 0, m.headDim]));
+  // the layouts of runtime/feed.py; position_ids [B, 1] = P and the source mask [B, S] (one unpadded input: ones)
+  //   dynamic         past [B, H, P, Dh] in, present [B, H, P + 1, Dh] out, decoder_attention_mask [B, P] ones
+  //   static-per-row  one buffer [B, H, capacity, Dh] in and out (updated), past_sequence_length int32 [B] = P
+  //   static-shared   the same, past_sequence_length [1], decoder_attention_mask [B, capacity] ones
+  constructor(model, cross, srcLen, rows, capacity) {
+    Object.assign(this, { model, cross, srcLen, rows, capacity, filled: 0 });
+    const m = model, size = m.layout === "dynamic" ? 0 : capacity;
+    this.cache = m.past.map(() => new ort.Tensor("float32", new Float32Array(rows * m.heads * size * m.headDim),
+      [rows, m.heads, size, m.headDim]));
   }
 
   async step(tokens, keep) {
@@ -124,7 +127,14 @@ class DecodeState {
       encoder_attention_mask: int64(Array(rows * this.srcLen).fill(1), [rows, this.srcLen]),
       position_ids: int64(Array(rows).fill(p), [rows, 1]),
     };
-    feeds.decoder_attention_mask = int64(Array(rows * p).fill(1), [rows, p]);
+    if (m.layout !== "static-per-row") {
+      const width = m.layout === "dynamic" ? p : this.capacity;
+      feeds.decoder_attention_mask = int64(Array(rows * width).fill(1), [rows, width]);
+    }
+    if (m.layout !== "dynamic") {
+      const n = m.layout === "static-per-row" ? rows : 1;
+      feeds.past_sequence_length = new ort.Tensor("int32", new Int32Array(n).fill(p), [n]);
+    }
     m.past.forEach((n, i) => { feeds[n] = this.cache[i]; });
     m.crossIn.forEach((n, i) => { feeds[n] = this.cross[i]; });
     const out = await m.decoder.run(feeds);
@@ -161,7 +171,7 @@ function suppressed(row, ids) {
 }
 
 async function greedy(model, ids, maxNew, forcedEos) {
-  const { bos_id: bos, eos_id: eos } = model.config, state = await model.start(ids, 1), tokens = [];
+  const { bos_id: bos, eos_id: eos } = model.config, state = await model.start(ids, 1, maxNew), tokens = [];
   let last = bos;
   for (let step = 0; step < maxNew; step++) {
     const [logits] = await state.step([last], null);
@@ -185,7 +195,7 @@ function attainable(score, length, maxNew, lp) {   // runtime.search.attainable
 }
 
 async function beamSearch(model, ids, k, maxNew, forcedEos, lp = 1.0) {
-  const { bos_id: bos, eos_id: eos } = model.config, state = await model.start(ids, k);
+  const { bos_id: bos, eos_id: eos } = model.config, state = await model.start(ids, k, maxNew);
   let scores = [0, ...Array(k - 1).fill(-Infinity)], last = Array(k).fill(bos), keep = null;
   let seqs = Array.from({ length: k }, () => []), finished = [];
   const norm = (score, len) => score / Math.max(len, 1) ** lp;

@@ -72,7 +72,7 @@ def test_serve_sends_isolation_headers(served):
         assert r.headers["Content-Type"] == "application/wasm" and r.read() == b"\0asm"
 
 
-def test_force_replaces_only_a_site(served, tmp_path_factory):
+def test_site_kind_knows_its_files(served, tmp_path_factory):
     _, site = served
     assert web.site_files(site) == {"index.html", "x.wasm", web.SITE_JSON}
     foreign = tmp_path_factory.mktemp("foreign")

@@ -29,6 +29,12 @@ try {
     answers.push(await page.evaluate(({ texts, ...opts }) => window.onnxformer.translate(texts, opts), r));
   }
   const isolated = await page.evaluate(() => self.crossOriginIsolated);
+  if (process.env.SCREENSHOT) {                 // the page as a user sees it, after one translation
+    await page.setViewportSize({ width: 720, height: 360 });
+    await page.click("#go");
+    await page.waitForFunction(() => document.getElementById("output").textContent.length > 0);
+    await page.screenshot({ path: process.env.SCREENSHOT });
+  }
   process.stdout.write(JSON.stringify({ answers, crossOriginIsolated: isolated }));
 } finally {
   await context.close();

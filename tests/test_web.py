@@ -142,3 +142,20 @@ def test_page_ids_equal_the_runtime(browser, precision, dates_bundle, request, t
         assert len({tuple(h.ids) for h in expected}) >= 8               # outputs that vary
         assert [a["ids"] for a in answers] == [h.ids for h in expected], (precision, beam)
         assert [a["text"] for a in answers] == [h.text for h in expected]
+
+
+@pytest.mark.slow
+def test_web_cli_refuses_an_op_and_replaces_only_with_force(int8_bundle, monkeypatch, tmp_path):
+    """exit 2 naming the op where the WASM EP lacks one (here: the int8 graphs' attention, with the list emptied);
+    an existing site is replaced with --force only."""
+    monkeypatch.setattr(web, "WASM_CONTRIB_OPS", frozenset())
+    result = cli("web", int8_bundle, "--out", tmp_path / "site")
+    assert result.exit_code == 2 and "com.microsoft::MultiHeadAttention" in result.output, result.output
+    assert "Traceback" not in result.output and not (tmp_path / "site").exists()
+    monkeypatch.undo()
+    assert cli("web", int8_bundle, "--out", tmp_path / "site").exit_code == 0
+    result = cli("web", int8_bundle, "--out", tmp_path / "site")
+    assert result.exit_code == 2 and "--force" in result.output
+    assert cli("web", int8_bundle, "--out", tmp_path / "site", "--force").exit_code == 0
+    assert web.site_files(tmp_path / "site") == {p.name for p in (tmp_path / "site").iterdir()}
+    assert [p.name for p in tmp_path.iterdir()] == ["site"]          # no hidden staging folder left beside it

@@ -19,7 +19,7 @@ import click
 COMMANDS = {"init": "init", "train": "train", "import": "importer", "export": "export", "optimize": "optimize",
             "generate": "generate", "parity": "parity", "bench": "bench", "inspect": "inspect", "demo": "demo",
             "serve": "serve", "loadtest": "loadtest", "score": "score",
-            "shortlist": "shortlist", "transcribe": "transcribe"}   # command name -> module in toolkit/commands
+            "shortlist": "shortlist", "transcribe": "transcribe", "web": "web"}   # command name -> module in toolkit/commands
 
 
 class LazyGroup(click.Group):

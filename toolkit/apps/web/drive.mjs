@@ -1,0 +1,42 @@
+// Drive the page in headless Chromium (playwright-core) and print window.onnxformer.translate's answers as JSON:
+//   node drive.mjs URL REQUESTS.json   (REQUESTS: [{"texts": [...], "beam": 4, "maxNewTokens": 24}, ...])
+// The closed network needs these flags, and a fresh profile, or Chromium waits on it.
+import { mkdtempSync, readFileSync, rmSync } from "node:fs";
+import { tmpdir } from "node:os";
+import { join } from "node:path";
+import { chromium } from "playwright-core";
+
+const [url, requestsFile] = process.argv.slice(2);
+const requests = JSON.parse(readFileSync(requestsFile, "utf8"));
+const profile = mkdtempSync(join(tmpdir(), "onnxformer-chromium-"));
+const context = await chromium.launchPersistentContext(profile, {
+  executablePath: process.env.CHROMIUM || "/usr/bin/chromium",
+  headless: true,
+  args: ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+    "--disable-component-update", "--disable-sync"],
+});
+try {
+  const page = await context.newPage();
+  const logs = [];
+  page.on("console", (m) => logs.push(m.text()));
+  page.on("pageerror", (e) => logs.push(String(e)));
+  await page.goto(url);
+  await page.waitForFunction(() => window.onnxformer !== undefined, null, { timeout: 120000 });
+  const error = await page.evaluate(() => window.onnxformer.error || null);
+  if (error) throw new Error(`the page failed: ${error}\n${logs.join("\n")}`);
+  const answers = [];
+  for (const r of requests) {
+    answers.push(await page.evaluate(({ texts, ...opts }) => window.onnxformer.translate(texts, opts), r));
+  }
+  const isolated = await page.evaluate(() => self.crossOriginIsolated);
+  if (process.env.SCREENSHOT) {                 // the page as a user sees it, after one translation
+    await page.setViewportSize({ width: 720, height: 360 });
+    await page.click("#go");
+    await page.waitForFunction(() => document.getElementById("output").textContent.length > 0);
+    await page.screenshot({ path: process.env.SCREENSHOT });
+  }
+  process.stdout.write(JSON.stringify({ answers, crossOriginIsolated: isolated }));
+} finally {
+  await context.close();
+  rmSync(profile, { recursive: true, force: true });
+}

@@ -1,0 +1,267 @@
+// onnxformer in the browser: an onnxformer bundle (manifest.json, encoder/decoder graphs, tokenizer.json) run
+// with onnxruntime-web's WASM execution provider; greedy and beam search as runtime/search.py does them, so the
+// ids equal the Python runtime's. window.onnxformer.translate(texts, {beam, maxNewTokens}) -> [{ids, text}].
+import * as ort from "./ort.wasm.min.mjs";
+
+const BUNDLE = "./";                    // onnxformer web writes the site flat: page, runtime and bundle side by side
+ort.env.wasm.wasmPaths = "./";
+ort.env.wasm.numThreads = 1;            // one thread: the same sums, in the same order, every run
+
+async function fetchJson(name) {
+  const r = await fetch(BUNDLE + name);
+  if (!r.ok) throw new Error(`${name}: HTTP ${r.status}`);
+  return r.json();
+}
+
+async function session(graph) {
+  // a graph's external data files (onnx's location field) are named in the manifest's "files" or found by the
+  // graph's own name; the exporter writes them as weights.data beside the graphs
+  const bytes = new Uint8Array(await (await fetch(BUNDLE + graph.file)).arrayBuffer());
+  const externalData = (graph.external_data || ["weights.data"]).map((p) => ({ path: p, data: BUNDLE + p }));
+  return ort.InferenceSession.create(bytes, { executionProviders: ["wasm"], externalData });
+}
+
+// --- the char tokenizer (runtime/tokenizer.py CharTokenizer): ids 0-2 are pad, bos, eos ---
+class CharTokenizer {
+  constructor(spec) {
+    this.specials = spec.specials;
+    this.chars = [...spec.chars];
+    this.toId = new Map(this.chars.map((c, i) => [c, i + this.specials.length]));
+  }
+  encode(text) {
+    const unknown = [...new Set([...text].filter((c) => !this.toId.has(c)))];
+    if (unknown.length) throw new Error(`input ${JSON.stringify(text)} has characters outside the vocabulary: ${unknown.join("")}`);
+    return [...text].map((c) => this.toId.get(c));
+  }
+  decode(ids) {
+    let out = "";
+    for (const i of ids) {
+      if (i === 2) break;
+      if (i >= this.specials.length) out += this.chars[i - this.specials.length];
+    }
+    return out;
+  }
+}
+
+function tokenizerOf(spec) {
+  if (spec.type === "char") return new CharTokenizer(spec);
+  throw new Error(`tokenizer type ${spec.type} is not supported in the browser yet (char only)`);
+}
+
+// --- tensors ---
+const int64 = (values, dims) => new ort.Tensor("int64", BigInt64Array.from(values.map(BigInt)), dims);
+const LAYOUTS = ["dynamic", "static-per-row", "static-shared"];
+
+function repeatRows(t, k) {           // [1, ...] -> [k, ...]
+  const n = t.data.length, data = new Float32Array(n * k);
+  for (let r = 0; r < k; r++) data.set(t.data, r * n);
+  return new ort.Tensor("float32", data, [k, ...t.dims.slice(1)]);
+}
+
+function gatherRows(t, rows) {        // rows of a float tensor [B, ...]
+  const per = t.dims.slice(1).reduce((a, b) => a * b, 1), data = new Float32Array(per * rows.length);
+  rows.forEach((r, j) => data.set(t.data.subarray(r * per, (r + 1) * per), j * per));
+  return new ort.Tensor("float32", data, [rows.length, ...t.dims.slice(1)]);
+}
+
+// --- the model: encoder once, then the decoder step by step with its self-attention cache ---
+class Model {
+  static async load() {
+    const manifest = await fetchJson("manifest.json");
+    const layout = manifest.decoder_layout || "dynamic";
+    if (!LAYOUTS.includes(layout)) throw new Error(`decoder layout ${layout} is not one of ${LAYOUTS.join(", ")}`);
+    const [encoder, decoder, tok] = await Promise.all([session(manifest.graphs.encoder),
+      session(manifest.graphs.decoder), fetchJson(manifest.tokenizer || "tokenizer.json")]);
+    return new Model(manifest, layout, encoder, decoder, tokenizerOf(tok));
+  }
+  constructor(manifest, layout, encoder, decoder, tokenizer) {
+    Object.assign(this, { manifest, layout, encoder, decoder, tokenizer });
+    const c = manifest.model;
+    this.config = c;
+    this.layers = c.n_decoder_layers;
+    this.heads = c.n_heads;
+    this.headDim = c.d_kv || c.d_model / c.n_heads;
+    const names = (kind, side) => [...Array(this.layers).keys()].flatMap((i) =>
+      ["key", "value"].map((kv) => `${kind}.${i}.${side}.${kv}`));
+    this.cross = names("present", "encoder");
+    this.crossIn = names("past_key_values", "encoder");
+    this.past = names("past_key_values", "decoder");
+    this.present = names("present", "decoder");
+    this.suppress = [...new Set([...(c.suppress_pad ? [c.pad_id] : []), ...(c.suppress_tokens || [])])];
+  }
+
+  async encode(ids) {
+    const out = await this.encoder.run({ input_ids: int64(ids, [1, ids.length]),
+      attention_mask: int64(ids.map(() => 1), [1, ids.length]) });
+    return this.cross.map((n) => out[n]);
+  }
+
+  // a decoder state over `rows` rows of one input: step(tokens, keep) -> logits rows (Float32Array each)
+  async start(ids, rows, capacity) {
+    const cross = (await this.encode(ids)).map((t) => rows === 1 ? t : repeatRows(t, rows));
+    return new DecodeState(this, cross, ids.length, rows, capacity);
+  }
+}
+
+class DecodeState {
+  // the layouts of runtime/feed.py; position_ids [B, 1] = P and the source mask [B, S] (one unpadded input: ones)
+  //   dynamic         past [B, H, P, Dh] in, present [B, H, P + 1, Dh] out, decoder_attention_mask [B, P] ones
+  //   static-per-row  one buffer [B, H, capacity, Dh] in and out (updated), past_sequence_length int32 [B] = P
+  //   static-shared   the same, past_sequence_length [1], decoder_attention_mask [B, capacity] ones
+  constructor(model, cross, srcLen, rows, capacity) {
+    Object.assign(this, { model, cross, srcLen, rows, capacity, filled: 0 });
+    const m = model, size = m.layout === "dynamic" ? 0 : capacity;
+    this.cache = m.past.map(() => new ort.Tensor("float32", new Float32Array(rows * m.heads * size * m.headDim),
+      [rows, m.heads, size, m.headDim]));
+  }
+
+  async step(tokens, keep) {
+    const m = this.model, rows = keep ? keep.length : this.rows;
+    if (keep) {
+      this.cache = this.cache.map((t) => gatherRows(t, keep));
+      if (rows !== this.rows) this.cross = this.cross.map((t) => gatherRows(t, keep));
+      this.rows = rows;
+    }
+    const p = this.filled, feeds = {
+      input_ids: int64(tokens, [rows, 1]),
+      encoder_attention_mask: int64(Array(rows * this.srcLen).fill(1), [rows, this.srcLen]),
+      position_ids: int64(Array(rows).fill(p), [rows, 1]),
+    };
+    if (m.layout !== "static-per-row") {
+      const width = m.layout === "dynamic" ? p : this.capacity;
+      feeds.decoder_attention_mask = int64(Array(rows * width).fill(1), [rows, width]);
+    }
+    if (m.layout !== "dynamic") {
+      const n = m.layout === "static-per-row" ? rows : 1;
+      feeds.past_sequence_length = new ort.Tensor("int32", new Int32Array(n).fill(p), [n]);
+    }
+    m.past.forEach((n, i) => { feeds[n] = this.cache[i]; });
+    m.crossIn.forEach((n, i) => { feeds[n] = this.cross[i]; });
+    const out = await m.decoder.run(feeds);
+    this.cache = m.present.map((n) => out[n]);
+    this.filled += 1;
+    const logits = out.logits, vocab = logits.dims[logits.dims.length - 1];
+    return [...Array(rows).keys()].map((r) => logits.data.slice(r * vocab, (r + 1) * vocab));
+  }
+}
+
+// --- search (runtime/search.py): one input at a time; its rows are its beams ---
+function logSoftmax(row) {            // as runtime.search.log_softmax: float32 elementwise, the sum in float64
+  let top = -Infinity;
+  for (const x of row) if (x > top) top = x;
+  if (!Number.isFinite(top)) throw new Error("the model gave a non-finite logit (NaN or inf) while decoding");
+  const shifted = row.map((x) => Math.fround(x - top));
+  let sum = 0;
+  for (const x of shifted) sum += Math.fround(Math.exp(x));
+  const norm = Math.fround(Math.log(sum));
+  return shifted.map((x) => Math.fround(x - norm));
+}
+
+function argmax(row) {                // the first of equal maxima, as numpy's argmax
+  let best = 0;
+  for (let i = 1; i < row.length; i++) if (row[i] > row[best]) best = i;
+  return best;
+}
+
+function suppressed(row, ids) {
+  if (!ids.length) return row;
+  const out = Float32Array.from(row);
+  for (const i of ids) out[i] = -Infinity;
+  return out;
+}
+
+async function greedy(model, ids, maxNew, forcedEos) {
+  const { bos_id: bos, eos_id: eos } = model.config, state = await model.start(ids, 1, maxNew), tokens = [];
+  let last = bos;
+  for (let step = 0; step < maxNew; step++) {
+    const [logits] = await state.step([last], null);
+    last = forcedEos && step === maxNew - 1 ? eos : argmax(suppressed(logits, model.suppress));
+    tokens.push(last);
+    if (last === eos) break;
+  }
+  return tokens;
+}
+
+function topStable(cand, n) {         // indices of the n largest, best first, ties by lower index
+  const idx = [...cand.keys()].filter((i) => cand[i] > -Infinity);
+  idx.sort((a, b) => (cand[b] - cand[a]) || (a - b));
+  const rest = [...cand.keys()].filter((i) => !(cand[i] > -Infinity));
+  return idx.concat(rest).slice(0, n);
+}
+
+function attainable(score, length, maxNew, lp) {   // runtime.search.attainable
+  const final = lp >= 0 ? maxNew : Math.min(length + 1, maxNew);
+  return score / final ** lp;
+}
+
+async function beamSearch(model, ids, k, maxNew, forcedEos, lp = 1.0) {
+  const { bos_id: bos, eos_id: eos } = model.config, state = await model.start(ids, k, maxNew);
+  let scores = [0, ...Array(k - 1).fill(-Infinity)], last = Array(k).fill(bos), keep = null;
+  let seqs = Array.from({ length: k }, () => []), finished = [];
+  const norm = (score, len) => score / Math.max(len, 1) ** lp;
+  for (let step = 0; step < maxNew; step++) {
+    const logits = await state.step(last, keep), vocab = logits[0].length, final = step === maxNew - 1;
+    const cand = new Float64Array(k * vocab);
+    logits.forEach((row, r) => {
+      let logp = suppressed(logSoftmax(row), model.suppress);
+      if (forcedEos && final) logp = logp.map((_, v) => (v === eos ? 0 : -Infinity));
+      for (let v = 0; v < vocab; v++) cand[r * vocab + v] = scores[r] + logp[v];
+    });
+    const picked = [];
+    topStable(cand, 2 * k).forEach((c, rank) => {
+      const src = Math.floor(c / vocab), tok = c % vocab, score = cand[c];
+      if (tok === eos || final) {
+        if (rank < k && Number.isFinite(score)) {
+          const tokens = [...seqs[src], tok];
+          finished.push({ tokens, score: norm(score, tokens.length), done: tok === eos });
+        }
+      } else if (picked.length < k) picked.push([src, tok, score]);
+    });
+    finished = finished.map((h, i) => [h, i]).sort((a, b) => (b[0].score - a[0].score) || (a[1] - b[1]))
+      .slice(0, k).map((x) => x[0]);
+    const bestLive = Math.max(...picked.map((p) => p[2]), -Infinity);
+    if (final || !Number.isFinite(bestLive)
+        || (finished.length >= 1 && attainable(bestLive, step + 1, maxNew, lp) <= finished[0].score)) break;
+    while (picked.length < k) picked.push([0, eos, -Infinity]);   // every continuation ended: dead rows
+    const rows = picked.map((p) => p[0]);
+    last = picked.map((p) => p[1]);
+    scores = picked.map((p) => p[2]);
+    seqs = rows.map((r, j) => [...seqs[r], last[j]]);
+    keep = rows.every((r, j) => r === j) ? null : rows;
+  }
+  return finished.length ? finished[0].tokens : [];
+}
+
+// --- the page's API ---
+async function translate(model, texts, { beam = 1, maxNewTokens } = {}) {
+  const c = model.config, maxNew = maxNewTokens ?? Math.min(64, c.max_len), forcedEos = !!c.forced_eos;
+  const out = [];
+  for (const text of texts) {
+    const src = model.tokenizer.encode(text);
+    let tokens = beam > 1 ? await beamSearch(model, src, beam, maxNew, forcedEos) : await greedy(model, src, maxNew, forcedEos);
+    if (tokens.length && tokens[tokens.length - 1] === c.eos_id) tokens = tokens.slice(0, -1);
+    out.push({ ids: tokens, text: model.tokenizer.decode(tokens) });
+  }
+  return out;
+}
+
+async function main() {
+  const status = document.getElementById("status");
+  try {
+    const model = await Model.load();
+    window.onnxformer = { translate: (texts, opts) => translate(model, texts, opts), manifest: model.manifest };
+    status.textContent = "ready";
+    document.getElementById("go").onclick = async () => {
+      const beam = Number(document.getElementById("beam").value) || 1;
+      const [r] = await translate(model, [document.getElementById("text").value], { beam });
+      document.getElementById("output").textContent = r.text;
+    };
+  } catch (e) {
+    status.textContent = `error: ${e.message}`;
+    window.onnxformer = { error: String(e.message) };
+  }
+}
+
+if (typeof document !== "undefined") main();
+
+export { Model, CharTokenizer, translate, ort };

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import json
 import os
 import re
 import shutil
@@ -40,6 +41,17 @@ class OutputKind:
     name: str                                      # "bundle", "checkpoint"
     files: Callable[[Path], set[str] | None]
     made_by: str                                   # the command that writes one, for messages
+
+
+def listed_files(marker: str) -> Callable[[Path], set[str] | None]:
+    """OutputKind.files for a directory whose JSON file `marker` lists the files we wrote ({"files": [...]})."""
+    def files(directory: Path) -> set[str] | None:
+        try:
+            listed = json.loads((directory / marker).read_text())["files"]
+            return {marker, *listed}
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+    return files
 
 
 def check_output(out: str | Path, force: bool, kind: OutputKind) -> Path:

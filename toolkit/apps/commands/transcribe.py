@@ -14,15 +14,6 @@ from toolkit.apps.commands._common import friendly
 MARKER = "transcribe.json"          # what a --out directory of ours holds besides one file per audio
 
 
-def transcript_files(directory: Path) -> set[str] | None:
-    """The files of a --out directory this command wrote (its marker lists them), or None when it is not one."""
-    try:
-        listed = json.loads((directory / MARKER).read_text())["files"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    return {MARKER, *listed}
-
-
 def out_name(audio: Path, fmt: str, taken: set[str]) -> str:
     """AUDIO's stem with the format's suffix, numbered where two audio files share a stem."""
     name, n = f"{audio.stem}.{fmt}", 1
@@ -71,9 +62,9 @@ def command(model, audio, language, task, timestamps, fmt, beam, max_new_tokens,
         for _, result in results:
             click.echo(write(result, fmt), nl=False)
         return
-    from toolkit.reference.outdir import OutputKind, staged_output
+    from toolkit.reference.outdir import OutputKind, listed_files, staged_output
 
-    kind = OutputKind("transcripts", transcript_files, "'onnxformer transcribe --out'")
+    kind = OutputKind("transcripts", listed_files(MARKER), "'onnxformer transcribe --out'")
     taken: set[str] = set()
     with staged_output(out, force, kind) as tmp:
         for path, result in results:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from runtime.errors import InputError
 from runtime.manifest import read_manifest
-from toolkit.reference.outdir import OutputKind, staged_output
+from toolkit.reference.outdir import OutputKind, listed_files, staged_output
 
 HERE = Path(__file__).parent
 SRC = HERE / "src"
@@ -39,15 +39,7 @@ WASM_CONTRIB_OPS = frozenset({
 ONNX_DOMAINS = ("", "ai.onnx")
 
 
-def site_files(folder: Path) -> set[str] | None:
-    """Every file of a site onnxformer web wrote (site.json lists them), or None when folder is not one."""
-    try:
-        listed = json.loads((folder / SITE_JSON).read_text())["files"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    return {*listed, SITE_JSON}
-
-
+site_files = listed_files(SITE_JSON)     # every file of a site onnxformer web wrote, or None
 SITE_KIND = OutputKind("web site", site_files, "'onnxformer web'")
 
 

@@ -122,9 +122,11 @@ class DecodeState {
       if (rows !== this.rows) this.cross = this.cross.map((t) => gatherRows(t, keep));
       this.rows = rows;
     }
+    if (!this.srcMask || this.srcMask.dims[0] !== rows)   // built again only when the rows change
+      this.srcMask = int64(Array(rows * this.srcLen).fill(1), [rows, this.srcLen]);
     const p = this.filled, feeds = {
       input_ids: int64(tokens, [rows, 1]),
-      encoder_attention_mask: int64(Array(rows * this.srcLen).fill(1), [rows, this.srcLen]),
+      encoder_attention_mask: this.srcMask,
       position_ids: int64(Array(rows).fill(p), [rows, 1]),
     };
     if (m.layout !== "static-per-row") {
@@ -182,11 +184,17 @@ async function greedy(model, ids, maxNew, forcedEos) {
   return tokens;
 }
 
-function topStable(cand, n) {         // indices of the n largest, best first, ties by lower index
-  const idx = [...cand.keys()].filter((i) => cand[i] > -Infinity);
-  idx.sort((a, b) => (cand[b] - cand[a]) || (a - b));
-  const rest = [...cand.keys()].filter((i) => !(cand[i] > -Infinity));
-  return idx.concat(rest).slice(0, n);
+function topStable(cand, n) {         // indices of the n largest, best first, ties by lower index (one pass,
+  const best = [];                    // not a sort of every candidate: k * vocab of them each step)
+  for (let i = 0; i < cand.length; i++) {
+    const x = cand[i];
+    if (!(x > -Infinity) || (best.length === n && !(x > cand[best[n - 1]]))) continue;
+    let j = best.length < n ? best.length : n - 1;
+    while (j > 0 && cand[best[j - 1]] < x) { best[j] = best[j - 1]; j--; }
+    best[j] = i;
+  }
+  for (let i = 0; i < cand.length && best.length < n; i++) if (!(cand[i] > -Infinity)) best.push(i);
+  return best;
 }
 
 function attainable(score, length, maxNew, lp) {   // runtime.search.attainable

@@ -110,12 +110,13 @@ def int8_bundle(dates_bundle, tmp_path_factory):
     return bundle
 
 
-def _page_answers(site: Path, requests: list[dict], tmp_path: Path) -> dict:
+def _page_answers(site: Path, requests: list[dict], tmp_path: Path, query: str = "") -> dict:
     server = web.site_server(site, 0)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         (tmp_path / "requests.json").write_text(json.dumps(requests))
-        done = subprocess.run(["node", str(web.HERE / "drive.mjs"), f"http://127.0.0.1:{server.server_address[1]}/",
+        url = f"http://127.0.0.1:{server.server_address[1]}/{query}"
+        done = subprocess.run(["node", str(web.HERE / "drive.mjs"), url,
                                str(tmp_path / "requests.json")], capture_output=True, text=True, timeout=600)
     finally:
         server.shutdown()
@@ -142,6 +143,32 @@ def test_page_ids_equal_the_runtime(browser, precision, dates_bundle, request, t
         assert len({tuple(h.ids) for h in expected}) >= 8               # outputs that vary
         assert [a["ids"] for a in answers] == [h.ids for h in expected], (precision, beam)
         assert [a["text"] for a in answers] == [h.text for h in expected]
+
+
+@pytest.mark.slow
+def test_page_generate_takes_ids_holds_eos_back_and_runs_threads(browser, dates_bundle, tmp_path):
+    """window.onnxformer.generate (what benchmarks/race_web.py times): source ids in, no tokenizer; minNewTokens
+    holds EOS back as the runtime's min_new_tokens does; ?threads=2 gives ONNX Runtime two WASM threads. The ids
+    equal runtime.Translator's on the same ids, greedy and beam 4, and every answer has its search's ms."""
+    from runtime.api import Translator
+    from runtime.tokenizer import load_tokenizer
+
+    texts, least = _inputs()[:12], 18                     # the dates' outputs end sooner: EOS must be held back
+    sources = [load_tokenizer(dates_bundle / "tokenizer.json").encode(t) for t in texts]
+    site = web.write_site(dates_bundle, tmp_path / "site")
+    requests = [{"sources": sources, "beam": b, "maxNewTokens": MAX_NEW, "minNewTokens": least} for b in (1, 4)]
+    page = _page_answers(site, requests, tmp_path, query="?threads=2")
+    assert page["threads"] == 2 and page["crossOriginIsolated"] is True
+    translator = Translator(dates_bundle, provider="cpu")
+    free = translator.generate(sources, batch_size=1, max_new_tokens=MAX_NEW)
+    assert min(len(r.hypotheses[0].ids) for r in free) < least       # the option matters on these inputs
+    for beam, answers in zip((1, 4), page["answers"]):
+        expected = [r.hypotheses[0] for r in translator.generate(sources, batch_size=1, beam=beam,
+                                                                    max_new_tokens=MAX_NEW, min_new_tokens=least)]
+        assert len({tuple(h.ids) for h in expected}) >= 6                # outputs that vary
+        assert all(len(h.ids) >= least for h in expected)
+        assert [a["ids"] for a in answers] == [h.ids for h in expected], beam
+        assert all(a["ms"] > 0 for a in answers)
 
 
 @pytest.mark.slow

@@ -1,5 +1,6 @@
 // Drive the page in headless Chromium (playwright-core) and print window.onnxformer.translate's answers as JSON:
-//   node drive.mjs URL REQUESTS.json   (REQUESTS: [{"texts": [...], "beam": 4, "maxNewTokens": 24}, ...])
+//   node drive.mjs URL REQUESTS.json   (REQUESTS: [{"texts": [...], "beam": 4, "maxNewTokens": 24}, ...]; a request
+//   with "sources" (id arrays) instead of "texts" goes to window.onnxformer.generate)
 // The closed network needs these flags, and a fresh profile, or Chromium waits on it.
 import { mkdtempSync, readFileSync, rmSync } from "node:fs";
 import { tmpdir } from "node:os";
@@ -26,16 +27,18 @@ try {
   if (error) throw new Error(`the page failed: ${error}\n${logs.join("\n")}`);
   const answers = [];
   for (const r of requests) {
-    answers.push(await page.evaluate(({ texts, ...opts }) => window.onnxformer.translate(texts, opts), r));
+    answers.push(await page.evaluate(({ texts, sources, ...opts }) => (sources
+      ? window.onnxformer.generate(sources, opts) : window.onnxformer.translate(texts, opts)), r));
   }
   const isolated = await page.evaluate(() => self.crossOriginIsolated);
+  const threads = await page.evaluate(() => window.onnxformer.threads);
   if (process.env.SCREENSHOT) {                 // the page as a user sees it, after one translation
     await page.setViewportSize({ width: 720, height: 360 });
     await page.click("#go");
     await page.waitForFunction(() => document.getElementById("output").textContent.length > 0);
     await page.screenshot({ path: process.env.SCREENSHOT });
   }
-  process.stdout.write(JSON.stringify({ answers, crossOriginIsolated: isolated }));
+  process.stdout.write(JSON.stringify({ answers, crossOriginIsolated: isolated, threads }));
 } finally {
   await context.close();
   rmSync(profile, { recursive: true, force: true });

@@ -1,11 +1,19 @@
 // onnxformer in the browser: an onnxformer bundle (manifest.json, encoder/decoder graphs, tokenizer.json) run
 // with onnxruntime-web's WASM execution provider; greedy and beam search as runtime/search.py does them, so the
-// ids equal the Python runtime's. window.onnxformer.translate(texts, {beam, maxNewTokens}) -> [{ids, text}].
+// ids equal the Python runtime's. The page's API (window.onnxformer):
+//   translate(texts, {beam, maxNewTokens, minNewTokens}) -> [{ids, text, ms}]
+//   generate(sources, {beam, maxNewTokens, minNewTokens}) -> [{ids, ms}]   sources: source id arrays, as the
+//     bundle's tokenizer would give them (its framing included); no tokenizer runs
+// ids without the final EOS; ms: that input's whole search, encoder and every decoder step (performance.now);
+// minNewTokens: EOS is not chosen before that many new tokens (runtime SearchOptions.min_new_tokens).
+// The page's URL may say ?threads=N: WASM threads for ONNX Runtime (the site is cross-origin isolated).
 import * as ort from "./ort.wasm.min.mjs";
 
 const BUNDLE = "./";                    // onnxformer web writes the site flat: page, runtime and bundle side by side
 ort.env.wasm.wasmPaths = "./";
-ort.env.wasm.numThreads = 1;            // one thread: the same sums, in the same order, every run
+// one thread by default: the same sums, in the same order, every run
+const PARAMS = new URLSearchParams(typeof location === "undefined" ? "" : location.search);
+ort.env.wasm.numThreads = Number(PARAMS.get("threads")) || 1;
 
 async function fetchJson(name) {
   const r = await fetch(BUNDLE + name);
@@ -13,11 +21,22 @@ async function fetchJson(name) {
   return r.json();
 }
 
+async function fetchBytes(name) {
+  const r = await fetch(BUNDLE + name);
+  if (!r.ok) throw new Error(`${name}: HTTP ${r.status}`);
+  return new Uint8Array(await r.arrayBuffer());
+}
+
+const externalFiles = new Map();         // name -> Promise of its bytes: both graphs share weights.data, fetched once
+
 async function session(graph) {
   // a graph's external data files (onnx's location field) are named in the manifest's "files" or found by the
-  // graph's own name; the exporter writes them as weights.data beside the graphs
-  const bytes = new Uint8Array(await (await fetch(BUNDLE + graph.file)).arrayBuffer());
-  const externalData = (graph.external_data || ["weights.data"]).map((p) => ({ path: p, data: BUNDLE + p }));
+  // graph's own name; the exporter writes them as weights.data beside the graphs. Given as bytes, not as a URL:
+  // a URL would make each session download the shared file again.
+  const names = graph.external_data || ["weights.data"];
+  for (const p of names) if (!externalFiles.has(p)) externalFiles.set(p, fetchBytes(p));
+  const [bytes, ...data] = await Promise.all([fetchBytes(graph.file), ...names.map((p) => externalFiles.get(p))]);
+  const externalData = names.map((p, i) => ({ path: p, data: data[i] }));
   return ort.InferenceSession.create(bytes, { executionProviders: ["wasm"], externalData });
 }
 
@@ -165,6 +184,10 @@ function argmax(row) {                // the first of equal maxima, as numpy's a
   return best;
 }
 
+function banned(model, step, minNew) {   // the ids not to choose at this step: the bundle's, EOS before minNew
+  return step < minNew ? [...model.suppress, model.config.eos_id] : model.suppress;
+}
+
 function suppressed(row, ids) {
   if (!ids.length) return row;
   const out = Float32Array.from(row);
@@ -172,12 +195,12 @@ function suppressed(row, ids) {
   return out;
 }
 
-async function greedy(model, ids, maxNew, forcedEos) {
+async function greedy(model, ids, maxNew, forcedEos, minNew = 0) {
   const { bos_id: bos, eos_id: eos } = model.config, state = await model.start(ids, 1, maxNew), tokens = [];
   let last = bos;
   for (let step = 0; step < maxNew; step++) {
     const [logits] = await state.step([last], null);
-    last = forcedEos && step === maxNew - 1 ? eos : argmax(suppressed(logits, model.suppress));
+    last = forcedEos && step === maxNew - 1 ? eos : argmax(suppressed(logits, banned(model, step, minNew)));
     tokens.push(last);
     if (last === eos) break;
   }
@@ -202,7 +225,7 @@ function attainable(score, length, maxNew, lp) {   // runtime.search.attainable
   return score / final ** lp;
 }
 
-async function beamSearch(model, ids, k, maxNew, forcedEos, lp = 1.0) {
+async function beamSearch(model, ids, k, maxNew, forcedEos, minNew = 0, lp = 1.0) {
   const { bos_id: bos, eos_id: eos } = model.config, state = await model.start(ids, k, maxNew);
   let scores = [0, ...Array(k - 1).fill(-Infinity)], last = Array(k).fill(bos), keep = null;
   let seqs = Array.from({ length: k }, () => []), finished = [];
@@ -211,7 +234,7 @@ async function beamSearch(model, ids, k, maxNew, forcedEos, lp = 1.0) {
     const logits = await state.step(last, keep), vocab = logits[0].length, final = step === maxNew - 1;
     const cand = new Float64Array(k * vocab);
     logits.forEach((row, r) => {
-      let logp = suppressed(logSoftmax(row), model.suppress);
+      let logp = suppressed(logSoftmax(row), banned(model, step, minNew));
       if (forcedEos && final) logp = logp.map((_, v) => (v === eos ? 0 : -Infinity));
       for (let v = 0; v < vocab; v++) cand[r * vocab + v] = scores[r] + logp[v];
     });
@@ -241,14 +264,27 @@ async function beamSearch(model, ids, k, maxNew, forcedEos, lp = 1.0) {
 }
 
 // --- the page's API ---
-async function translate(model, texts, { beam = 1, maxNewTokens } = {}) {
+async function search(model, src, { beam = 1, maxNewTokens, minNewTokens = 0 } = {}) {
   const c = model.config, maxNew = maxNewTokens ?? Math.min(64, c.max_len), forcedEos = !!c.forced_eos;
+  const t0 = performance.now();
+  let tokens = beam > 1 ? await beamSearch(model, src, beam, maxNew, forcedEos, minNewTokens)
+    : await greedy(model, src, maxNew, forcedEos, minNewTokens);
+  const ms = performance.now() - t0;
+  if (tokens.length && tokens[tokens.length - 1] === c.eos_id) tokens = tokens.slice(0, -1);
+  return { ids: tokens, ms };
+}
+
+async function generate(model, sources, opts) {
+  const out = [];
+  for (const src of sources) out.push(await search(model, src, opts));
+  return out;
+}
+
+async function translate(model, texts, opts) {
   const out = [];
   for (const text of texts) {
-    const src = model.tokenizer.encode(text);
-    let tokens = beam > 1 ? await beamSearch(model, src, beam, maxNew, forcedEos) : await greedy(model, src, maxNew, forcedEos);
-    if (tokens.length && tokens[tokens.length - 1] === c.eos_id) tokens = tokens.slice(0, -1);
-    out.push({ ids: tokens, text: model.tokenizer.decode(tokens) });
+    const r = await search(model, model.tokenizer.encode(text), opts);
+    out.push({ ...r, text: model.tokenizer.decode(r.ids) });
   }
   return out;
 }
@@ -257,7 +293,9 @@ async function main() {
   const status = document.getElementById("status");
   try {
     const model = await Model.load();
-    window.onnxformer = { translate: (texts, opts) => translate(model, texts, opts), manifest: model.manifest };
+    window.onnxformer = { translate: (texts, opts) => translate(model, texts, opts),
+      generate: (sources, opts) => generate(model, sources, opts), manifest: model.manifest,
+      threads: ort.env.wasm.numThreads };
     status.textContent = "ready";
     document.getElementById("go").onclick = async () => {
       const beam = Number(document.getElementById("beam").value) || 1;
@@ -272,4 +310,4 @@ async function main() {
 
 if (typeof document !== "undefined") main();
 
-export { Model, CharTokenizer, translate, ort };
+export { Model, CharTokenizer, translate, generate, ort };

@@ -28,7 +28,7 @@ from exporters.int8_recipes import (AUTO, Recipe, account, figures, pick, prepar
                                     resolve_weight_bits)
 from exporters.logs import quiet_loggers
 from exporters.optimize_gate import optimize_parity
-from exporters.optimize_options import (ATTENTION_OPS, RELATIVE_BIAS_CACHE, STATIC_ATTENTION_OPS, TARGETS,
+from exporters.optimize_options import (ATTENTION_OPS, CPU_TARGETS, RELATIVE_BIAS_CACHE, STATIC_ATTENTION_OPS, TARGETS,
                                         OptimizeError, check_options, resolve_kv_cache, source_manifest)
 from exporters.ort_format import add_ort_format, check_convertible
 from exporters.passes import explain_misses, run_passes
@@ -204,7 +204,7 @@ def optimize_bundle(bundle_dir: str | Path, out_dir: str | Path, target: str = "
     manifest = source_manifest(bundle_dir, out_dir, precision, fuse, attention)
     kv_cache = resolve_kv_cache(kv_cache, target, fuse, attention, manifest, precision)
     report = OptimizeReport(str(bundle_dir), str(out_dir), target, precision, attention if fuse else None, kv_cache)
-    if manifest["model"].get("relative_buckets") and target == "cpu" and fuse and attention == "ort":
+    if manifest["model"].get("relative_buckets") and target in CPU_TARGETS and fuse and attention == "ort":
         report.notes.append(f"KV cache dynamic: {RELATIVE_BIAS_CACHE}")
     if texts is not None and not manifest.get("tokenizer"):
         raise OptimizeError(f"{bundle_dir} has no tokenizer (it takes token ids), so gate input texts cannot be "
@@ -227,7 +227,7 @@ def optimize_bundle(bundle_dir: str | Path, out_dir: str | Path, target: str = "
 def _int8_recipes(target: str, recipe: str, per_channel: bool | None, activation_scales: str | None,
                   weight_bits: str | int, report: OptimizeReport) -> list[Recipe]:
     """The int8 recipes to try, their weights in the bits --weight-bits resolves to on this target."""
-    bits = resolve_weight_bits(weight_bits, int8_saturates if target == "cpu" else lambda: False)
+    bits = resolve_weight_bits(weight_bits, int8_saturates if target in CPU_TARGETS else lambda: False)
     if str(weight_bits) == "auto" and bits == 7:
         report.notes.append("int8 weights in 7 bits: this CPU's int8 kernel saturates products of 8-bit weights "
                             "(x86 without VNNI), and 7-bit ones are exact on every CPU")
@@ -320,7 +320,8 @@ def _convert_graphs(job: _Job, models: dict[str, ir.Model], recipe: Recipe | Non
             applied += prepasses
         with quiet_loggers("root", "onnxruntime", "onnxruntime.quantization"):
             converted = step(model).model if step is not None else model
-        if job.precision in ("int8", "int4") or (job.precision == "fp32" and job.target == "cpu"):
+        # int8/int4 not for wasm: onnxruntime-web ran the sliced QGemms 2.4x slower than a DynamicQuantizeMatMul
+        if job.target in CPU_TARGETS and (job.precision == "fp32" or job.target == "cpu"):
             table = TiedTablePass(floats=job.precision == "fp32")   # the tied table read by rows, held once
             table(converted)
             if table.changed and table.name not in applied:

@@ -10,7 +10,8 @@ from runtime.errors import OnnxformerError
 from runtime.manifest import GRAPHS, PRECISIONS, read_manifest, verify_hashes
 from runtime.spec import KV_CACHES
 
-TARGETS = ("cpu", "cuda")                        # bundle targets optimize writes (the manifest also knows "any")
+TARGETS = ("cpu", "cuda", "wasm")                # bundle targets optimize writes (the manifest also knows "any")
+CPU_TARGETS = ("cpu", "wasm")   # wasm: onnxruntime-web, the CPU engine compiled to WebAssembly (`onnxformer web`)
 ATTENTION_OPS = {"ort": "com.microsoft.MultiHeadAttention", "onnx": "Attention"}
 STATIC_ATTENTION_OPS = ("GroupQueryAttention", "DecoderMaskedMultiHeadAttention")  # the static cache's self-attention
                                                            # (per row on CPU, shared slot on CUDA: exporters/static_cache)
@@ -44,7 +45,7 @@ def check_options(target: str, precision: str, attention: str, fuse: bool,
                             f"MultiHeadAttention) or onnx (the standard Attention op, opset 23)")
     if precision == "fp16" and target != "cuda":
         raise OptimizeError("fp16 is for the CUDA provider: pass --target cuda (for CPU use --precision fp32 or int8)")
-    if precision in ("int8", "int4") and target != "cpu":
+    if precision in ("int8", "int4") and target not in CPU_TARGETS:
         raise OptimizeError(f"{precision} quantization is made for the CPU provider: pass --target cpu "
                             f"(for CUDA use --precision fp16)")
     if not fuse and precision == "fp32":
@@ -66,7 +67,7 @@ def resolve_kv_cache(kv_cache: str, target: str, fuse: bool, attention: str, man
     if kv_cache == "auto":
         if (manifest.get("model") or {}).get("relative_buckets"):       # T5: see RELATIVE_BIAS_CACHE
             return "dynamic"
-        return "static" if source == "static" or (target == "cpu" and fused_ort) else "dynamic"
+        return "static" if source == "static" or (target in CPU_TARGETS and fused_ort) else "dynamic"
     if kv_cache == "static" and (manifest.get("model") or {}).get("relative_buckets"):
         raise OptimizeError(f"--kv-cache static is not available for this model: {RELATIVE_BIAS_CACHE}; leave "
                             f"--kv-cache out (auto) or pass --kv-cache dynamic")
@@ -121,5 +122,5 @@ def source_manifest(bundle_dir: Path, out_dir: Path, precision: str, fuse: bool,
     return manifest
 
 
-__all__ = ["source_manifest", "TARGETS", "ATTENTION_OPS", "STATIC_ATTENTION_OPS", "OptimizeError", "check_options", "resolve_kv_cache",
+__all__ = ["source_manifest", "TARGETS", "CPU_TARGETS", "ATTENTION_OPS", "STATIC_ATTENTION_OPS", "OptimizeError", "check_options", "resolve_kv_cache",
            "attention_state", "check_source"]

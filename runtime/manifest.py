@@ -19,7 +19,7 @@ FORMAT_VERSION = 3                 # 2: "files" lists every file with its sha256
 MANIFEST = "manifest.json"
 GRAPHS = ("encoder", "decoder")
 PRECISIONS = ("fp32", "fp16", "int8", "int4")
-TARGETS = ("any", "cpu", "cuda")
+TARGETS = ("any", "cpu", "cuda", "wasm")
 REQUIRED = ("format", "format_version", "model", "precision", "decoder_layout", "graphs", "files")
 
 

@@ -225,6 +225,7 @@ def test_fp16_for_cuda_without_a_gpu_is_written_unverified(toy, tmp_path):
     (["--target", "tpu"], "unknown target 'tpu'"),
     (["--precision", "int8", "--target", "cuda"], "int8 quantization is made for the CPU provider"),
     (["--precision", "int4", "--target", "cuda"], "int4 quantization is made for the CPU provider"),
+    (["--precision", "fp16", "--target", "wasm"], "fp16 is for the CUDA provider"),
     (["--no-fuse"], "nothing to do"),
 ])
 def test_bad_options_exit_2_and_write_nothing(toy, tmp_path, args, message):

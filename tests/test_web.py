@@ -110,6 +110,15 @@ def int8_bundle(dates_bundle, tmp_path_factory):
     return bundle
 
 
+@pytest.fixture(scope="module")
+def wasm_int8_bundle(dates_bundle, tmp_path_factory):
+    from exporters.optimize import optimize_bundle
+
+    bundle, _ = optimize_bundle(dates_bundle, tmp_path_factory.mktemp("web_wasm") / "dates-wasm", target="wasm",
+                                precision="int8")
+    return bundle
+
+
 def _page_answers(site: Path, requests: list[dict], tmp_path: Path, query: str = "") -> dict:
     server = web.site_server(site, 0)
     threading.Thread(target=server.serve_forever, daemon=True).start()
@@ -126,11 +135,12 @@ def _page_answers(site: Path, requests: list[dict], tmp_path: Path, query: str =
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("precision", ["fp32", "int8"])
+@pytest.mark.parametrize("precision", ["fp32", "int8", "int8-wasm"])
 def test_page_ids_equal_the_runtime(browser, precision, dates_bundle, request, tmp_path):
     from runtime.api import Translator
 
-    bundle = dates_bundle if precision == "fp32" else request.getfixturevalue("int8_bundle")
+    bundle = {"fp32": dates_bundle, "int8": request.getfixturevalue("int8_bundle")}.get(precision) \
+        or request.getfixturevalue("wasm_int8_bundle")
     site = web.write_site(bundle, tmp_path / "site")
     texts, beams = _inputs(), (1, 4)
     page = _page_answers(site, [{"texts": texts, "beam": b, "maxNewTokens": MAX_NEW} for b in beams], tmp_path)
@@ -143,6 +153,20 @@ def test_page_ids_equal_the_runtime(browser, precision, dates_bundle, request, t
         assert len({tuple(h.ids) for h in expected}) >= 8               # outputs that vary
         assert [a["ids"] for a in answers] == [h.ids for h in expected], (precision, beam)
         assert [a["text"] for a in answers] == [h.text for h in expected]
+
+
+@pytest.mark.slow
+def test_wasm_target_projects_by_one_product(int8_bundle, wasm_int8_bundle):
+    """optimize --target wasm: the CPU graphs (static per-row cache, int8) but the tied table's projection stays one
+    DynamicQuantizeMatMul, not --target cpu's row-sliced QGemms (which onnxruntime-web runs 2.4x slower)."""
+    from runtime.manifest import read_manifest
+
+    cpu, wasm = read_manifest(int8_bundle), read_manifest(wasm_int8_bundle)
+    assert (cpu["target"], wasm["target"]) == ("cpu", "wasm")
+    assert wasm["decoder_layout"] == cpu["decoder_layout"] == "static-per-row"
+    ops = {name: m["graphs"]["decoder"]["op_counts"] for name, m in (("cpu", cpu), ("wasm", wasm))}
+    assert ops["cpu"].get("com.microsoft.QGemm", 0) >= 1 and "com.microsoft.QGemm" not in ops["wasm"]
+    assert "tied_table_rows" in cpu["passes"] and "tied_table_rows" not in wasm["passes"]
 
 
 @pytest.mark.slow

@@ -10,7 +10,7 @@ from toolkit.parity.inputs import DEFAULT_SAMPLES
 @click.command("optimize")
 @click.argument("bundle", type=click.Path())
 @click.option("--out", required=True, type=click.Path(), help="bundle directory to write")
-@click.option("--target", default="cpu", show_default=True, help="cpu | cuda: the provider the bundle is for")
+@click.option("--target", default="cpu", show_default=True, help="cpu | cuda | wasm (onnxruntime-web, for onnxformer web): the provider the bundle is for")
 @click.option("--precision", default="fp32", show_default=True,
               help="fp32 | fp16 (cuda) | int8 (cpu, dynamic quantization of MatMul weights, 8-bit embeddings) | "
                    "int4 (cpu, 4-bit weight-only MatMulNBits, 8-bit embeddings)")

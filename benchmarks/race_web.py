@@ -8,9 +8,9 @@ until then on both sides), batch 1; each page's downloaded bytes are counted.
 
 Shapes (random weights, toolkit.testing.tiny_marian.random_marian): "opus" opus-mt-en-de's (d_model 512, 6 + 6
 layers, 8 heads, FFN 2048, 58,101 tokens), "small" (256, 3 + 3, 4 heads, FFN 1024, 8,000 tokens), "tiny" (32,
-2 + 2, 4 heads, FFN 64, 600 tokens: the slow test's). Ours: onnxformer import, export, optimize --target wasm
-(fp32; int8 --recipe default --allow-unverified: random weights pass no token gate), onnxformer web; --cpu-int8
-adds the int8 bundle made for --target cpu. The peer: a venv out/peers-web (optimum-onnx
+2 + 2, 4 heads, FFN 64, 600 tokens: a quick check of the harness). Ours: onnxformer import, export, optimize
+--target wasm (fp32; int8 --recipe default --allow-unverified: random weights pass no token gate), onnxformer
+web; --cpu-int8 adds the int8 bundle made for --target cpu. The peer: a venv out/peers-web (optimum-onnx
 0.1 with its transformers 4.57 and onnxruntime, torch 2.13) runs `optimum-cli export onnx --task
 text2text-generation-with-past`, its graphs then quantized as transformers.js' q8 files are (dynamic, int8
 weights, subgraphs too) into onnx/*_quantized.onnx; its page (benchmarks/web/peer.html) loads

@@ -183,3 +183,14 @@ def test_temperature_is_openai_whispers_fallback_schedule():
     for bad in ("hot", "1.5", "-0.1", "nan"):
         with pytest.raises(AudioRefusal, match="temperature must be a number from 0 to 1"):
             schedule(bad)
+
+
+def test_a_speech_bundle_is_served_request_level(whisper):
+    """Its audio requests decode on the audio worker: in-flight batching (ids rows) is refused by name, auto falls
+    back (the static-cache int8 bundle of examples/whisper showed why: its in-flight warm-up fed ids)."""
+    from toolkit.apps.serve.app import Service, ServeError
+
+    with pytest.raises(ServeError, match="a speech \\(Whisper\\) model decodes its audio requests on its own worker"):
+        Service.load(whisper[0], ServeSettings(provider="cpu", batching="inflight"))
+    service = Service.load(whisper[0], ServeSettings(provider="cpu"))
+    assert service.scheduler.kind == "request-level" and "speech" in service.scheduler.not_inflight

@@ -80,7 +80,11 @@ def make_scheduler(engine, settings: ServeSettings, metrics: Metrics) -> Schedul
     back to request-level batching."""
     args = (engine, settings.max_batch, settings.max_wait_ms, settings.max_queue, metrics)
     why = None
-    if settings.batching != "request":
+    if getattr(engine, "feature_shape", None) is not None:     # audio_routes decodes a speech model's requests
+        why = "a speech (Whisper) model decodes its audio requests on its own worker, one 30 s window at a time"
+        if settings.batching == "inflight":
+            raise ServeError(f"--batching inflight: {why}; serve it with --batching request (or auto)")
+    elif settings.batching != "request":
         try:
             return InflightScheduler(*args)
         except InputError as exc:

@@ -128,7 +128,7 @@ def transcribe_samples(tr, samples: np.ndarray, language: str | None = None, tas
             text = tr.text_of(ids)
             if text.strip() or not timestamps:
                 segments.append(Segment(len(segments), round(start, 3), round(end, 3), text, list(ids),
-                                        window.avg_logprob, window.compression_ratio, no_speech, window.temperature))
+                                        window.avg_logprob, window.compression_ratio, no_speech, window.temperature, seek))
         seek += advance
     text = "".join(s.text for s in segments)
     return Transcription(text, lang, probability, segments, round(len(samples) / SAMPLING_RATE, 3))

@@ -49,6 +49,7 @@ class Segment:
     compression_ratio: float          # its window's text: bytes / zlib-compressed bytes (repetition is high)
     no_speech_prob: float             # its window's <|nospeech|> probability after <|startoftranscript|>
     temperature: float                # the temperature its window was decoded at (0: greedy or beam)
+    seek: int = 0                     # its window's first log-mel frame (10 ms each), openai-whisper's `seek`
 
 
 @dataclass

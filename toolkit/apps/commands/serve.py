@@ -24,6 +24,8 @@ from toolkit.apps.extras import require
                    "join the running batch at the next step (CPU bundles with the per-row static cache); auto: "
                    "inflight where the bundle allows it, else request")
 @click.option("--max-beam", default=8, show_default=True, help="largest beam width a request may ask for")
+@click.option("--max-audio-bytes", default=25 << 20, show_default=True, help="largest body of an audio request "
+              "(POST /v1/audio/...; 413 above it)")
 @click.option("--ray", "use_ray", is_flag=True, help="run the server in Ray Serve replicas (the ray extra)")
 @click.option("--replicas", default=1, show_default=True, help="with --ray: replicas, spread over the cluster's nodes")
 @click.option("--address", help="with --ray: join this Ray cluster ('auto' or HOST:6379) instead of a local one")
@@ -38,11 +40,13 @@ from toolkit.apps.extras import require
 @click.option("--ssl-certfile", type=click.Path(path_type=Path), help="serve HTTPS with this certificate (PEM)")
 @click.option("--ssl-keyfile", type=click.Path(path_type=Path), help="the certificate's private key (PEM)")
 @friendly
-def command(bundles, host, port, provider, threads, max_batch, max_wait_ms, max_queue, batching, max_beam, use_ray,
-            replicas, address, languages, api_keys, protect_metrics, allow_open, ssl_certfile, ssl_keyfile):
+def command(bundles, host, port, provider, threads, max_batch, max_wait_ms, max_queue, batching, max_beam,
+            max_audio_bytes, use_ray, replicas, address, languages, api_keys, protect_metrics, allow_open,
+            ssl_certfile, ssl_keyfile):
     """Serve one or more bundles over HTTP: POST /v1/generate ("stream": true: server-sent events), POST /v1/score,
-    GET /healthz, /v1/model, /v1/models, /metrics, /docs, and the LibreTranslate (/translate, /languages) and DeepL
-    (/v2/translate, /v2/languages, /v2/usage) APIs. Several bundles are given as NAME=BUNDLE; a lone BUNDLE is
+    GET /healthz, /v1/model, /v1/models, /metrics, /docs, the LibreTranslate (/translate, /languages) and DeepL
+    (/v2/translate, /v2/languages, /v2/usage) APIs, and for Whisper bundles OpenAI's POST /v1/audio/transcriptions
+    and /v1/audio/translations. Several bundles are given as NAME=BUNDLE; a lone BUNDLE is
     named after its folder.
 
     Greedy requests join the running batch at the next decoding step and leave it when done (in-flight
@@ -58,7 +62,8 @@ def command(bundles, host, port, provider, threads, max_batch, max_wait_ms, max_
     from toolkit.apps.serve.models import ModelSet, parse_languages, parse_specs
 
     settings = ServeSettings(provider=provider, threads=threads, max_batch=max_batch, max_wait_ms=max_wait_ms,
-                             max_queue=max_queue, max_beam=max_beam, batching=batching)
+                             max_queue=max_queue, max_beam=max_beam, batching=batching,
+                             max_audio_bytes=max_audio_bytes)
     settings.check()
     named = parse_specs(list(bundles))
     pairs = parse_languages(list(languages), list(named))

@@ -12,6 +12,7 @@
     models.py     several bundles in one server: names, languages, routing, merged metrics
     translate.py  texts in, texts out on one model (the compatible APIs' core), form and JSON bodies
     compat.py     the LibreTranslate- and DeepL-compatible routes, the API-key check of every route
+    audio_routes.py  OpenAI's /v1/audio/transcriptions and /v1/audio/translations over Whisper bundles
     keys.py       API keys, per-key request rates and monthly character quotas, who may listen where
 
 The top layer of toolkit: it imports the runtime (and nothing that needs torch), so a bundle serves from a

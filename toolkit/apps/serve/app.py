@@ -5,8 +5,9 @@
     run(service, host="127.0.0.1", port=8000) # blocks; SIGTERM drains and returns
 
 Routes: POST /v1/generate (the records, or server-sent events: sse.py), POST /v1/score (scoring.py), GET /healthz,
-GET /v1/model, GET /v1/models, GET /metrics, FastAPI's /docs and /openapi.json, and the LibreTranslate- and
-DeepL-compatible routes of compat.py. `create_app` takes one Service or a models.ModelSet (several bundles; a request
+GET /v1/model, GET /v1/models, GET /metrics, FastAPI's /docs and /openapi.json, the LibreTranslate- and
+DeepL-compatible routes of compat.py, and OpenAI's POST /v1/audio/transcriptions and /v1/audio/translations
+(audio_routes.py: Whisper bundles). `create_app` takes one Service or a models.ModelSet (several bundles; a request
 names its model). Every refusal is a JSON body {"error": "<one line naming the problem and the fix>"} with a 4xx
 (the request) or 503 (not ready, queue full, shutting down; with Retry-After) status.
 """
@@ -50,12 +51,14 @@ class ServeSettings:
     max_wait_ms: float = 5.0        # how long the oldest waiting request waits for others to join its batch
     max_queue: int = 256            # requests waiting or decoding; more get 503 + Retry-After
     max_beam: int = 8
+    max_audio_bytes: int = 25 << 20  # an audio request's body (POST /v1/audio/...: 413 above it; OpenAI's 25 MB)
     batching: str = "auto"          # request | inflight | auto (in-flight where the bundle allows it, else
                                     # request-level): in-flight gives more throughput on CPU
                                     # (benchmarks/RESULTS.md, "Serving")
 
     def check(self) -> None:
-        for name, low in (("max_batch", 1), ("max_queue", 1), ("max_beam", 1), ("max_wait_ms", 0)):
+        for name, low in (("max_batch", 1), ("max_queue", 1), ("max_beam", 1), ("max_wait_ms", 0),
+                          ("max_audio_bytes", 1)):
             if getattr(self, name) < low:
                 raise ServeError(f"--{name.replace('_', '-')} must be at least {low}, got {getattr(self, name)}")
         if self.batching not in BATCHING:
@@ -77,7 +80,11 @@ def make_scheduler(engine, settings: ServeSettings, metrics: Metrics) -> Schedul
     back to request-level batching."""
     args = (engine, settings.max_batch, settings.max_wait_ms, settings.max_queue, metrics)
     why = None
-    if settings.batching != "request":
+    if getattr(engine, "feature_shape", None) is not None:     # audio_routes decodes a speech model's requests
+        why = "a speech (Whisper) model decodes its audio requests on its own worker, one 30 s window at a time"
+        if settings.batching == "inflight":
+            raise ServeError(f"--batching inflight: {why}; serve it with --batching request (or auto)")
+    elif settings.batching != "request":
         try:
             return InflightScheduler(*args)
         except InputError as exc:
@@ -199,6 +206,7 @@ def create_app(service: Service | ModelSet, start_in_background: bool = True, on
     """The FastAPI app for `service` (or several: a ModelSet). Its lifespan starts the services (warm-up in a thread
     when `start_in_background`, so /healthz answers 503 meanwhile; then `on_ready()`) and drains them at shutdown.
     `keys` (keys.ApiKeys): the API keys the /v1, LibreTranslate and DeepL routes ask for (None: an open server)."""
+    from toolkit.apps.serve.audio_routes import add_audio_routes
     from toolkit.apps.serve.compat import add_compat_routes
     from toolkit.apps.serve.scoring import add_score_route
 
@@ -215,6 +223,7 @@ def create_app(service: Service | ModelSet, start_in_background: bool = True, on
     add_score_route(app, models)
     _info_routes(app, models)
     add_compat_routes(app, models, keys)
+    add_audio_routes(app, models)
     return app
 
 

@@ -6,6 +6,8 @@
                     GET  /v2/languages   ?type=source|target;  GET /v2/usage: this key's characters and limit
                     Authorization: DeepL-Auth-Key KEY
     ours            /v1/...: Authorization: Bearer KEY (when the server has --api-keys)
+    OpenAI audio    /v1/audio/transcriptions, /v1/audio/translations (audio_routes.py): the same Bearer key,
+                    refused in OpenAI's error shape {"error": {"message", "type", "param", "code"}}
 
 A request goes to the model that serves its language pair (models.ModelSet.route). Errors keep each API's own
 shape: LibreTranslate's {"error": "..."}, DeepL's {"message": "..."}, ours {"error": "..."}, and its statuses: a
@@ -21,6 +23,7 @@ from fastapi.responses import JSONResponse
 
 from toolkit.apps.languages import language_name
 from toolkit.apps.serve.app import RequestError, error_response
+from toolkit.apps.serve.audio_routes import KEY_CODES, openai_error
 from toolkit.apps.serve.keys import ApiKeys, Denied, bearer
 from toolkit.apps.serve.models import ModelSet
 from toolkit.apps.serve.translate import read_fields, text_list, translate
@@ -44,7 +47,10 @@ class KeyCheck:
                 self.keys.admit(bearer(header))
             except Denied as exc:
                 self.models.front.refused(exc.kind, "overloaded" if exc.kind == "rate" else "client_error")
-                await error_response(KEY_STATUS[exc.kind], str(exc), exc.retry_after)(scope, receive, send)
+                status = KEY_STATUS[exc.kind]
+                refusal = openai_error(status, KEY_CODES[exc.kind], str(exc), retry_after=exc.retry_after) \
+                    if path.startswith("/v1/audio/") else error_response(status, str(exc), exc.retry_after)
+                await refusal(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 

@@ -245,8 +245,10 @@ class Scheduler:
                 job.future.set_result(hyps[rows])
 
     def warm_up(self) -> None:
-        """Decode a few steps at batch 1 and at the full batch, so the first requests do not pay for first runs."""
-        for rows in sorted({1, self.max_batch}):
+        """Decode a few steps at batch 1 and at the full batch, so the first requests do not pay for first runs (a
+        speech model at batch 1 only: its audio routes decode one 30 s window at a time)."""
+        speech = getattr(self.engine, "feature_shape", None) is not None
+        for rows in sorted({1} if speech else {1, self.max_batch}):
             generate(self.engine, warm_up_request(self.engine, rows, max_new_tokens=min(4, self.engine.max_len)))
 
 
@@ -265,6 +267,12 @@ def streamer(batch: list[Job]) -> Callable | None:
 
 
 def warm_up_request(engine, rows: int, **options) -> Request:
-    """`rows` inputs of 4 copies of one ordinary source id (not pad, BOS or EOS) with these search options."""
-    token = min(engine.src_vocab_size - 1, max(engine.eos_id, engine.pad_id, engine.bos_id) + 1)
-    return Request.build(engine, [[token] * 4] * rows, None, search_options(engine, **options))
+    """`rows` inputs of 4 copies of one ordinary source id (not pad, BOS or EOS) with these search options; for a
+    speech model (its encoder reads log-mel features), `rows` silent windows."""
+    shape = getattr(engine, "feature_shape", None)
+    if shape is not None:
+        inputs = [np.zeros(shape, dtype=np.float32)] * rows
+    else:
+        token = min(engine.src_vocab_size - 1, max(engine.eos_id, engine.pad_id, engine.bos_id) + 1)
+        inputs = [[token] * 4] * rows
+    return Request.build(engine, inputs, None, search_options(engine, **options))

@@ -47,16 +47,22 @@ async def read_fields(request: Request, limit: int) -> dict[str, object]:
         raise RequestError(415, "media_type", f"unsupported Content-Type {kind or '(none)'!r}; send JSON "
                                               f"(application/json) or a form (application/x-www-form-urlencoded)")
 
+    form = await parse_form(request.headers, body, kind == "multipart/form-data")
+    return {**fields, **_pairs((k, v) for k, v in form.multi_items() if isinstance(v, str))}
+
+
+async def parse_form(headers, body: bytes, multipart: bool):
+    """starlette's FormData of a form body already read (multipart: its files as UploadFile); RequestError (400)
+    for a broken one."""
     async def stream():
         yield body
         yield b""
 
-    parser = FormParser if kind != "multipart/form-data" else MultiPartParser
+    parser = MultiPartParser if multipart else FormParser
     try:
-        form = await parser(request.headers, stream()).parse()
+        return await parser(headers, stream()).parse()
     except Exception as exc:                                # python-multipart's errors for a broken form
         raise RequestError(400, "malformed_form", f"the form cannot be read ({exc}); send a valid form or JSON")
-    return {**fields, **_pairs((k, v) for k, v in form.multi_items() if isinstance(v, str))}
 
 
 def _pairs(items) -> dict[str, object]:

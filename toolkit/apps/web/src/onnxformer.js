@@ -2,6 +2,7 @@
 // with onnxruntime-web's WASM execution provider; greedy and beam search as runtime/search.py does them, so the
 // ids equal the Python runtime's. window.onnxformer.translate(texts, {beam, maxNewTokens}) -> [{ids, text}].
 import * as ort from "./ort.wasm.min.mjs";
+import { tokenizerOf } from "./text.js";
 
 const BUNDLE = "./";                    // onnxformer web writes the site flat: page, runtime and bundle side by side
 ort.env.wasm.wasmPaths = "./";
@@ -19,33 +20,6 @@ async function session(graph) {
   const bytes = new Uint8Array(await (await fetch(BUNDLE + graph.file)).arrayBuffer());
   const externalData = (graph.external_data || ["weights.data"]).map((p) => ({ path: p, data: BUNDLE + p }));
   return ort.InferenceSession.create(bytes, { executionProviders: ["wasm"], externalData });
-}
-
-// --- the char tokenizer (runtime/tokenizer.py CharTokenizer): ids 0-2 are pad, bos, eos ---
-class CharTokenizer {
-  constructor(spec) {
-    this.specials = spec.specials;
-    this.chars = [...spec.chars];
-    this.toId = new Map(this.chars.map((c, i) => [c, i + this.specials.length]));
-  }
-  encode(text) {
-    const unknown = [...new Set([...text].filter((c) => !this.toId.has(c)))];
-    if (unknown.length) throw new Error(`input ${JSON.stringify(text)} has characters outside the vocabulary: ${unknown.join("")}`);
-    return [...text].map((c) => this.toId.get(c));
-  }
-  decode(ids) {
-    let out = "";
-    for (const i of ids) {
-      if (i === 2) break;
-      if (i >= this.specials.length) out += this.chars[i - this.specials.length];
-    }
-    return out;
-  }
-}
-
-function tokenizerOf(spec) {
-  if (spec.type === "char") return new CharTokenizer(spec);
-  throw new Error(`tokenizer type ${spec.type} is not supported in the browser yet (char only)`);
 }
 
 // --- tensors ---
@@ -71,7 +45,7 @@ class Model {
     const layout = manifest.decoder_layout || "dynamic";
     if (!LAYOUTS.includes(layout)) throw new Error(`decoder layout ${layout} is not one of ${LAYOUTS.join(", ")}`);
     const [encoder, decoder, tok] = await Promise.all([session(manifest.graphs.encoder),
-      session(manifest.graphs.decoder), fetchJson(manifest.tokenizer || "tokenizer.json")]);
+      session(manifest.graphs.decoder), fetchJson("page-tokenizer.json")]);
     return new Model(manifest, layout, encoder, decoder, tokenizerOf(tok));
   }
   constructor(manifest, layout, encoder, decoder, tokenizer) {
@@ -272,4 +246,4 @@ async function main() {
 
 if (typeof document !== "undefined") main();
 
-export { Model, CharTokenizer, translate, ort };
+export { Model, translate, ort };

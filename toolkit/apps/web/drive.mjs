@@ -1,5 +1,6 @@
 // Drive the page in headless Chromium (playwright-core) and print window.onnxformer.translate's answers as JSON:
-//   node drive.mjs URL REQUESTS.json   (REQUESTS: [{"texts": [...], "beam": 4, "maxNewTokens": 24}, ...])
+//   node drive.mjs URL REQUESTS.json   (REQUESTS: [{"texts": [...], "beam": 4, "maxNewTokens": 24}, ...]; a request
+//   with "ids" (source id lists) runs translateIds, one with "encode" (texts) or "decode" (id lists) the tokenizer)
 // The closed network needs these flags, and a fresh profile, or Chromium waits on it.
 import { mkdtempSync, readFileSync, rmSync } from "node:fs";
 import { tmpdir } from "node:os";
@@ -26,7 +27,12 @@ try {
   if (error) throw new Error(`the page failed: ${error}\n${logs.join("\n")}`);
   const answers = [];
   for (const r of requests) {
-    answers.push(await page.evaluate(({ texts, ...opts }) => window.onnxformer.translate(texts, opts), r));
+    answers.push(await page.evaluate((r) => {
+      const o = window.onnxformer;
+      if (r.encode) return o.encode(r.encode, r.srcLang);
+      if (r.decode) return o.decode(r.decode);
+      return r.ids ? o.translateIds(r.ids, r) : o.translate(r.texts, r);
+    }, r));
   }
   const isolated = await page.evaluate(() => self.crossOriginIsolated);
   if (process.env.SCREENSHOT) {                 // the page as a user sees it, after one translation

@@ -1,6 +1,9 @@
 // onnxformer in the browser: an onnxformer bundle (manifest.json, encoder/decoder graphs, tokenizer.json) run
 // with onnxruntime-web's WASM execution provider; greedy and beam search as runtime/search.py does them, so the
-// ids equal the Python runtime's. window.onnxformer.translate(texts, {beam, maxNewTokens}) -> [{ids, text}].
+// ids equal the Python runtime's. The page's API (stable: tests and benchmarks drive it), on window.onnxformer:
+//   translate(texts, {beam, maxNewTokens, srcLang, tgtLang}) -> [{ids, text, ms}]
+//   translateIds(sourceIdLists, {beam, maxNewTokens, tgtLang}) -> [{ids, ms}]
+//   encode(texts, srcLang?) -> source id lists;  decode(idLists) -> texts;  manifest;  error (when loading failed)
 import * as ort from "./ort.wasm.min.mjs";
 import { tokenizerOf } from "./text.js";
 
@@ -46,7 +49,9 @@ class Model {
     if (!LAYOUTS.includes(layout)) throw new Error(`decoder layout ${layout} is not one of ${LAYOUTS.join(", ")}`);
     const [encoder, decoder, tok] = await Promise.all([session(manifest.graphs.encoder),
       session(manifest.graphs.decoder), fetchJson("page-tokenizer.json")]);
-    return new Model(manifest, layout, encoder, decoder, tokenizerOf(tok));
+    const model = new Model(manifest, layout, encoder, decoder, tokenizerOf(tok));
+    model.tokenizerSpec = tok;
+    return model;
   }
   constructor(manifest, layout, encoder, decoder, tokenizer) {
     Object.assign(this, { manifest, layout, encoder, decoder, tokenizer });
@@ -146,14 +151,17 @@ function suppressed(row, ids) {
   return out;
 }
 
-async function greedy(model, ids, maxNew, forcedEos) {
-  const { bos_id: bos, eos_id: eos } = model.config, state = await model.start(ids, 1, maxNew), tokens = [];
+// `lead`: target ids forced after the decoder start (NLLB's target language), never scored; maxNew counts after it
+async function greedy(model, ids, maxNew, forcedEos, lead = []) {
+  const { bos_id: bos, eos_id: eos } = model.config, P = lead.length, tokens = [];
+  const state = await model.start(ids, 1, maxNew + P);
   let last = bos;
-  for (let step = 0; step < maxNew; step++) {
+  for (let step = 0; step < maxNew + P; step++) {
     const [logits] = await state.step([last], null);
-    last = forcedEos && step === maxNew - 1 ? eos : argmax(suppressed(logits, model.suppress));
+    if (step < P) last = lead[step];
+    else last = forcedEos && step === maxNew + P - 1 ? eos : argmax(suppressed(logits, model.suppress));
     tokens.push(last);
-    if (last === eos) break;
+    if (last === eos && step >= P) break;
   }
   return tokens;
 }
@@ -176,34 +184,38 @@ function attainable(score, length, maxNew, lp) {   // runtime.search.attainable
   return score / final ** lp;
 }
 
-async function beamSearch(model, ids, k, maxNew, forcedEos, lp = 1.0) {
-  const { bos_id: bos, eos_id: eos } = model.config, state = await model.start(ids, k, maxNew);
+// lead: forced on beam 0 first, scoring nothing and counted in lengths (runtime.search's prefix_counted)
+async function beamSearch(model, ids, k, maxNew, forcedEos, lead = [], lp = 1.0) {
+  const { bos_id: bos, eos_id: eos } = model.config, P = lead.length, state = await model.start(ids, k, maxNew + P);
   let scores = [0, ...Array(k - 1).fill(-Infinity)], last = Array(k).fill(bos), keep = null;
   let seqs = Array.from({ length: k }, () => []), finished = [];
   const norm = (score, len) => score / Math.max(len, 1) ** lp;
-  for (let step = 0; step < maxNew; step++) {
-    const logits = await state.step(last, keep), vocab = logits[0].length, final = step === maxNew - 1;
-    const cand = new Float64Array(k * vocab);
-    logits.forEach((row, r) => {
-      let logp = suppressed(logSoftmax(row), model.suppress);
-      if (forcedEos && final) logp = logp.map((_, v) => (v === eos ? 0 : -Infinity));
-      for (let v = 0; v < vocab; v++) cand[r * vocab + v] = scores[r] + logp[v];
-    });
-    const picked = [];
-    topStable(cand, 2 * k).forEach((c, rank) => {
-      const src = Math.floor(c / vocab), tok = c % vocab, score = cand[c];
-      if (tok === eos || final) {
-        if (rank < k && Number.isFinite(score)) {
-          const tokens = [...seqs[src], tok];
-          finished.push({ tokens, score: norm(score, tokens.length), done: tok === eos });
-        }
-      } else if (picked.length < k) picked.push([src, tok, score]);
-    });
-    finished = finished.map((h, i) => [h, i]).sort((a, b) => (b[0].score - a[0].score) || (a[1] - b[1]))
-      .slice(0, k).map((x) => x[0]);
-    const bestLive = Math.max(...picked.map((p) => p[2]), -Infinity);
-    if (final || !Number.isFinite(bestLive)
-        || (finished.length >= 1 && attainable(bestLive, step + 1, maxNew, lp) <= finished[0].score)) break;
+  for (let step = 0; step < maxNew + P; step++) {
+    const logits = await state.step(last, keep), vocab = logits[0].length, at = step - P, final = at === maxNew - 1;
+    let picked = [];
+    if (at < 0) picked.push([0, lead[step], scores[0]]);
+    else {
+      const cand = new Float64Array(k * vocab);
+      logits.forEach((row, r) => {
+        let logp = suppressed(logSoftmax(row), model.suppress);
+        if (forcedEos && final) logp = logp.map((_, v) => (v === eos ? 0 : -Infinity));
+        for (let v = 0; v < vocab; v++) cand[r * vocab + v] = scores[r] + logp[v];
+      });
+      topStable(cand, 2 * k).forEach((c, rank) => {
+        const src = Math.floor(c / vocab), tok = c % vocab, score = cand[c];
+        if (tok === eos || final) {
+          if (rank < k && Number.isFinite(score)) {
+            const tokens = [...seqs[src], tok];
+            finished.push({ tokens, score: norm(score, tokens.length), done: tok === eos });
+          }
+        } else if (picked.length < k) picked.push([src, tok, score]);
+      });
+      finished = finished.map((h, i) => [h, i]).sort((a, b) => (b[0].score - a[0].score) || (a[1] - b[1]))
+        .slice(0, k).map((x) => x[0]);
+      const bestLive = Math.max(...picked.map((p) => p[2]), -Infinity);
+      if (final || !Number.isFinite(bestLive)
+          || (finished.length >= 1 && attainable(bestLive, at + 1 + P, maxNew + P, lp) <= finished[0].score)) break;
+    }
     while (picked.length < k) picked.push([0, eos, -Infinity]);   // every continuation ended: dead rows
     const rows = picked.map((p) => p[0]);
     last = picked.map((p) => p[1]);
@@ -215,23 +227,42 @@ async function beamSearch(model, ids, k, maxNew, forcedEos, lp = 1.0) {
 }
 
 // --- the page's API ---
-async function translate(model, texts, { beam = 1, maxNewTokens } = {}) {
-  const c = model.config, maxNew = maxNewTokens ?? Math.min(64, c.max_len), forcedEos = !!c.forced_eos;
-  const out = [];
-  for (const text of texts) {
-    const src = model.tokenizer.encode(text);
-    let tokens = beam > 1 ? await beamSearch(model, src, beam, maxNew, forcedEos) : await greedy(model, src, maxNew, forcedEos);
+// translate(texts, {beam, maxNewTokens, srcLang, tgtLang}) -> [{ids, text, ms}]: each text decoded alone (its ids:
+// the generated target ids, EOS dropped, a forced target-language token kept, as runtime.Translator gives them;
+// ms: its wall time in the page). srcLang / tgtLang: a multilingual bundle's languages (NLLB: "deu_Latn");
+// maxNewTokens: tokens after the forced ones (default min(64, max_len) less those). translateIds(idLists, opts):
+// the same from source ids (the encoder's input, framing included), no tokenizer.
+async function translateIds(model, sources, { beam = 1, maxNewTokens, tgtLang } = {}) {
+  const c = model.config, forcedEos = !!c.forced_eos;
+  const lead = model.tokenizer.targetStartIds ? model.tokenizer.targetStartIds(tgtLang) : [];
+  if (tgtLang !== undefined && !model.tokenizer.spec?.target_start)
+    throw new Error("tgtLang was given, but this model's target language is fixed: drop it");
+  const maxNew = maxNewTokens ?? Math.min(64, c.max_len) - lead.length, out = [];
+  for (const src of sources) {
+    const t0 = performance.now();
+    let tokens = beam > 1 ? await beamSearch(model, src, beam, maxNew, forcedEos, lead)
+      : await greedy(model, src, maxNew, forcedEos, lead);
     if (tokens.length && tokens[tokens.length - 1] === c.eos_id) tokens = tokens.slice(0, -1);
-    out.push({ ids: tokens, text: model.tokenizer.decode(tokens) });
+    out.push({ ids: tokens, ms: performance.now() - t0 });
   }
   return out;
+}
+
+async function translate(model, texts, opts = {}) {
+  const tok = opts.srcLang === undefined ? model.tokenizer : tokenizerOf(model.tokenizerSpec, opts.srcLang);
+  const answers = await translateIds(model, texts.map((t) => tok.encode(t)), opts);
+  return answers.map((a) => ({ ...a, text: tok.decode(a.ids) }));
 }
 
 async function main() {
   const status = document.getElementById("status");
   try {
     const model = await Model.load();
-    window.onnxformer = { translate: (texts, opts) => translate(model, texts, opts), manifest: model.manifest };
+    window.onnxformer = { translate: (texts, opts) => translate(model, texts, opts),
+      translateIds: (ids, opts) => translateIds(model, ids, opts),
+      encode: (texts, srcLang) => texts.map((t) => (srcLang === undefined ? model.tokenizer
+        : tokenizerOf(model.tokenizerSpec, srcLang)).encode(t)),
+      decode: (idLists) => idLists.map((ids) => model.tokenizer.decode(ids)), manifest: model.manifest };
     status.textContent = "ready";
     document.getElementById("go").onclick = async () => {
       const beam = Number(document.getElementById("beam").value) || 1;
@@ -246,4 +277,4 @@ async function main() {
 
 if (typeof document !== "undefined") main();
 
-export { Model, translate, ort };
+export { Model, translate, translateIds, ort };

@@ -1,6 +1,6 @@
 """The bundle's tokenizer as the page reads it (page-tokenizer.json), written by `onnxformer web`:
 
-    page_tokenizer(bundle_dir, manifest) -> dict    # JSON for src/text.js, which tokenizes as runtime/tokenizer.py
+    page_tokenizer(tokenizer_json) -> dict    # JSON for src/text.js, which tokenizes as runtime/tokenizer.py
 
 - char: the bundle's tokenizer.json as it is.
 - sentencepiece (Marian): the source .spm as a Hugging Face tokenizer.json Unigram (pieces, scores, the
@@ -65,9 +65,10 @@ def decode_pieces(spm_path: Path) -> dict:
             "unk_surface": proto.trainer_spec.unk_surface or " \u2047 "}
 
 
-def page_tokenizer(bundle: Path, manifest: dict) -> dict:
-    """The page's tokenizer JSON for a bundle (InputError where the page has none of its kind)."""
-    path = bundle / manifest.get("tokenizer", "tokenizer.json")
+def page_tokenizer(path: Path) -> dict:
+    """The page's tokenizer JSON for a bundle's tokenizer.json at `path` (InputError where the page has none of its
+    kind)."""
+    bundle = path.parent
     spec = json.loads(path.read_text())
     kind = spec.get("type", "char")
     if kind == "char":

@@ -64,7 +64,7 @@ def check_bundle(bundle: Path) -> dict:
     """The page's tokenizer JSON (page_tokenizer), once the bundle's tokenizer and every graph op are ones the page
     runs (InputError: which not)."""
     manifest = read_manifest(bundle)
-    tokenizer = page_tokenizer(bundle, manifest)
+    tokenizer = page_tokenizer(bundle / manifest.get("tokenizer", "tokenizer.json"))
     for name in ("encoder", "decoder"):
         graph = manifest["graphs"][name]
         bad = unsupported_ops(bundle / graph["file"])

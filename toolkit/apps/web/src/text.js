@@ -109,7 +109,8 @@ class FastTokenizer {
     return [...this.prefix, ...this.tok.encode(text, { add_special_tokens: false }).ids, ...this.suffix];
   }
   decode(ids) {
-    const text = this.tok.decode(ids.filter((i) => i < this.vocabSize), { skip_special_tokens: true });
+    const kept = ids.filter((i) => i < this.vocabSize);      // the library refuses an empty list: "" as tokenizers
+    const text = kept.length ? this.tok.decode(kept, { skip_special_tokens: true }) : "";
     return this.spec.clean_up_tokenization_spaces ? cleanUpSpaces(text) : text;
   }
 }

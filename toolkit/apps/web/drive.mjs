@@ -13,7 +13,9 @@ const profile = mkdtempSync(join(tmpdir(), "onnxformer-chromium-"));
 const context = await chromium.launchPersistentContext(profile, {
   executablePath: process.env.CHROMIUM || "/usr/bin/chromium",
   headless: true,
-  args: ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+  // WEBGPU=1: WebGPU on SwiftShader (Vulkan on the CPU), for a page opened with ?ep=webgpu
+  args: ["--no-sandbox", ...(process.env.WEBGPU ? ["--enable-unsafe-webgpu", "--use-webgpu-adapter=swiftshader"]
+    : ["--disable-gpu"]), "--disable-quic", "--no-first-run", "--disable-background-networking",
     "--disable-component-update", "--disable-sync"],
 });
 try {

@@ -27,6 +27,7 @@ HERE = Path(__file__).parent
 SRC = HERE / "src"
 ORT_DIST = HERE / "node_modules" / "onnxruntime-web" / "dist"
 ORT_FILES = ("ort.wasm.min.mjs", "ort-wasm-simd-threaded.mjs", "ort-wasm-simd-threaded.wasm")
+WEBGPU_FILES = ("ort.webgpu.min.mjs", "ort-wasm-simd-threaded.asyncify.mjs", "ort-wasm-simd-threaded.asyncify.wasm")
 PAGE_FILES = ("index.html", "onnxformer.js", "text.js")
 TOKENIZERS_JS = HERE / "node_modules" / "@huggingface" / "tokenizers" / "dist" / "tokenizers.min.mjs"
 SITE_JSON = "site.json"                    # what marks a folder as a site onnxformer wrote, and lists its files
@@ -76,7 +77,7 @@ def check_bundle(bundle: Path) -> dict:
 
 
 def _built() -> bool:
-    return TOKENIZERS_JS.is_file() and all((ORT_DIST / f).is_file() for f in ORT_FILES)
+    return TOKENIZERS_JS.is_file() and all((ORT_DIST / f).is_file() for f in (*ORT_FILES, *WEBGPU_FILES))
 
 
 def ensure_built() -> None:
@@ -94,8 +95,9 @@ def ensure_built() -> None:
                          f"run it again")
 
 
-def write_site(bundle: str | Path, out: str | Path, force: bool = False) -> Path:
-    """Write the site for `bundle` at `out` (hidden name beside it, then moved into place)."""
+def write_site(bundle: str | Path, out: str | Path, force: bool = False, webgpu: bool = False) -> Path:
+    """Write the site for `bundle` at `out` (hidden name beside it, then moved into place); webgpu: with
+    onnxruntime-web's WebGPU build too (the page uses it when opened with ?ep=webgpu)."""
     bundle, out = Path(bundle), Path(out)
     tokenizer = check_bundle(bundle)
     ensure_built()
@@ -105,11 +107,12 @@ def write_site(bundle: str | Path, out: str | Path, force: bool = False) -> Path
             shutil.copy2(bundle / name, tmp / name)
         for name in PAGE_FILES:
             shutil.copy2(SRC / name, tmp / name)
-        for name in ORT_FILES:
+        ort_files = (*ORT_FILES, *WEBGPU_FILES) if webgpu else ORT_FILES
+        for name in ort_files:
             shutil.copy2(ORT_DIST / name, tmp / name)
         shutil.copy2(TOKENIZERS_JS, tmp / TOKENIZERS_JS.name)
         (tmp / PAGE_TOKENIZER).write_text(json.dumps(tokenizer, ensure_ascii=False))
-        files = sorted({*bundle_files, *PAGE_FILES, *ORT_FILES, TOKENIZERS_JS.name, PAGE_TOKENIZER})
+        files = sorted({*bundle_files, *PAGE_FILES, *ort_files, TOKENIZERS_JS.name, PAGE_TOKENIZER})
         (tmp / SITE_JSON).write_text(json.dumps({"bundle": str(bundle.absolute()), "files": files}, indent=2))
     return out
 

@@ -4,7 +4,9 @@
 //   translate(texts, {beam, maxNewTokens, srcLang, tgtLang}) -> [{ids, text, ms}]
 //   translateIds(sourceIdLists, {beam, maxNewTokens, tgtLang}) -> [{ids, ms}]
 //   encode(texts, srcLang?) -> source id lists;  decode(idLists) -> texts;  manifest;  error (when loading failed)
-import * as ort from "./ort.wasm.min.mjs";
+// ?ep=webgpu: onnxruntime-web's WebGPU build (a site written with --webgpu has it), else the WASM one
+const EP = new URLSearchParams(globalThis.location?.search || "").get("ep") === "webgpu" ? "webgpu" : "wasm";
+const ort = await import(EP === "webgpu" ? "./ort.webgpu.min.mjs" : "./ort.wasm.min.mjs");
 import { tokenizerOf } from "./text.js";
 
 const BUNDLE = "./";                    // onnxformer web writes the site flat: page, runtime and bundle side by side
@@ -22,7 +24,7 @@ async function session(graph) {
   // graph's own name; the exporter writes them as weights.data beside the graphs
   const bytes = new Uint8Array(await (await fetch(BUNDLE + graph.file)).arrayBuffer());
   const externalData = (graph.external_data || ["weights.data"]).map((p) => ({ path: p, data: BUNDLE + p }));
-  return ort.InferenceSession.create(bytes, { executionProviders: ["wasm"], externalData });
+  return ort.InferenceSession.create(bytes, { executionProviders: [EP], externalData });
 }
 
 // --- tensors ---
@@ -47,8 +49,9 @@ class Model {
     const manifest = await fetchJson("manifest.json");
     const layout = manifest.decoder_layout || "dynamic";
     if (!LAYOUTS.includes(layout)) throw new Error(`decoder layout ${layout} is not one of ${LAYOUTS.join(", ")}`);
-    const [encoder, decoder, tok] = await Promise.all([session(manifest.graphs.encoder),
-      session(manifest.graphs.decoder), fetchJson("page-tokenizer.json")]);
+    // one session at a time: the WebGPU EP refuses a second while one is being created
+    const encoder = await session(manifest.graphs.encoder), decoder = await session(manifest.graphs.decoder);
+    const tok = await fetchJson("page-tokenizer.json");
     const model = new Model(manifest, layout, encoder, decoder, tokenizerOf(tok));
     model.tokenizerSpec = tok;
     return model;
@@ -66,6 +69,8 @@ class Model {
     this.crossIn = names("past_key_values", "encoder");
     this.past = names("past_key_values", "decoder");
     this.present = names("present", "decoder");
+    if ((c.begin_suppress_tokens || []).length)   // not applied by this search: refuse rather than differ
+      throw new Error("this bundle suppresses tokens at the first step (begin_suppress_tokens), which the page does not do yet");
     this.suppress = [...new Set([...(c.suppress_pad ? [c.pad_id] : []), ...(c.suppress_tokens || [])])];
   }
 
@@ -258,7 +263,7 @@ async function main() {
   const status = document.getElementById("status");
   try {
     const model = await Model.load();
-    window.onnxformer = { translate: (texts, opts) => translate(model, texts, opts),
+    window.onnxformer = { ep: EP, translate: (texts, opts) => translate(model, texts, opts),
       translateIds: (ids, opts) => translateIds(model, ids, opts),
       encode: (texts, srcLang) => texts.map((t) => (srcLang === undefined ? model.tokenizer
         : tokenizerOf(model.tokenizerSpec, srcLang)).encode(t)),

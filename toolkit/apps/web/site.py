@@ -1,7 +1,8 @@
 """`onnxformer web`: a bundle as a static web page that runs it in the browser (onnxruntime-web, WASM EP).
 
-    write_site(bundle, out, force)   # out: index.html, onnxformer.js, text.js, onnxruntime-web's runtime and wasm,
-                                     # @huggingface/tokenizers, the bundle, page-tokenizer.json (page_tokenizer.py)
+    write_site(bundle, out, force, webgpu)   # out: index.html, onnxformer.js, text.js, onnxruntime-web's runtime
+                                     # and wasm (webgpu: its WebGPU build too), @huggingface/tokenizers, the bundle,
+                                     # page-tokenizer.json (page_tokenizer.py)
     serve_site(site, port)           # 127.0.0.1, with the COOP/COEP headers WASM threads need
 
 The page's JS (toolkit/apps/web/src) and its package.json / package-lock.json live here; `npm ci` builds

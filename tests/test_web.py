@@ -210,3 +210,199 @@ def test_web_cli_refuses_an_op_and_replaces_only_with_force(int8_bundle, monkeyp
     assert cli("web", int8_bundle, "--out", tmp_path / "site", "--force").exit_code == 0
     assert web.site_files(tmp_path / "site") == {p.name for p in (tmp_path / "site").iterdir()}
     assert [p.name for p in tmp_path.iterdir()] == ["site"]          # no hidden staging folder left beside it
+
+
+# --- Marian (SentencePiece) and NLLB (tokenizer.json) in the page ---
+
+def _node_tokenize(spec: dict, texts: list[str], id_lists: list[list[int]], tmp_path: Path,
+                   src_lang: str | None = None) -> dict:
+    """src/text.js in Node over a page-tokenizer.json: {"ids": encode(texts), "texts": decode(id_lists)}."""
+    for path in (web.SRC / "text.js", web.TOKENIZERS_JS):
+        shutil.copy2(path, tmp_path / path.name)
+    (tmp_path / web.PAGE_TOKENIZER).write_text(json.dumps(spec, ensure_ascii=False))
+    (tmp_path / "io.json").write_text(json.dumps({"texts": texts, "ids": id_lists, "src": src_lang}))
+    script = ("import { readFileSync } from 'node:fs'; import { tokenizerOf } from './text.js';"
+              f"const t = tokenizerOf(JSON.parse(readFileSync('{web.PAGE_TOKENIZER}', 'utf8')), "
+              "JSON.parse(readFileSync('io.json', 'utf8')).src ?? undefined);"
+              "const io = JSON.parse(readFileSync('io.json', 'utf8'));"
+              "process.stdout.write(JSON.stringify({ ids: io.texts.map((x) => t.encode(x)),"
+              " texts: io.ids.map((x) => t.decode(x)) }));")
+    (tmp_path / "run.mjs").write_text(script)
+    done = subprocess.run(["node", "run.mjs"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout)
+
+
+@pytest.fixture(scope="module")
+def node_js():
+    """Skip, with the reason, without node/npm; else @huggingface/tokenizers installed (npm ci)."""
+    for tool in ("node", "npm"):
+        if shutil.which(tool) is None:
+            pytest.skip(f"{tool} is not installed: the page's tokenizers cannot run here")
+    web.ensure_built()
+
+
+@pytest.fixture(scope="module")
+def tiny_marian_bundles(tmp_path_factory):
+    """(the imported tiny Marian checkpoint, {precision: bundle}) built once; int8 unverified: a 150-step model's
+    int8 tokens miss the gate's row on random ids, and the page must equal the runtime on the same graphs."""
+    from exporters.export import export_checkpoint
+    from exporters.optimize import optimize_bundle
+    from toolkit.reference.importers import import_model
+    from toolkit.testing.tiny_marian import build_tiny_marian
+
+    root = tmp_path_factory.mktemp("web_marian")
+    checkpoint = import_model(build_tiny_marian(root / "opus-mt-tiny", steps=150), root / "checkpoint")
+    fp32 = export_checkpoint(checkpoint, root / "fp32")
+    int8, _ = optimize_bundle(fp32, root / "int8", precision="int8", allow_unverified=True)
+    return checkpoint, {"fp32": fp32, "int8": int8}
+
+
+def _marian_texts() -> list[str]:
+    from toolkit.testing.tiny_marian import held_out
+
+    edge = ["ka 你好你 lo", "  ka   lo  ", "", ">>de<< kalo mi.", "ka</s>lo <unk> x", "ÀÉ ﬁ ｋａ", "a\tb\nc", "Kalo Mi!"]
+    return held_out(200) + edge
+
+
+def _tokenizer_of(directory: Path):
+    from runtime.tokenizer import load_tokenizer
+
+    return load_tokenizer(next(directory.rglob("tokenizer.json")))
+
+
+@pytest.fixture(scope="module")
+def marian_tokenizer_json(tmp_path_factory):
+    """The tokenizer.json of a tiny Marian import (untrained model: only its SentencePiece files matter here)."""
+    from toolkit.reference.importers import import_model
+    from toolkit.testing.tiny_marian import build_tiny_marian
+
+    root = tmp_path_factory.mktemp("web_marian_tok")
+    checkpoint = import_model(build_tiny_marian(root / "opus-mt-tiny", steps=0), root / "checkpoint")
+    return next(Path(checkpoint).rglob("tokenizer.json"))
+
+
+def test_page_tokenizes_marian_as_python(node_js, marian_tokenizer_json, tmp_path):
+    """Marian's .spm as a Unigram tokenizer.json in @huggingface/tokenizers: the runtime's ids for 208 texts
+    (unknown characters, spaces, specials, a >>xx<< token among them), its texts for every id and for outputs."""
+    from toolkit.apps.web.page_tokenizer import page_tokenizer
+
+    from runtime.tokenizer import load_tokenizer
+
+    tok, texts = load_tokenizer(marian_tokenizer_json), _marian_texts()
+    expected = [tok.encode(t) for t in texts]
+    assert len({tuple(i) for i in expected}) > 150 and tok.unk_id in {i for ids in expected for i in ids}
+    id_lists = expected + [[i] for i in range(tok.vocab_size)] + [list(range(tok.vocab_size))]
+    page = _node_tokenize(page_tokenizer(marian_tokenizer_json), texts, id_lists, tmp_path)
+    assert page["ids"] == expected
+    assert page["texts"] == [tok.decode(i) for i in id_lists]
+
+
+def test_page_tokenizes_nllb_as_python(node_js, multilingual, tmp_path):
+    """NLLB's tokenizer.json and its framing (source language first, </s> last) in @huggingface/tokenizers, for
+    its own source language and another one."""
+    from toolkit.apps.web.page_tokenizer import page_tokenizer
+    from toolkit.testing.tiny_families import held_out
+
+    path = next(Path(multilingual("nllb")[3]).rglob("tokenizer.json"))      # the imported checkpoint's
+    tok, texts = _tokenizer_of(path.parent), [*held_out(64), "", "  two  spaces ", "Ünïcode ﬁ"]
+    spec = page_tokenizer(path)
+    id_lists = [tok.encode_target(t) for t in texts] + [list(range(tok.vocab_size))]
+    for src in (None, "deu_Latn"):
+        framed = tok if src is None else tok.for_source(src)
+        expected = [framed.encode(t) for t in texts]
+        assert len({tuple(i) for i in expected}) > 60
+        page = _node_tokenize(spec, texts, id_lists, tmp_path, src)
+        assert page["ids"] == expected, src
+        assert page["texts"] == [tok.decode(i) for i in id_lists]
+
+
+@pytest.fixture(scope="module")
+def nllb_int8(nllb_bundle, tmp_path_factory):
+    from exporters.optimize import optimize_bundle
+
+    return optimize_bundle(nllb_bundle, tmp_path_factory.mktemp("web_nllb") / "int8", precision="int8",
+                           allow_unverified=True)[0]
+
+
+def _assert_page_equals_runtime(bundle: Path, texts: list[str], tmp_path: Path, **langs) -> None:
+    """The page's ids and texts == runtime.Translator's, one input at a time, greedy and beam 4; its encode too."""
+    from runtime.api import Translator
+
+    site = web.write_site(bundle, tmp_path / "site")
+    beams, js_langs = (1, 4), {k: v for k, v in (("tgtLang", langs.get("tgt_lang")),) if v}
+    requests = [{"texts": texts, "beam": b, "maxNewTokens": MAX_NEW, **js_langs} for b in beams]
+    page = _page_answers(site, [*requests, {"encode": texts}], tmp_path)
+    translator = Translator(bundle, provider="cpu")
+    assert page["answers"][-1] == [translator.tokenizer.encode(t) for t in texts]
+    for beam, answers in zip(beams, page["answers"]):
+        expected = [r.hypotheses[0] for r in translator.generate(texts, batch_size=1, beam=beam,
+                                                                    max_new_tokens=MAX_NEW, **langs)]
+        assert len({tuple(h.ids) for h in expected}) >= 16                # outputs that vary
+        assert [a["ids"] for a in answers] == [h.ids for h in expected], (bundle.name, beam)
+        assert [a["text"] for a in answers] == [h.text for h in expected]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["fp32", "int8"])
+def test_page_marian_equals_the_runtime(browser, precision, tiny_marian_bundles, tmp_path):
+    from toolkit.testing.tiny_marian import held_out
+
+    _assert_page_equals_runtime(tiny_marian_bundles[1][precision], held_out(32), tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["fp32", pytest.param("int8", marks=pytest.mark.xfail(strict=True, reason=(
+    "open: the tiny NLLB's int8 ids differ between the page (WASM) and the CPU EP on x86 (measured: greedy 31/32, "
+    "beam 4 27/32 equal); its near-random weights give near-tied logits; not yet explained")))])
+def test_page_nllb_equals_the_runtime(browser, precision, nllb_bundle, request, tmp_path):
+    """NLLB: the source framed in its language, the target language forced first (counted, never scored)."""
+    from toolkit.testing.tiny_families import held_out
+
+    bundle = nllb_bundle if precision == "fp32" else request.getfixturevalue("nllb_int8")
+    _assert_page_equals_runtime(bundle, held_out(32), tmp_path, tgt_lang="deu_Latn")
+
+
+# --- WebGPU (SwiftShader: Vulkan on the CPU) ---
+
+def _webgpu_adapter(site: Path) -> str | None:
+    """Why headless Chromium offers no WebGPU adapter here, or None when it offers one (on the served site: WebGPU
+    needs a secure context, which about:blank is not)."""
+    server = web.site_server(site, 0)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/site.json"
+    script = ("import { chromium } from 'playwright-core'; import { mkdtempSync } from 'node:fs';"
+              "const c = await chromium.launchPersistentContext(mkdtempSync('/tmp/onnxformer-gpu-'), {"
+              f"executablePath: '{CHROMIUM}', headless: true, args: ['--no-sandbox', '--enable-unsafe-webgpu',"
+              "'--use-webgpu-adapter=swiftshader']}); const p = await c.newPage();"
+              f"await p.goto('{url}');"
+              "const r = await p.evaluate(async () => !navigator.gpu ? 'no navigator.gpu'"
+              " : (await navigator.gpu.requestAdapter()) ? '' : 'requestAdapter gave null');"
+              "await c.close(); process.stdout.write(r);")
+    (web.HERE / ".probe.mjs").write_text(script)
+    try:
+        done = subprocess.run(["node", ".probe.mjs"], cwd=web.HERE, capture_output=True, text=True, timeout=120)
+    finally:
+        (web.HERE / ".probe.mjs").unlink()
+        server.shutdown()
+        server.server_close()
+    return (done.stdout or done.stderr.strip()[-300:] or "the probe failed") if done.returncode or done.stdout \
+        else None
+
+
+@pytest.mark.slow
+def test_page_webgpu_ids_equal_the_runtime(browser, dates_bundle, tmp_path, monkeypatch):
+    """The dates bundle with executionProviders ['webgpu'] (greedy, fp32): the Python runtime's ids on 32 inputs."""
+    from runtime.api import Translator
+
+    site = web.write_site(dates_bundle, tmp_path / "site", webgpu=True)
+    why = _webgpu_adapter(site)
+    if why:
+        pytest.skip(f"headless Chromium offers no WebGPU adapter here: {why}")
+    texts = _inputs()
+    monkeypatch.setenv("WEBGPU", "1")
+    page = _page_answers(site, [{"texts": texts, "beam": 1, "maxNewTokens": MAX_NEW}], tmp_path, "?ep=webgpu")
+    expected = [r.hypotheses[0] for r in Translator(dates_bundle, provider="cpu").generate(
+        texts, batch_size=1, max_new_tokens=MAX_NEW)]
+    assert len({tuple(h.ids) for h in expected}) >= 8
+    assert [a["ids"] for a in page["answers"][0]] == [h.ids for h in expected]

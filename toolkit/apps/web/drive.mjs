@@ -1,6 +1,7 @@
 // Drive the page in headless Chromium (playwright-core) and print window.onnxformer.translate's answers as JSON:
 //   node drive.mjs URL REQUESTS.json   (REQUESTS: [{"texts": [...], "beam": 4, "maxNewTokens": 24}, ...]; a request
-//   with "sources" (id arrays) instead of "texts" goes to window.onnxformer.generate)
+//   with "ids" or "sources" (source id lists) runs translateIds, one with "encode" (texts) or "decode" (id lists) the
+//   tokenizer)
 // The closed network needs these flags, and a fresh profile, or Chromium waits on it.
 import { mkdtempSync, readFileSync, rmSync } from "node:fs";
 import { tmpdir } from "node:os";
@@ -13,7 +14,9 @@ const profile = mkdtempSync(join(tmpdir(), "onnxformer-chromium-"));
 const context = await chromium.launchPersistentContext(profile, {
   executablePath: process.env.CHROMIUM || "/usr/bin/chromium",
   headless: true,
-  args: ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+  // WEBGPU=1: WebGPU on SwiftShader (Vulkan on the CPU), for a page opened with ?ep=webgpu
+  args: ["--no-sandbox", ...(process.env.WEBGPU ? ["--enable-unsafe-webgpu", "--use-webgpu-adapter=swiftshader"]
+    : ["--disable-gpu"]), "--disable-quic", "--no-first-run", "--disable-background-networking",
     "--disable-component-update", "--disable-sync"],
 });
 try {
@@ -27,8 +30,13 @@ try {
   if (error) throw new Error(`the page failed: ${error}\n${logs.join("\n")}`);
   const answers = [];
   for (const r of requests) {
-    answers.push(await page.evaluate(({ texts, sources, ...opts }) => (sources
-      ? window.onnxformer.generate(sources, opts) : window.onnxformer.translate(texts, opts)), r));
+    answers.push(await page.evaluate((r) => {
+      const o = window.onnxformer;
+      if (r.encode) return o.encode(r.encode, r.srcLang);
+      if (r.decode) return o.decode(r.decode);
+      const ids = r.ids || r.sources;
+      return ids ? o.translateIds(ids, r) : o.translate(r.texts, r);
+    }, r));
   }
   const isolated = await page.evaluate(() => self.crossOriginIsolated);
   const threads = await page.evaluate(() => window.onnxformer.threads);

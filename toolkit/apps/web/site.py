@@ -1,6 +1,8 @@
 """`onnxformer web`: a bundle as a static web page that runs it in the browser (onnxruntime-web, WASM EP).
 
-    write_site(bundle, out, force)   # out: index.html, onnxformer.js, onnxruntime-web's runtime and wasm, the bundle
+    write_site(bundle, out, force, webgpu)   # out: index.html, onnxformer.js, text.js, onnxruntime-web's runtime
+                                     # and wasm (webgpu: its WebGPU build too), @huggingface/tokenizers, the bundle,
+                                     # page-tokenizer.json (page_tokenizer.py)
     serve_site(site, port)           # 127.0.0.1, with the COOP/COEP headers WASM threads need
 
 The page's JS (toolkit/apps/web/src) and its package.json / package-lock.json live here; `npm ci` builds
@@ -19,13 +21,16 @@ from pathlib import Path
 
 from runtime.errors import InputError
 from runtime.manifest import read_manifest
+from toolkit.apps.web.page_tokenizer import PAGE_TOKENIZER, page_tokenizer
 from toolkit.reference.outdir import OutputKind, listed_files, staged_output
 
 HERE = Path(__file__).parent
 SRC = HERE / "src"
 ORT_DIST = HERE / "node_modules" / "onnxruntime-web" / "dist"
 ORT_FILES = ("ort.wasm.min.mjs", "ort-wasm-simd-threaded.mjs", "ort-wasm-simd-threaded.wasm")
-PAGE_FILES = ("index.html", "onnxformer.js")
+WEBGPU_FILES = ("ort.webgpu.min.mjs", "ort-wasm-simd-threaded.asyncify.mjs", "ort-wasm-simd-threaded.asyncify.wasm")
+PAGE_FILES = ("index.html", "onnxformer.js", "text.js")
+TOKENIZERS_JS = HERE / "node_modules" / "@huggingface" / "tokenizers" / "dist" / "tokenizers.min.mjs"
 SITE_JSON = "site.json"                    # what marks a folder as a site onnxformer wrote, and lists its files
 
 # Ops of com.microsoft the WASM EP runs. onnxruntime-web's README: its WASM backend is "the native ONNX Runtime
@@ -58,12 +63,10 @@ def unsupported_ops(graph_path: Path) -> list[str]:
 
 
 def check_bundle(bundle: Path) -> dict:
-    """The bundle's manifest, once its tokenizer and every graph op are ones the page runs (InputError: which not)."""
+    """The page's tokenizer JSON (page_tokenizer), once the bundle's tokenizer and every graph op are ones the page
+    runs (InputError: which not)."""
     manifest = read_manifest(bundle)
-    tok = json.loads((bundle / manifest.get("tokenizer", "tokenizer.json")).read_text())
-    if tok.get("type") != "char":
-        raise InputError(f"{bundle}: its tokenizer is {tok.get('type')!r}; the web page runs character tokenizers "
-                         f"only so far (the dates bundle's); export a char-tokenizer model, or use onnxformer serve")
+    tokenizer = page_tokenizer(bundle / manifest.get("tokenizer", "tokenizer.json"))
     for name in ("encoder", "decoder"):
         graph = manifest["graphs"][name]
         bad = unsupported_ops(bundle / graph["file"])
@@ -71,28 +74,33 @@ def check_bundle(bundle: Path) -> dict:
             raise InputError(f"{bundle}: the {name} graph uses {', '.join(bad)}, which onnxruntime-web's WASM "
                              f"execution provider lacks; use a bundle without it (the fp32 export, or optimize "
                              f"with --target cpu)")
-    return manifest
+    return tokenizer
+
+
+def _built() -> bool:
+    return TOKENIZERS_JS.is_file() and all((ORT_DIST / f).is_file() for f in (*ORT_FILES, *WEBGPU_FILES))
 
 
 def ensure_built() -> None:
     """node_modules with onnxruntime-web, from package-lock.json (`npm ci`), unless already there."""
-    if all((ORT_DIST / f).is_file() for f in ORT_FILES):
+    if _built():
         return
     npm = shutil.which("npm")
     if npm is None:
         raise InputError("onnxformer web needs npm once, to install onnxruntime-web from "
                          f"{HERE / 'package-lock.json'}; install Node.js (20 or newer) and run it again")
     done = subprocess.run([npm, "ci", "--no-audit", "--no-fund"], cwd=HERE, capture_output=True, text=True)
-    if done.returncode != 0 or not all((ORT_DIST / f).is_file() for f in ORT_FILES):
+    if done.returncode != 0 or not _built():
         tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
         raise InputError(f"npm ci in {HERE} failed ({tail[0]}); check that the npm registry is reachable and "
                          f"run it again")
 
 
-def write_site(bundle: str | Path, out: str | Path, force: bool = False) -> Path:
-    """Write the site for `bundle` at `out` (hidden name beside it, then moved into place)."""
+def write_site(bundle: str | Path, out: str | Path, force: bool = False, webgpu: bool = False) -> Path:
+    """Write the site for `bundle` at `out` (hidden name beside it, then moved into place); webgpu: with
+    onnxruntime-web's WebGPU build too (the page uses it when opened with ?ep=webgpu)."""
     bundle, out = Path(bundle), Path(out)
-    check_bundle(bundle)
+    tokenizer = check_bundle(bundle)
     ensure_built()
     bundle_files = sorted(p.name for p in bundle.iterdir() if p.is_file())
     with staged_output(out, force, SITE_KIND) as tmp:
@@ -100,9 +108,12 @@ def write_site(bundle: str | Path, out: str | Path, force: bool = False) -> Path
             shutil.copy2(bundle / name, tmp / name)
         for name in PAGE_FILES:
             shutil.copy2(SRC / name, tmp / name)
-        for name in ORT_FILES:
+        ort_files = (*ORT_FILES, *WEBGPU_FILES) if webgpu else ORT_FILES
+        for name in ort_files:
             shutil.copy2(ORT_DIST / name, tmp / name)
-        files = sorted({*bundle_files, *PAGE_FILES, *ORT_FILES})
+        shutil.copy2(TOKENIZERS_JS, tmp / TOKENIZERS_JS.name)
+        (tmp / PAGE_TOKENIZER).write_text(json.dumps(tokenizer, ensure_ascii=False))
+        files = sorted({*bundle_files, *PAGE_FILES, *ort_files, TOKENIZERS_JS.name, PAGE_TOKENIZER})
         (tmp / SITE_JSON).write_text(json.dumps({"bundle": str(bundle.absolute()), "files": files}, indent=2))
     return out
 

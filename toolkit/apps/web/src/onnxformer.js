@@ -1,18 +1,22 @@
 // onnxformer in the browser: an onnxformer bundle (manifest.json, encoder/decoder graphs, tokenizer.json) run
 // with onnxruntime-web's WASM execution provider; greedy and beam search as runtime/search.py does them, so the
-// ids equal the Python runtime's. The page's API (window.onnxformer):
-//   translate(texts, {beam, maxNewTokens, minNewTokens}) -> [{ids, text, ms}]
-//   generate(sources, {beam, maxNewTokens, minNewTokens}) -> [{ids, ms}]   sources: source id arrays, as the
-//     bundle's tokenizer would give them (its framing included); no tokenizer runs
+// ids equal the Python runtime's. The page's API (stable: tests and benchmarks drive it), on window.onnxformer:
+//   translate(texts, {beam, maxNewTokens, minNewTokens, srcLang, tgtLang}) -> [{ids, text, ms}]
+//   translateIds(sourceIdLists, {beam, maxNewTokens, minNewTokens, tgtLang}) -> [{ids, ms}]   (alias: generate)
+//     sources: source id arrays, as the bundle's tokenizer would give them (its framing included); no tokenizer runs
+//   encode(texts, srcLang?) -> source id lists;  decode(idLists) -> texts;  manifest;  ep;  threads;  error
 // ids without the final EOS; ms: that input's whole search, encoder and every decoder step (performance.now);
 // minNewTokens: EOS is not chosen before that many new tokens (runtime SearchOptions.min_new_tokens).
-// The page's URL may say ?threads=N: WASM threads for ONNX Runtime (the site is cross-origin isolated).
-import * as ort from "./ort.wasm.min.mjs";
+// The page's URL may say ?threads=N: WASM threads for ONNX Runtime (the site is cross-origin isolated), and
+// ?ep=webgpu: onnxruntime-web's WebGPU build (a site written with --webgpu has it), else the WASM one.
+const PARAMS = new URLSearchParams(typeof location === "undefined" ? "" : location.search);
+const EP = PARAMS.get("ep") === "webgpu" ? "webgpu" : "wasm";
+const ort = await import(EP === "webgpu" ? "./ort.webgpu.min.mjs" : "./ort.wasm.min.mjs");
+import { tokenizerOf } from "./text.js";
 
 const BUNDLE = "./";                    // onnxformer web writes the site flat: page, runtime and bundle side by side
 ort.env.wasm.wasmPaths = "./";
 // one thread by default: the same sums, in the same order, every run
-const PARAMS = new URLSearchParams(typeof location === "undefined" ? "" : location.search);
 ort.env.wasm.numThreads = Number(PARAMS.get("threads")) || 1;
 
 async function fetchJson(name) {
@@ -37,34 +41,7 @@ async function session(graph) {
   for (const p of names) if (!externalFiles.has(p)) externalFiles.set(p, fetchBytes(p));
   const [bytes, ...data] = await Promise.all([fetchBytes(graph.file), ...names.map((p) => externalFiles.get(p))]);
   const externalData = names.map((p, i) => ({ path: p, data: data[i] }));
-  return ort.InferenceSession.create(bytes, { executionProviders: ["wasm"], externalData });
-}
-
-// --- the char tokenizer (runtime/tokenizer.py CharTokenizer): ids 0-2 are pad, bos, eos ---
-class CharTokenizer {
-  constructor(spec) {
-    this.specials = spec.specials;
-    this.chars = [...spec.chars];
-    this.toId = new Map(this.chars.map((c, i) => [c, i + this.specials.length]));
-  }
-  encode(text) {
-    const unknown = [...new Set([...text].filter((c) => !this.toId.has(c)))];
-    if (unknown.length) throw new Error(`input ${JSON.stringify(text)} has characters outside the vocabulary: ${unknown.join("")}`);
-    return [...text].map((c) => this.toId.get(c));
-  }
-  decode(ids) {
-    let out = "";
-    for (const i of ids) {
-      if (i === 2) break;
-      if (i >= this.specials.length) out += this.chars[i - this.specials.length];
-    }
-    return out;
-  }
-}
-
-function tokenizerOf(spec) {
-  if (spec.type === "char") return new CharTokenizer(spec);
-  throw new Error(`tokenizer type ${spec.type} is not supported in the browser yet (char only)`);
+  return ort.InferenceSession.create(bytes, { executionProviders: [EP], externalData });
 }
 
 // --- tensors ---
@@ -89,9 +66,12 @@ class Model {
     const manifest = await fetchJson("manifest.json");
     const layout = manifest.decoder_layout || "dynamic";
     if (!LAYOUTS.includes(layout)) throw new Error(`decoder layout ${layout} is not one of ${LAYOUTS.join(", ")}`);
-    const [encoder, decoder, tok] = await Promise.all([session(manifest.graphs.encoder),
-      session(manifest.graphs.decoder), fetchJson(manifest.tokenizer || "tokenizer.json")]);
-    return new Model(manifest, layout, encoder, decoder, tokenizerOf(tok));
+    // one session at a time: the WebGPU EP refuses a second while one is being created
+    const encoder = await session(manifest.graphs.encoder), decoder = await session(manifest.graphs.decoder);
+    const tok = await fetchJson("page-tokenizer.json");
+    const model = new Model(manifest, layout, encoder, decoder, tokenizerOf(tok));
+    model.tokenizerSpec = tok;
+    return model;
   }
   constructor(manifest, layout, encoder, decoder, tokenizer) {
     Object.assign(this, { manifest, layout, encoder, decoder, tokenizer });
@@ -106,6 +86,8 @@ class Model {
     this.crossIn = names("past_key_values", "encoder");
     this.past = names("past_key_values", "decoder");
     this.present = names("present", "decoder");
+    if ((c.begin_suppress_tokens || []).length)   // not applied by this search: refuse rather than differ
+      throw new Error("this bundle suppresses tokens at the first step (begin_suppress_tokens), which the page does not do yet");
     this.suppress = [...new Set([...(c.suppress_pad ? [c.pad_id] : []), ...(c.suppress_tokens || [])])];
   }
 
@@ -195,14 +177,18 @@ function suppressed(row, ids) {
   return out;
 }
 
-async function greedy(model, ids, maxNew, forcedEos, minNew = 0) {
-  const { bos_id: bos, eos_id: eos } = model.config, state = await model.start(ids, 1, maxNew), tokens = [];
+// `lead`: target ids forced after the decoder start (NLLB's target language), never scored; maxNew and minNew count
+// after it
+async function greedy(model, ids, maxNew, forcedEos, lead = [], minNew = 0) {
+  const { bos_id: bos, eos_id: eos } = model.config, P = lead.length, tokens = [];
+  const state = await model.start(ids, 1, maxNew + P);
   let last = bos;
-  for (let step = 0; step < maxNew; step++) {
+  for (let step = 0; step < maxNew + P; step++) {
     const [logits] = await state.step([last], null);
-    last = forcedEos && step === maxNew - 1 ? eos : argmax(suppressed(logits, banned(model, step, minNew)));
+    if (step < P) last = lead[step];
+    else last = forcedEos && step === maxNew + P - 1 ? eos : argmax(suppressed(logits, banned(model, step - P, minNew)));
     tokens.push(last);
-    if (last === eos) break;
+    if (last === eos && step >= P) break;
   }
   return tokens;
 }
@@ -225,34 +211,38 @@ function attainable(score, length, maxNew, lp) {   // runtime.search.attainable
   return score / final ** lp;
 }
 
-async function beamSearch(model, ids, k, maxNew, forcedEos, minNew = 0, lp = 1.0) {
-  const { bos_id: bos, eos_id: eos } = model.config, state = await model.start(ids, k, maxNew);
+// lead: forced on beam 0 first, scoring nothing and counted in lengths (runtime.search's prefix_counted)
+async function beamSearch(model, ids, k, maxNew, forcedEos, lead = [], minNew = 0, lp = 1.0) {
+  const { bos_id: bos, eos_id: eos } = model.config, P = lead.length, state = await model.start(ids, k, maxNew + P);
   let scores = [0, ...Array(k - 1).fill(-Infinity)], last = Array(k).fill(bos), keep = null;
   let seqs = Array.from({ length: k }, () => []), finished = [];
   const norm = (score, len) => score / Math.max(len, 1) ** lp;
-  for (let step = 0; step < maxNew; step++) {
-    const logits = await state.step(last, keep), vocab = logits[0].length, final = step === maxNew - 1;
-    const cand = new Float64Array(k * vocab);
-    logits.forEach((row, r) => {
-      let logp = suppressed(logSoftmax(row), banned(model, step, minNew));
-      if (forcedEos && final) logp = logp.map((_, v) => (v === eos ? 0 : -Infinity));
-      for (let v = 0; v < vocab; v++) cand[r * vocab + v] = scores[r] + logp[v];
-    });
-    const picked = [];
-    topStable(cand, 2 * k).forEach((c, rank) => {
-      const src = Math.floor(c / vocab), tok = c % vocab, score = cand[c];
-      if (tok === eos || final) {
-        if (rank < k && Number.isFinite(score)) {
-          const tokens = [...seqs[src], tok];
-          finished.push({ tokens, score: norm(score, tokens.length), done: tok === eos });
-        }
-      } else if (picked.length < k) picked.push([src, tok, score]);
-    });
-    finished = finished.map((h, i) => [h, i]).sort((a, b) => (b[0].score - a[0].score) || (a[1] - b[1]))
-      .slice(0, k).map((x) => x[0]);
-    const bestLive = Math.max(...picked.map((p) => p[2]), -Infinity);
-    if (final || !Number.isFinite(bestLive)
-        || (finished.length >= 1 && attainable(bestLive, step + 1, maxNew, lp) <= finished[0].score)) break;
+  for (let step = 0; step < maxNew + P; step++) {
+    const logits = await state.step(last, keep), vocab = logits[0].length, at = step - P, final = at === maxNew - 1;
+    let picked = [];
+    if (at < 0) picked.push([0, lead[step], scores[0]]);
+    else {
+      const cand = new Float64Array(k * vocab);
+      logits.forEach((row, r) => {
+        let logp = suppressed(logSoftmax(row), banned(model, at, minNew));
+        if (forcedEos && final) logp = logp.map((_, v) => (v === eos ? 0 : -Infinity));
+        for (let v = 0; v < vocab; v++) cand[r * vocab + v] = scores[r] + logp[v];
+      });
+      topStable(cand, 2 * k).forEach((c, rank) => {
+        const src = Math.floor(c / vocab), tok = c % vocab, score = cand[c];
+        if (tok === eos || final) {
+          if (rank < k && Number.isFinite(score)) {
+            const tokens = [...seqs[src], tok];
+            finished.push({ tokens, score: norm(score, tokens.length), done: tok === eos });
+          }
+        } else if (picked.length < k) picked.push([src, tok, score]);
+      });
+      finished = finished.map((h, i) => [h, i]).sort((a, b) => (b[0].score - a[0].score) || (a[1] - b[1]))
+        .slice(0, k).map((x) => x[0]);
+      const bestLive = Math.max(...picked.map((p) => p[2]), -Infinity);
+      if (final || !Number.isFinite(bestLive)
+          || (finished.length >= 1 && attainable(bestLive, at + 1 + P, maxNew + P, lp) <= finished[0].score)) break;
+    }
     while (picked.length < k) picked.push([0, eos, -Infinity]);   // every continuation ended: dead rows
     const rows = picked.map((p) => p[0]);
     last = picked.map((p) => p[1]);
@@ -264,38 +254,44 @@ async function beamSearch(model, ids, k, maxNew, forcedEos, minNew = 0, lp = 1.0
 }
 
 // --- the page's API ---
-async function search(model, src, { beam = 1, maxNewTokens, minNewTokens = 0 } = {}) {
-  const c = model.config, maxNew = maxNewTokens ?? Math.min(64, c.max_len), forcedEos = !!c.forced_eos;
-  const t0 = performance.now();
-  let tokens = beam > 1 ? await beamSearch(model, src, beam, maxNew, forcedEos, minNewTokens)
-    : await greedy(model, src, maxNew, forcedEos, minNewTokens);
-  const ms = performance.now() - t0;
-  if (tokens.length && tokens[tokens.length - 1] === c.eos_id) tokens = tokens.slice(0, -1);
-  return { ids: tokens, ms };
-}
-
-async function generate(model, sources, opts) {
-  const out = [];
-  for (const src of sources) out.push(await search(model, src, opts));
-  return out;
-}
-
-async function translate(model, texts, opts) {
-  const out = [];
-  for (const text of texts) {
-    const r = await search(model, model.tokenizer.encode(text), opts);
-    out.push({ ...r, text: model.tokenizer.decode(r.ids) });
+// translate(texts, {beam, maxNewTokens, srcLang, tgtLang}) -> [{ids, text, ms}]: each text decoded alone (its ids:
+// the generated target ids, EOS dropped, a forced target-language token kept, as runtime.Translator gives them;
+// ms: its wall time in the page). srcLang / tgtLang: a multilingual bundle's languages (NLLB: "deu_Latn");
+// maxNewTokens: tokens after the forced ones (default min(64, max_len) less those). translateIds(idLists, opts):
+// the same from source ids (the encoder's input, framing included), no tokenizer.
+async function translateIds(model, sources, { beam = 1, maxNewTokens, minNewTokens = 0, tgtLang } = {}) {
+  const c = model.config, forcedEos = !!c.forced_eos;
+  const lead = model.tokenizer.targetStartIds ? model.tokenizer.targetStartIds(tgtLang) : [];
+  if (tgtLang !== undefined && !model.tokenizer.spec?.target_start)
+    throw new Error("tgtLang was given, but this model's target language is fixed: drop it");
+  const maxNew = maxNewTokens ?? Math.min(64, c.max_len) - lead.length, out = [];
+  for (const src of sources) {
+    const t0 = performance.now();
+    let tokens = beam > 1 ? await beamSearch(model, src, beam, maxNew, forcedEos, lead, minNewTokens)
+      : await greedy(model, src, maxNew, forcedEos, lead, minNewTokens);
+    if (tokens.length && tokens[tokens.length - 1] === c.eos_id) tokens = tokens.slice(0, -1);
+    out.push({ ids: tokens, ms: performance.now() - t0 });
   }
   return out;
+}
+
+async function translate(model, texts, opts = {}) {
+  const tok = opts.srcLang === undefined ? model.tokenizer : tokenizerOf(model.tokenizerSpec, opts.srcLang);
+  const answers = await translateIds(model, texts.map((t) => tok.encode(t)), opts);
+  return answers.map((a) => ({ ...a, text: tok.decode(a.ids) }));
 }
 
 async function main() {
   const status = document.getElementById("status");
   try {
     const model = await Model.load();
-    window.onnxformer = { translate: (texts, opts) => translate(model, texts, opts),
-      generate: (sources, opts) => generate(model, sources, opts), manifest: model.manifest,
-      threads: ort.env.wasm.numThreads };
+    window.onnxformer = { ep: EP, threads: ort.env.wasm.numThreads,
+      translate: (texts, opts) => translate(model, texts, opts),
+      translateIds: (ids, opts) => translateIds(model, ids, opts),
+      generate: (ids, opts) => translateIds(model, ids, opts),
+      encode: (texts, srcLang) => texts.map((t) => (srcLang === undefined ? model.tokenizer
+        : tokenizerOf(model.tokenizerSpec, srcLang)).encode(t)),
+      decode: (idLists) => idLists.map((ids) => model.tokenizer.decode(ids)), manifest: model.manifest };
     status.textContent = "ready";
     document.getElementById("go").onclick = async () => {
       const beam = Number(document.getElementById("beam").value) || 1;
@@ -310,4 +306,4 @@ async function main() {
 
 if (typeof document !== "undefined") main();
 
-export { Model, CharTokenizer, translate, generate, ort };
+export { Model, translate, translateIds, translateIds as generate, ort };

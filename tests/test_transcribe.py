@@ -4,9 +4,10 @@ A tiny random Whisper WITH timestamp tokens is built offline (toolkit/testing/ti
 timestamp tokens after <|notimestamps|>, max_initial_timestamp_index 50) and imported once for the module. Proofs:
 language detection equals detect_language on features whose detected language varies; ids with the timestamp rules
 equal generate(return_timestamps=True)'s first window (timestamps chosen, asserted), greedy on 16 inputs and beam 4
-on 8; openai-whisper's cut of a window into segments and its seek; the command line decodes wav files as the API
-decodes their features (greedy; beam 4 slow); the formats; the errors. Slow: an exported bundle transcribes as
-the checkpoint. Not proven here: ids without timestamps against generate (on this model, whose vocabulary has
+on 8; openai-whisper's cut of a window into segments and its seek; one encoder run a window (every fallback
+temperature shares it); the command line decodes wav files as the API decodes their features (greedy; beam 4
+slow); the formats; the errors. Slow: an exported bundle transcribes as the checkpoint, one encoder session run a
+window. Not proven here: ids without timestamps against generate (on this model, whose vocabulary has
 timestamp tokens, its plain return re-cuts ids at them, and return_dict_in_generate with beams returns one row),
 long-form segments against transformers' long-form generate, and parity on audio clips (the tiny random model gives
 synthesized clips one output).

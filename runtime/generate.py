@@ -11,6 +11,9 @@ its features [B, n_mels, frames] float32 as input_ids and, as attention_mask, on
 (the decoder's source mask: nothing is padded); `encoder_inputs` makes either pair from a request.
 An engine with a vocabulary shortlist (`engine.shortlist`, runtime/shortlist.py) also takes `targets=` (each
 input's forced prefix ids): its state then decodes on the shortlist, unless the request's options turn it off.
+An engine may also provide `engine.encode(input_ids, attention_mask)` (the encoder's run alone) and take its
+result as `start(..., encoded=)`: several decodes of the same inputs then share one encoder run (Whisper's window:
+its first step for the language and the no-speech probability, then each fallback temperature).
 """
 
 from __future__ import annotations
@@ -81,16 +84,17 @@ def encoder_inputs(engine: Engine, sequences: Sequence) -> tuple[np.ndarray, np.
 
 
 def generate(engine: Engine, request: Request, stop: np.ndarray | None = None,
-             on_step=None) -> list[list[Hypothesis]]:
+             on_step=None, encoded: list | None = None) -> list[list[Hypothesis]]:
     """Hypotheses for each input of a validated request (runtime.request), in input order, best first.
 
     Each input stops at its own limit (request.limits: a server's merged batch gives each what it would get
     alone). `stop`: inputs the caller no longer needs, set while the search runs (runtime.search.greedy).
     `on_step(step, inputs, tokens)`: each step's tokens as they are chosen (greedy and sampling: runtime.search.greedy).
     A non-finite logit raises NumericsError naming, in `inputs`, the inputs whose rows gave it.
+    `encoded`: the request's encoder outputs, already computed by `engine.encode` (the encoder is not run again).
     """
     opts, n = request.opts, len(request.sequences)
-    state = start_search(engine, request)
+    state = start_search(engine, request, encoded)
     if state is None:
         return search(None, n, engine.bos_id, engine.eos_id, opts)
     limits = np.asarray(request.limits, dtype=np.int64) if opts.beam == 1 else None
@@ -125,9 +129,10 @@ class RowsOf:
         return self.state.feed(tokens)
 
 
-def start_search(engine: Engine, request: Request) -> "RowsOf | None":
+def start_search(engine: Engine, request: Request, encoded: list | None = None) -> "RowsOf | None":
     """The validated request's decoder state (None when no token is to be generated: no encoder run): what
-    runtime.search (or runtime.stream) runs. Its rows know their inputs (RowsOf)."""
+    runtime.search (or runtime.stream) runs. Its rows know their inputs (RowsOf). `encoded`: engine.encode's
+    result for the request's inputs (an engine with `encode` takes it as start(encoded=))."""
     opts = request.opts
     if opts.max_new_tokens == 0:
         return None
@@ -136,6 +141,8 @@ def start_search(engine: Engine, request: Request) -> "RowsOf | None":
     extra = {}
     if opts.shortlist and getattr(engine, "shortlist", None) is not None:   # its rows may take their prefixes too
         extra["targets"] = [opts.prefix_ids[i] if opts.prefix_ids else () for i in range(len(ids))]
+    if encoded is not None:
+        extra["encoded"] = encoded
     return RowsOf(engine.start(ids, mask, expand, max_steps(opts), **extra), len(ids), expand)   # encoder runs once
 
 

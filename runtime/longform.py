@@ -62,13 +62,14 @@ def segments_of(tr, tokens: list[int], offset: float, window_frames: int) -> tup
 
 
 def decode_with_fallback(tr, features, opts, temperatures, compression_ratio_threshold, logprob_threshold,
-                         no_speech_prob, no_speech_threshold):
+                         no_speech_prob, no_speech_threshold, encoded=None):
     """The first decode of the window at each temperature in turn that is neither repetitive nor unlikely (or
-    silent: no speech, nothing to retry); the last one when none passes."""
+    silent: no speech, nothing to retry); the last one when none passes. encoded: tr.encode(features[None]),
+    shared by every temperature."""
     window = None
     for t in temperatures:
         o = opts if t == 0 else replace(opts, beam=1, sample=True, temperature=float(t), seed=0)
-        window = tr.decode_window(features, o)
+        window = tr.decode_window(features, o, encoded)
         if (no_speech_threshold is not None and no_speech_prob > no_speech_threshold
                 and logprob_threshold is not None and window.avg_logprob < logprob_threshold):
             return window                                          # silence: no fallback helps
@@ -107,7 +108,8 @@ def transcribe_samples(tr, samples: np.ndarray, language: str | None = None, tas
     segments, seek = [], 0
     while seek < content:
         features = pad_or_trim(mel[:, seek:seek + 3000], 3000)
-        first = tr.first_step(features[None])
+        encoded = tr.encode(features[None])                        # one encoder run serves the whole window
+        first = tr.first_step(features[None], encoded)
         if seek == 0 and tr.language_ids and language in (None, "auto"):
             detected, probability = tr.detect_language(features[None], first)[0]
         lang = detected or lang
@@ -115,7 +117,7 @@ def transcribe_samples(tr, samples: np.ndarray, language: str | None = None, tas
         opts = tr.options(tr.prompt(lang, task, timestamps), timestamps, beam, 0.0, max_new_tokens,
                           max_initial_timestamp)
         window = decode_with_fallback(tr, features, opts, temps, compression_ratio_threshold, logprob_threshold,
-                                      no_speech, no_speech_threshold)
+                                      no_speech, no_speech_threshold, encoded)
         frames = min(3000, content - seek)
         offset = seek * HOP_LENGTH / SAMPLING_RATE
         if (no_speech_threshold is not None and no_speech > no_speech_threshold

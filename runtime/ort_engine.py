@@ -186,19 +186,26 @@ class OrtEngine:
     def decoder(self, session) -> None:
         self.feed.decoder = session
 
+    def encode(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> list:
+        """The encoder's run alone: the cross K/V (2 * layers tensors [B, H, S, Dh]) that start(encoded=) takes,
+        so several decodes of the same inputs (Whisper's first step, then each temperature) share one run."""
+        ids = np.ascontiguousarray(input_ids, dtype=np.float32 if self.feature_shape else np.int64)
+        return self.path.encode(ids, np.ascontiguousarray(attention_mask, dtype=np.int64))
+
     def start(self, input_ids: np.ndarray, attention_mask: np.ndarray, expand: int,
-              max_steps: int | None = None, targets: list | None = None) -> OrtState:
+              max_steps: int | None = None, targets: list | None = None, encoded: list | None = None) -> OrtState:
         """input_ids: token ids [B, S], or an audio encoder's features [B, n_mels, frames] (runtime.generate).
         `targets` (only where the engine has a shortlist): decode on the shortlist of the inputs' source tokens,
         each input's rows restricted to its own candidates and its targets[b] (its forced prefix ids); None: the
-        whole vocabulary."""
+        whole vocabulary. `encoded`: encode(input_ids, attention_mask) already run (the encoder is then skipped;
+        the tensors are only read, never written, so one result serves many states)."""
         ids = np.ascontiguousarray(input_ids, dtype=np.float32 if self.feature_shape else np.int64)   # [B, S]
         mask = np.ascontiguousarray(attention_mask, dtype=np.int64)
         shortlist = None
         if targets is not None:                                        # the projection rows: gathered once, here
             vocab, allowed = self.shortlist.select(ids, mask, targets)
             shortlist = self.feed.select(vocab), allowed
-        cross = self.path.encode(ids, mask)                            # 2 * layers tensors [B, H, S, Dh]
+        cross = self.path.encode(ids, mask) if encoded is None else list(encoded)   # 2 * layers [B, H, S, Dh]
         sources = np.arange(len(ids))
         if expand > 1:                                                 # beam rows b * expand + j share input b
             sources = np.repeat(sources, expand)

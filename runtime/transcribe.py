@@ -114,11 +114,19 @@ class Transcriber:
         known = [t for t in NO_SPEECH_TOKENS if tokenizer._tok.token_to_id(t) is not None]
         self.no_speech = tokenizer._ids(known[:1], "nospeech")[0] if known else None
 
-    def first_step(self, features: np.ndarray) -> np.ndarray:
+    def encode(self, features: np.ndarray):
+        """The encoder's outputs for features [B, mels, frames], for first_step and decode_window to share (one
+        encoder run a window); None for an engine that cannot run its encoder alone (each decode then runs it)."""
+        if not hasattr(self.engine, "encode"):
+            return None
+        return self.engine.encode(*encoder_inputs(self.engine, list(features)))
+
+    def first_step(self, features: np.ndarray, encoded=None) -> np.ndarray:
         """Log-probabilities [B, V] of the decoder's first step from <|startoftranscript|> over features [B, mels,
-        frames]: what detect_language and the no-speech probability read."""
+        frames]: what detect_language and the no-speech probability read. encoded: self.encode(features)."""
         ids, mask = encoder_inputs(self.engine, list(features))
-        state = self.engine.start(ids, mask, 1, 1)
+        extra = {} if encoded is None else {"encoded": encoded}
+        state = self.engine.start(ids, mask, 1, 1, **extra)
         logits = state.step(np.full(len(features), self.engine.bos_id, dtype=np.int64), None)
         return log_softmax(np.asarray(logits, dtype=np.float32))
 
@@ -154,10 +162,11 @@ class Transcriber:
         return SearchOptions(max_new_tokens=new, prefix_ids=(tuple(prompt),), return_logprobs=True, **sampled,
                              **stamps)
 
-    def decode_window(self, features: np.ndarray, opts: SearchOptions) -> Window:
-        """One window's features [mels, frames] decoded with opts: its ids after the prompt, and their scores."""
+    def decode_window(self, features: np.ndarray, opts: SearchOptions, encoded=None) -> Window:
+        """One window's features [mels, frames] decoded with opts: its ids after the prompt, and their scores.
+        encoded: self.encode(features[None]) (the encoder is then not run again)."""
         request = Request.build(self.engine, [features], None, opts)
-        hyp = generate(self.engine, request)[0][0]
+        hyp = generate(self.engine, request, encoded=encoded)[0][0]
         start = len(opts.prefix_ids[0])
         tokens, lps = hyp.tokens[start:], (hyp.logprobs or [])[start:]
         text_ids = [t for t in tokens if t != self.engine.eos_id]

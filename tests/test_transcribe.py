@@ -4,9 +4,10 @@ A tiny random Whisper WITH timestamp tokens is built offline (toolkit/testing/ti
 timestamp tokens after <|notimestamps|>, max_initial_timestamp_index 50) and imported once for the module. Proofs:
 language detection equals detect_language on features whose detected language varies; ids with the timestamp rules
 equal generate(return_timestamps=True)'s first window (timestamps chosen, asserted), greedy on 16 inputs and beam 4
-on 8; openai-whisper's cut of a window into segments and its seek; the command line decodes wav files as the API
-decodes their features (greedy; beam 4 slow); the formats; the errors. Slow: an exported bundle transcribes as
-the checkpoint. Not proven here: ids without timestamps against generate (on this model, whose vocabulary has
+on 8; openai-whisper's cut of a window into segments and its seek; one encoder run a window (every fallback
+temperature shares it); the command line decodes wav files as the API decodes their features (greedy; beam 4
+slow); the formats; the errors. Slow: an exported bundle transcribes as the checkpoint, one encoder session run a
+window. Not proven here: ids without timestamps against generate (on this model, whose vocabulary has
 timestamp tokens, its plain return re-cuts ids at them, and return_dict_in_generate with beams returns one row),
 long-form segments against transformers' long-form generate, and parity on audio clips (the tiny random model gives
 synthesized clips one output).
@@ -137,6 +138,51 @@ def test_audio_past_30_s_goes_window_by_window(whisper):
     assert all(a.start <= b.start for a, b in zip(stamped, stamped[1:])) and stamped[-1].start < 45.0
 
 
+class EncoderRuns:
+    """An engine counting its encoder runs (encode, and start without encoded=); shared=False hides encode, as
+    an engine that cannot run its encoder alone (each decode then runs it: the old path)."""
+
+    def __init__(self, engine, shared: bool):
+        self.engine, self.shared, self.runs = engine, shared, 0
+
+    def __getattr__(self, name):
+        if name == "encode":
+            raise AttributeError(name)
+        return getattr(self.engine, name)
+
+    @property
+    def encode(self):
+        if not self.shared:
+            raise AttributeError("encode")                             # hasattr(engine, "encode") is then False
+        return self.counted_encode
+
+    def counted_encode(self, *args):
+        self.runs += 1
+        return self.engine.encode(*args)
+
+    def start(self, *args, **kwargs):
+        self.runs += kwargs.get("encoded") is None
+        return self.engine.start(*args, **kwargs)
+
+
+def test_each_window_runs_the_encoder_once(whisper):
+    """A 45 s clip whose every decode falls back (logprob_threshold 0: three temperatures a window): the encoder
+    runs once per window (first step and every temperature share it), and the transcription is the one each
+    decode running its own encoder gives."""
+    _, _, _, tr, _, _ = whisper
+    rng = np.random.default_rng(6)
+    audio = (rng.normal(0, 0.1, 16000 * 45) * np.repeat(rng.uniform(0.2, 1.0, 45), 16000)).astype(np.float32)
+    kw = dict(language="en", max_new_tokens=MAX_NEW, temperatures=(0.0, 0.5, 1.0), logprob_threshold=0.0,
+              no_speech_threshold=None)
+    runs = {}
+    for shared in (True, False):
+        engine = EncoderRuns(tr.engine, shared)
+        got = Transcriber.from_engine(engine, tr.tokenizer).transcribe(audio, **kw)
+        runs[shared] = engine.runs, [(s.tokens, s.temperature) for s in got.segments]
+    assert runs[False][0] == 2 * (1 + 3) and runs[True][0] == 2                 # two windows
+    assert runs[True][1] == runs[False][1] and [t for _, t in runs[True][1]] == [1.0, 1.0]
+
+
 def cli_records(ckpt, paths, *flags):
     result = CliRunner().invoke(main, ["transcribe", str(ckpt), *map(str, paths), "--language", "en", "--format",
                                        "json", "--no-fallback", "--max-new-tokens", str(MAX_NEW), *flags])
@@ -205,6 +251,30 @@ def test_an_exported_bundle_transcribes_as_the_checkpoint(whisper):
 
     want = ids(ckpt)
     assert ids(root / "fp32") == want and all(want)
-    got = Transcriber(root / "fp32", provider="cpu").transcribe(paths[1], language="en", max_new_tokens=MAX_NEW,
-                                                              temperatures=(0.0,), no_speech_threshold=None)
-    assert got.segments[0].tokens == cli_records(ckpt, paths[1:2])[0]["segments"][0]["tokens"]
+    bundle = Transcriber(root / "fp32", provider="cpu")
+    runs = SessionRuns(bundle.engine.encoder)
+    bundle.engine.encoder = runs
+    got = bundle.transcribe(paths[1], language="en", max_new_tokens=MAX_NEW, temperatures=(0.0, 0.5),
+                            logprob_threshold=0.0, no_speech_threshold=None)     # every window falls back
+    assert runs.runs == 1 and got.segments[0].temperature == 0.5                # one window: one encoder run
+    assert bundle.transcribe(paths[1], language="en", max_new_tokens=MAX_NEW, temperatures=(0.0,),
+                             no_speech_threshold=None).segments[0].tokens == \
+        cli_records(ckpt, paths[1:2])[0]["segments"][0]["tokens"]
+
+
+class SessionRuns:
+    """An ONNX Runtime session counting its runs (plain and IO-bound)."""
+
+    def __init__(self, session):
+        self.session, self.runs = session, 0
+
+    def __getattr__(self, name):
+        return getattr(self.session, name)
+
+    def run(self, *args, **kwargs):
+        self.runs += 1
+        return self.session.run(*args, **kwargs)
+
+    def run_with_iobinding(self, *args, **kwargs):
+        self.runs += 1
+        return self.session.run_with_iobinding(*args, **kwargs)

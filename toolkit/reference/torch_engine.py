@@ -66,12 +66,20 @@ class TorchEngine:
         self.name = "torch-cache" if use_cache else "torch-nocache"
 
     @torch.no_grad()
-    def start(self, input_ids: np.ndarray, attention_mask: np.ndarray, expand: int,
-              max_steps: int | None = None) -> TorchState:
-        """input_ids: token ids [B, S], or an audio encoder's features [B, n_mels, frames] (runtime.generate)."""
+    def encode(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> list:
+        """The encoder's run alone: the cross K/V pairs that start(encoded=) takes (runtime.ort_engine's encode)."""
         ids = torch.from_numpy(np.ascontiguousarray(input_ids)).to(self.device)
         mask = torch.from_numpy(np.ascontiguousarray(attention_mask)).to(self.device)
-        _, cross = self.model.encode(ids, mask)
+        return list(self.model.encode(ids, mask)[1])
+
+    @torch.no_grad()
+    def start(self, input_ids: np.ndarray, attention_mask: np.ndarray, expand: int,
+              max_steps: int | None = None, encoded: list | None = None) -> TorchState:
+        """input_ids: token ids [B, S], or an audio encoder's features [B, n_mels, frames] (runtime.generate).
+        `encoded`: encode(input_ids, attention_mask) already run (the encoder is then skipped)."""
+        ids = torch.from_numpy(np.ascontiguousarray(input_ids)).to(self.device)
+        mask = torch.from_numpy(np.ascontiguousarray(attention_mask)).to(self.device)
+        cross = self.model.encode(ids, mask)[1] if encoded is None else list(encoded)
         if expand > 1:                                    # beam rows b * expand + j share input b
             mask = mask.repeat_interleave(expand, dim=0)
             cross = [(k.repeat_interleave(expand, 0), v.repeat_interleave(expand, 0)) for k, v in cross]

@@ -6,6 +6,7 @@ bundles."""
 from __future__ import annotations
 
 import copy
+import gzip
 import json
 import re
 import shutil
@@ -238,6 +239,26 @@ class SentencePieceTokenizer:
         path.write_text(json.dumps(self.to_dict(), ensure_ascii=False, indent=2) + "\n")
 
 
+def _read_tokenizer_json(path: Path) -> str:
+    """The text of a Hugging Face tokenizer.json, stored as is or gzip-compressed (a name ending in .gz: bundles
+    since the compact tokenizer, a third of a Unigram model's vocabulary file at most; older bundles keep theirs)."""
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise TokenizerError(f"cannot read {path} ({exc.strerror or exc}); copy the model's tokenizer.json again") \
+            from None
+    if path.suffix == ".gz":
+        try:
+            data = gzip.decompress(data)
+        except (OSError, EOFError) as exc:
+            raise TokenizerError(f"{path} is not a gzip-compressed tokenizer.json ({exc}); re-import the model") \
+                from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise TokenizerError(f"{path} is not UTF-8 text; copy the model's tokenizer.json again") from None
+
+
 def _clean_up_spaces(text: str) -> str:
     """transformers' clean_up_tokenization (applied only where the model's tokenizer config asks for it)."""
     for before, after in ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"),
@@ -316,8 +337,9 @@ class FastTokenizer:
         except ImportError:
             raise TokenizerError("this model's tokenizer needs the tokenizers package; pip install tokenizers") \
                 from None
+        text = _read_tokenizer_json(self.source)
         try:
-            self._tok = Tokenizer.from_file(str(self.source))
+            self._tok = Tokenizer.from_str(text)
         except Exception as exc:                        # the library raises its own Exception for bad files
             first = str(exc).splitlines()[0][:120] if str(exc) else type(exc).__name__
             raise TokenizerError(f"{self.source} is not a Hugging Face tokenizer.json ({first}); copy the model's "
@@ -409,6 +431,13 @@ class FastTokenizer:
     def save(self, path: str | Path) -> None:
         """Write tokenizer.json at path and copy the original's file beside it."""
         path = Path(path)
-        if self.source.resolve() != (path.parent / self.spec["file"]).resolve():
-            shutil.copyfile(self.source, path.parent / self.spec["file"])
+        target = path.parent / self.spec["file"]
+        if self.source.resolve() != target.resolve():
+            if target.suffix == ".gz" and self.source.suffix != ".gz":
+                # mtime 0: the same tokenizer gives the same bytes (the manifest hashes them)
+                target.write_bytes(gzip.compress(self.source.read_bytes(), compresslevel=9, mtime=0))
+            elif target.suffix != ".gz" and self.source.suffix == ".gz":
+                target.write_bytes(gzip.decompress(self.source.read_bytes()))
+            else:
+                shutil.copyfile(self.source, target)
         path.write_text(json.dumps(self.to_dict(), ensure_ascii=False, indent=2) + "\n")

@@ -9,6 +9,7 @@ must equal `tok.decode(ids, skip_special_tokens=True)`.
 
 from __future__ import annotations
 
+import gzip
 import json
 
 import numpy as np
@@ -75,10 +76,39 @@ def test_decode_equals_the_originals(pair):
 def test_saved_and_loaded_without_the_original_directory(pair, tmp_path):
     name, theirs, ours = pair
     ours.save(tmp_path / "tokenizer.json")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf_tokenizer.json", "tokenizer.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf_tokenizer.json.gz", "tokenizer.json"]
+    stored = tmp_path / "hf_tokenizer.json.gz"
+    original = ours.source.read_bytes() if ours.source.suffix != ".gz" else gzip.decompress(ours.source.read_bytes())
+    assert gzip.decompress(stored.read_bytes()) == original                 # lossless: the original's bytes
+    assert stored.stat().st_size < len(original) / 2
     again = load_tokenizer(tmp_path / "tokenizer.json")
-    assert isinstance(again, FastTokenizer) and again.encode(TEXTS[1]) == ours.encode(TEXTS[1])
-    assert again.files == ["hf_tokenizer.json"]
+    assert isinstance(again, FastTokenizer) and again.files == ["hf_tokenizer.json.gz"]
+    assert [again.encode(t) for t in TEXTS] == [ours.encode(t) for t in TEXTS]
+    (tmp_path / "copy").mkdir()
+    again.save(tmp_path / "copy" / "tokenizer.json")
+    assert (tmp_path / "copy" / "hf_tokenizer.json.gz").read_bytes() == stored.read_bytes()   # same bytes again
+
+
+def test_a_bundle_with_a_plain_hf_tokenizer_json_still_loads(pair, tmp_path):
+    """Checkpoints and bundles made before the compressed file name hf_tokenizer.json and store it as is."""
+    name, theirs, ours = pair
+    ours.save(tmp_path / "tokenizer.json")
+    spec = json.loads((tmp_path / "tokenizer.json").read_text())
+    (tmp_path / "hf_tokenizer.json").write_bytes(gzip.decompress((tmp_path / "hf_tokenizer.json.gz").read_bytes()))
+    (tmp_path / "hf_tokenizer.json.gz").unlink()
+    (tmp_path / "tokenizer.json").write_text(json.dumps({**spec, "file": "hf_tokenizer.json"}))
+    old = load_tokenizer(tmp_path / "tokenizer.json")
+    assert old.files == ["hf_tokenizer.json"]
+    assert [old.encode(t) for t in TEXTS] == [ours.encode(t) for t in TEXTS]
+
+
+def test_a_damaged_compressed_tokenizer_is_refused(pair, tmp_path):
+    name, theirs, ours = pair
+    ours.save(tmp_path / "tokenizer.json")
+    stored = tmp_path / "hf_tokenizer.json.gz"
+    stored.write_bytes(stored.read_bytes()[:200])
+    with pytest.raises(TokenizerError, match="not a gzip-compressed tokenizer.json.*re-import"):
+        load_tokenizer(tmp_path / "tokenizer.json")
 
 
 def test_bad_tokenizer_files_are_refused(tmp_path):

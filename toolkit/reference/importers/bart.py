@@ -249,7 +249,7 @@ def family_tokenizer(directory: Path, config: ModelConfig, files: Path | None = 
                             f"whose source framing is unknown (known: {', '.join(sorted(FRAMINGS))})")
     prefix, suffix, default_lang = FRAMINGS[key]
     names = {"{bos}": _token(tc.get("bos_token", "<s>")), "{eos}": _token(tc.get("eos_token", "</s>"))}
-    spec = {"file": "hf_tokenizer.json", "source_prefix": [names.get(t, t) for t in prefix],
+    spec = {"file": "hf_tokenizer.json.gz", "source_prefix": [names.get(t, t) for t in prefix],
             "source_suffix": [names.get(t, t) for t in suffix], "src_lang": tc.get("src_lang") or default_lang,
             "eos": names["{eos}"], "pad": _token(tc.get("pad_token", "<pad>")),
             "clean_up_tokenization_spaces": bool(tc.get("clean_up_tokenization_spaces", False))}

@@ -64,7 +64,7 @@ def whisper_tokenizer(directory: Path, config: ModelConfig):
     if absent:
         raise ImportRefused(f"{directory}/tokenizer.json lacks Whisper's prompt token(s) {', '.join(absent[:4])}; "
                             f"it is not a Whisper tokenizer")
-    spec = {"file": "hf_tokenizer.json", "source_prefix": [], "source_suffix": [], "eos": eos, "pad": pad,
+    spec = {"file": "hf_tokenizer.json.gz", "source_prefix": [], "source_suffix": [], "eos": eos, "pad": pad,
             "languages": codes, "language_token": "<|{lang}|>", "decoder_prompt": prompt,
             "tasks": list(TASKS) if codes else [], "clean_up_tokenization_spaces": False}
     try:

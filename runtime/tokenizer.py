@@ -239,7 +239,7 @@ class SentencePieceTokenizer:
         path.write_text(json.dumps(self.to_dict(), ensure_ascii=False, indent=2) + "\n")
 
 
-def _read_tokenizer_json(path: Path) -> str:
+def read_tokenizer_json(path: Path) -> str:
     """The text of a Hugging Face tokenizer.json, stored as is or gzip-compressed (a name ending in .gz: bundles
     since the compact tokenizer, a third of a Unigram model's vocabulary file at most; older bundles keep theirs)."""
     try:
@@ -337,7 +337,7 @@ class FastTokenizer:
         except ImportError:
             raise TokenizerError("this model's tokenizer needs the tokenizers package; pip install tokenizers") \
                 from None
-        text = _read_tokenizer_json(self.source)
+        text = read_tokenizer_json(self.source)
         try:
             self._tok = Tokenizer.from_str(text)
         except Exception as exc:                        # the library raises its own Exception for bad files

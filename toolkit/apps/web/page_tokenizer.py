@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 
 from runtime.errors import InputError
-from runtime.tokenizer import FastTokenizer, SentencePieceTokenizer, load_tokenizer
+from runtime.tokenizer import FastTokenizer, SentencePieceTokenizer, load_tokenizer, read_tokenizer_json
 
 PAGE_TOKENIZER = "page-tokenizer.json"
 UNIGRAM = 1                             # sentencepiece's ModelProto.TrainerSpec.model_type of a unigram model
@@ -80,6 +80,6 @@ def page_tokenizer(path: Path) -> dict:
                 "source_vocab": tok.source_vocab, "target_vocab": tok.target_vocab,
                 "decode": decode_pieces(bundle / spec[side]), "specials": tok.specials}
     if isinstance(tok, FastTokenizer):
-        return {**spec, "tokenizer": json.loads((bundle / spec["file"]).read_text())}
+        return {**spec, "tokenizer": json.loads(read_tokenizer_json(bundle / spec["file"]))}
     raise InputError(f"{bundle}: its tokenizer is {kind!r}; the web page runs character, SentencePiece (Marian) and "
                      f"tokenizer.json tokenizers: use onnxformer serve for this bundle")

@@ -84,11 +84,7 @@ def random_whisper(directory: str | Path, seed: int = 0, inputs: int = 16, times
     directory.mkdir(parents=True, exist_ok=True)
     ids = byte_bpe(directory, timestamps)
     gen = generation_config(ids, timestamps)
-    config = transformers.WhisperConfig(vocab_size=ids["vocab_size"], **SIZES, pad_token_id=gen["pad_token_id"],
-                                        bos_token_id=gen["bos_token_id"], eos_token_id=gen["eos_token_id"],
-                                        decoder_start_token_id=gen["decoder_start_token_id"],
-                                        suppress_tokens=gen["suppress_tokens"],
-                                        begin_suppress_tokens=gen["begin_suppress_tokens"])
+    config = whisper_config(ids, gen)
     torch.manual_seed(seed)
     model = transformers.WhisperForConditionalGeneration(config).eval()
     with torch.no_grad():
@@ -108,6 +104,17 @@ def random_whisper(directory: str | Path, seed: int = 0, inputs: int = 16, times
     model.save_pretrained(directory)
     (directory / "generation_config.json").write_text(json.dumps(gen, indent=2))
     return model, features
+
+
+def whisper_config(ids: dict, gen: dict):
+    """The WhisperConfig of SIZES over byte_bpe's ids, its special and suppressed ids generation_config's."""
+    import transformers
+
+    return transformers.WhisperConfig(vocab_size=ids["vocab_size"], **SIZES, pad_token_id=gen["pad_token_id"],
+                                      bos_token_id=gen["bos_token_id"], eos_token_id=gen["eos_token_id"],
+                                      decoder_start_token_id=gen["decoder_start_token_id"],
+                                      suppress_tokens=gen["suppress_tokens"],
+                                      begin_suppress_tokens=gen["begin_suppress_tokens"])
 
 
 def suppress_chosen(model, gen: dict, features) -> dict:
@@ -138,5 +145,5 @@ def sample_features(inputs: int, seed: int):
     return noise * 0.5 + profile
 
 
-__all__ = ["random_whisper", "byte_bpe", "generation_config", "sample_features", "LANGUAGES", "SPECIALS", "SIZES",
+__all__ = ["random_whisper", "byte_bpe", "generation_config", "whisper_config", "sample_features", "LANGUAGES", "SPECIALS", "SIZES",
            "TIMESTAMPS", "MAX_INITIAL_TIMESTAMP"]

@@ -1,0 +1,145 @@
+"""A tiny Whisper trained here on espeak-ng speech (toolkit/testing/tiny_whisper_speech.py), exported and optimized,
+against transformers' WhisperForConditionalGeneration on held-out clips (slow: the training, cached under
+out/whisper-speech, takes minutes the first time; export and optimize).
+
+Proofs, on clips the model was not trained on: language detection equals detect_language (and varies); greedy and
+beam-4 ids with timestamps equal generate(return_timestamps=True)'s (outputs vary, timestamp tokens present);
+long-form on a clip past 30 s: the first window's segments equal generate's long-form segments (times and ids),
+and the last window's ids equal generate's when decoded from transformers' zero padding (runtime.longform pads with
+openai-whisper's log-mel of silence, so there the two differ); the int8 gate (xfail: it misses, see the test).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("soundfile")
+
+from runtime.generate import generate  # noqa: E402
+from runtime.request import Request  # noqa: E402
+from runtime.transcribe import Transcriber  # noqa: E402
+from toolkit.apps.cli import main  # noqa: E402
+from toolkit.testing.tiny_whisper_speech import trained_whisper  # noqa: E402
+
+pytestmark = pytest.mark.slow
+CACHE = Path(__file__).resolve().parents[1] / "out" / "whisper-speech"
+MAX_NEW = 12
+
+
+def cli(*args):
+    result = CliRunner().invoke(main, [str(a) for a in args])
+    assert result.exit_code == 0, result.output
+    return result
+
+
+@pytest.fixture(scope="module")
+def speech(tmp_path_factory):
+    """(transformers model, held-out features [n, 80, 3000], held-out clips, {"fp32": bundle, "fused": bundle})."""
+    import shutil
+
+    if shutil.which("espeak-ng") is None:
+        pytest.skip("espeak-ng is missing: apt-get install -y espeak-ng")
+    model, held = trained_whisper(CACHE)
+    root = tmp_path_factory.mktemp("whisper-speech")
+    cli("import", CACHE / "model", "--out", root / "ckpt")
+    cli("export", root / "ckpt", "--out", root / "fp32")
+    cli("optimize", root / "fp32", "--out", root / "fused")
+    features = torch.from_numpy(np.stack([h[0] for h in held]))
+    return model, features, held, {"fp32": root / "fp32", "fused": root / "fused"}
+
+
+def detected(model, features) -> list[str]:
+    with torch.no_grad():
+        ids = model.detect_language(features).tolist()
+    names = {v: k.strip("<|>") for k, v in model.generation_config.lang_to_id.items()}
+    return [names[i] for i in ids]
+
+
+def test_language_detection_equals_detect_language(speech):
+    model, features, held, paths = speech
+    want = detected(model, features)
+    assert len(set(want)) == 2, want                                    # detection varies over the clips
+    right = sum(w == h[1] for w, h in zip(want, held))
+    assert right >= len(held) * 3 // 4, (right, want)                   # it learned the voices' languages
+    got = Transcriber(paths["fused"], provider="cpu").detect_language(features.numpy())
+    assert [code for code, _ in got] == want
+
+
+@pytest.mark.parametrize("name,beams", [("fp32", 1), ("fused", 1), ("fused", 4)])
+def test_timestamp_ids_equal_generate_on_held_out_clips(speech, name, beams):
+    model, features, held, paths = speech
+    langs = detected(model, features)
+    with torch.no_grad():
+        out = model.generate(features, language=langs, task="transcribe", return_timestamps=True, num_beams=beams,
+                             max_new_tokens=MAX_NEW, return_segments=True)
+    tr = Transcriber(paths[name], provider="cpu")
+    eos, prompts = model.generation_config.eos_token_id, [tr.prompt(lang, "transcribe", True) for lang in langs]
+    want = []
+    for i, prompt in enumerate(prompts):                               # each clip's raw ids after its prompt
+        row = out["segments"][i][0]["result"].tolist()[1 + len(prompt):]
+        want.append(row[: row.index(eos) + 1] if eos in row else row)
+    assert len({tuple(r) for r in want}) >= 4, want                   # outputs vary by clip
+    stamps = [t for r in want for t in r if t >= tr.timestamp_begin]
+    assert all(t >= tr.timestamp_begin for t in (r[0] for r in want)) and len(set(stamps)) >= 3, want
+    opts = replace(tr.options(prompts[0], True, beams, max_new_tokens=MAX_NEW),
+                   prefix_ids=tuple(tuple(p) for p in prompts))
+    hyps = generate(tr.engine, Request.build(tr.engine, list(features.numpy()), None, opts))
+    assert [h[0].tokens[len(p):] for h, p in zip(hyps, prompts)] == want
+
+
+def long_clip(held, seconds: float = 42.0) -> np.ndarray:
+    """Held-out clips one after another, 1.5 s of silence after each, until past `seconds`."""
+    pieces, total, i = [], 0, 0
+    gap = np.zeros(24000, dtype=np.float32)
+    while total < seconds * 16000:
+        pieces += [held[i % len(held)][3], gap]
+        total += len(pieces[-2]) + len(gap)
+        i += 1
+    return np.concatenate(pieces)
+
+
+def test_long_form_segments_equal_generate_long_form(speech):
+    from runtime.longform import whole_mel
+
+    model, _, held, paths = speech
+    audio = long_clip(held)
+    mel, content = whole_mel(audio, 80)
+    features = torch.from_numpy(mel[None, :, :content])
+    with torch.no_grad():
+        out = model.generate(features, attention_mask=torch.ones(1, content, dtype=torch.long), language="en",
+                             task="transcribe", return_timestamps=True, return_segments=True,
+                             condition_on_prev_tokens=False, temperature=0.0, max_new_tokens=MAX_NEW,
+                             logprob_threshold=None, no_speech_threshold=None, compression_ratio_threshold=None)
+    eos = model.generation_config.eos_token_id
+    want = [(round(float(s["start"]), 3), round(float(s["end"]), 3), [t for t in s["tokens"].tolist() if t != eos])
+            for s in out["segments"][0]]
+    assert len(want) >= 2 and want[-1][0] >= 30.0, want                # a segment past the first window
+    got = Transcriber(paths["fused"], provider="cpu").transcribe(
+        audio, language="en", timestamps=True, temperatures=(0.0,), max_new_tokens=MAX_NEW,
+        no_speech_threshold=None, logprob_threshold=None, compression_ratio_threshold=None)
+    got = [(s.start, s.end, s.tokens) for s in got.segments]
+    first = [g for g in got if g[0] < 30.0]
+    assert first == [w for w in want if w[0] < 30.0] and len(got) == len(want)   # the full window: equal
+    # The last window runs past the audio: transformers pads its slice of the log-mel with 0.0, openai-whisper (and
+    # runtime.longform) with the log-mel of silence; decoded from transformers' padding, its ids are generate's.
+    tr = Transcriber(paths["fused"], provider="cpu")
+    opts = tr.options(tr.prompt("en", "transcribe", True), True, max_new_tokens=MAX_NEW)
+    zero = np.pad(mel[:, 3000:content], ((0, 0), (0, 6000 - content)))
+    assert [t for t in tr.decode_window(zero, opts).tokens if t != eos] == want[len(first)][2]
+
+
+@pytest.mark.xfail(strict=True, reason="optimize's int8 gate judges on random log-mel features, not speech: every "
+                   "recipe 95.7-97.7% greedy tokens against 98% on this model (README, Transcribe)")
+def test_int8_bundle_passes_the_gate(speech, tmp_path):
+    _, _, _, paths = speech
+    cli("optimize", paths["fp32"], "--out", tmp_path / "int8", "--precision", "int8")
+    manifest = json.loads((tmp_path / "int8" / "manifest.json").read_text())
+    assert manifest["parity"]["verified"] is True, manifest["parity"].get("summary")

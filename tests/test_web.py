@@ -222,10 +222,9 @@ def _node_tokenize(spec: dict, texts: list[str], id_lists: list[list[int]], tmp_
     (tmp_path / web.PAGE_TOKENIZER).write_text(json.dumps(spec, ensure_ascii=False))
     (tmp_path / "io.json").write_text(json.dumps({"texts": texts, "ids": id_lists, "src": src_lang}))
     script = ("import { readFileSync } from 'node:fs'; import { tokenizerOf } from './text.js';"
-              f"const t = tokenizerOf(JSON.parse(readFileSync('{web.PAGE_TOKENIZER}', 'utf8')), "
-              "JSON.parse(readFileSync('io.json', 'utf8')).src ?? undefined);"
+              f"const t = tokenizerOf(JSON.parse(readFileSync('{web.PAGE_TOKENIZER}', 'utf8')));"
               "const io = JSON.parse(readFileSync('io.json', 'utf8'));"
-              "process.stdout.write(JSON.stringify({ ids: io.texts.map((x) => t.encode(x)),"
+              "process.stdout.write(JSON.stringify({ ids: io.texts.map((x) => t.encode(x, io.src ?? undefined)),"
               " texts: io.ids.map((x) => t.decode(x)) }));")
     (tmp_path / "run.mjs").write_text(script)
     done = subprocess.run(["node", "run.mjs"], cwd=tmp_path, capture_output=True, text=True, timeout=120)

@@ -69,9 +69,7 @@ class Model {
     // one session at a time: the WebGPU EP refuses a second while one is being created
     const encoder = await session(manifest.graphs.encoder), decoder = await session(manifest.graphs.decoder);
     const tok = await fetchJson("page-tokenizer.json");
-    const model = new Model(manifest, layout, encoder, decoder, tokenizerOf(tok));
-    model.tokenizerSpec = tok;
-    return model;
+    return new Model(manifest, layout, encoder, decoder, tokenizerOf(tok));
   }
   constructor(manifest, layout, encoder, decoder, tokenizer) {
     Object.assign(this, { manifest, layout, encoder, decoder, tokenizer });
@@ -89,6 +87,7 @@ class Model {
     if ((c.begin_suppress_tokens || []).length)   // not applied by this search: refuse rather than differ
       throw new Error("this bundle suppresses tokens at the first step (begin_suppress_tokens), which the page does not do yet");
     this.suppress = [...new Set([...(c.suppress_pad ? [c.pad_id] : []), ...(c.suppress_tokens || [])])];
+    this.suppressWithEos = [...new Set([...this.suppress, c.eos_id])];   // before minNewTokens (banned)
   }
 
   async encode(ids) {
@@ -167,7 +166,7 @@ function argmax(row) {                // the first of equal maxima, as numpy's a
 }
 
 function banned(model, step, minNew) {   // the ids not to choose at this step: the bundle's, EOS before minNew
-  return step < minNew ? [...model.suppress, model.config.eos_id] : model.suppress;
+  return step < minNew ? model.suppressWithEos : model.suppress;
 }
 
 function suppressed(row, ids) {
@@ -276,8 +275,7 @@ async function translateIds(model, sources, { beam = 1, maxNewTokens, minNewToke
 }
 
 async function translate(model, texts, opts = {}) {
-  const tok = opts.srcLang === undefined ? model.tokenizer : tokenizerOf(model.tokenizerSpec, opts.srcLang);
-  const answers = await translateIds(model, texts.map((t) => tok.encode(t)), opts);
+  const tok = model.tokenizer, answers = await translateIds(model, texts.map((t) => tok.encode(t, opts.srcLang)), opts);
   return answers.map((a) => ({ ...a, text: tok.decode(a.ids) }));
 }
 
@@ -289,8 +287,7 @@ async function main() {
       translate: (texts, opts) => translate(model, texts, opts),
       translateIds: (ids, opts) => translateIds(model, ids, opts),
       generate: (ids, opts) => translateIds(model, ids, opts),
-      encode: (texts, srcLang) => texts.map((t) => (srcLang === undefined ? model.tokenizer
-        : tokenizerOf(model.tokenizerSpec, srcLang)).encode(t)),
+      encode: (texts, srcLang) => texts.map((t) => model.tokenizer.encode(t, srcLang)),
       decode: (idLists) => idLists.map((ids) => model.tokenizer.decode(ids)), manifest: model.manifest };
     status.textContent = "ready";
     document.getElementById("go").onclick = async () => {

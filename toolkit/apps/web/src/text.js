@@ -1,6 +1,6 @@
 // The bundle's tokenizer in the page, as runtime/tokenizer.py does it: ids equal, texts equal. It reads
 // page-tokenizer.json (toolkit/apps/web/page_tokenizer.py writes it at `onnxformer web` time):
-//   tokenizerOf(spec) -> { encode(text) -> ids, decode(ids) -> text, pieces?(text) }
+//   tokenizerOf(spec) -> { encode(text, srcLang?) -> ids, decode(ids) -> text, pieces?(text) }
 // char: CharTokenizer; sentencepiece (Marian): pieces by @huggingface/tokenizers over the .spm converted to a
 // Unigram tokenizer.json, ids by the bundle's vocabularies; hf-tokenizers (NLLB, mBART): its tokenizer.json.
 import { Tokenizer } from "./tokenizers.min.mjs";
@@ -83,13 +83,19 @@ class SentencePieceTokenizer {
 
 // --- a Hugging Face tokenizer.json with our framing (FastTokenizer: NLLB, mBART, BART) ---
 class FastTokenizer {
-  constructor(spec, srcLang) {
+  constructor(spec) {
     this.spec = spec;
-    this.tok = new Tokenizer(spec.tokenizer, {});
+    this.tok = new Tokenizer(spec.tokenizer, {});      // parsed once: every source language shares it
     this.vocabSize = this.tok.get_vocab(true).size;     // get_vocab_size(with_added_tokens=True)
-    const lang = srcLang ?? spec.src_lang;
-    this.prefix = this.ids(spec.source_prefix || [], { "{src_lang}": this.languageToken(lang) });
-    this.suffix = this.ids(spec.source_suffix || [], { "{src_lang}": this.languageToken(lang) });
+    this.framings = new Map();                          // source language -> [prefix ids, suffix ids]
+  }
+  framing(srcLang) {                  // the source framing's ids for a language (the bundle's src_lang by default)
+    const lang = srcLang ?? this.spec.src_lang;
+    if (!this.framings.has(lang)) {
+      const names = { "{src_lang}": this.languageToken(lang) };
+      this.framings.set(lang, [this.ids(this.spec.source_prefix || [], names), this.ids(this.spec.source_suffix || [], names)]);
+    }
+    return this.framings.get(lang);
   }
   languageToken(code) { return String(this.spec.language_token || "{lang}").replace("{lang}", String(code)); }
   ids(tokens, names) {
@@ -105,8 +111,9 @@ class FastTokenizer {
     if (tgtLang === undefined) throw new Error("this model is multilingual: give tgtLang, e.g. " + this.spec.languages?.[0]);
     return this.ids(this.spec.target_start, { "{tgt_lang}": this.languageToken(tgtLang) });
   }
-  encode(text) {
-    return [...this.prefix, ...this.tok.encode(text, { add_special_tokens: false }).ids, ...this.suffix];
+  encode(text, srcLang) {
+    const [prefix, suffix] = this.framing(srcLang);
+    return [...prefix, ...this.tok.encode(text, { add_special_tokens: false }).ids, ...suffix];
   }
   decode(ids) {
     const kept = ids.filter((i) => i < this.vocabSize);      // the library refuses an empty list: "" as tokenizers
@@ -115,10 +122,11 @@ class FastTokenizer {
   }
 }
 
-function tokenizerOf(spec, srcLang) {
+// encode(text, srcLang?): srcLang matters only to a multilingual tokenizer.json's framing (the others ignore it)
+function tokenizerOf(spec) {
   if (spec.type === "char") return new CharTokenizer(spec);
   if (spec.type === "sentencepiece") return new SentencePieceTokenizer(spec);
-  if (spec.type === "hf-tokenizers") return new FastTokenizer(spec, srcLang);
+  if (spec.type === "hf-tokenizers") return new FastTokenizer(spec);
   throw new Error(`tokenizer type ${spec.type} is not supported in the browser`);
 }
 

@@ -7,10 +7,11 @@ equal generate(return_timestamps=True)'s first window (timestamps chosen, assert
 on 8; openai-whisper's cut of a window into segments and its seek; one encoder run a window (every fallback
 temperature shares it); the command line decodes wav files as the API decodes their features (greedy; beam 4
 slow); the formats; the errors. Slow: an exported bundle transcribes as the checkpoint, one encoder session run a
-window. Not proven here: ids without timestamps against generate (on this model, whose vocabulary has
-timestamp tokens, its plain return re-cuts ids at them, and return_dict_in_generate with beams returns one row),
-long-form segments against transformers' long-form generate, and parity on audio clips (the tiny random model gives
-synthesized clips one output).
+window; long-form segments equal transformers' long-form generate's (seek by the last timestamp; a window past the
+audio's end compared on transformers' zero padding, see the test). Not proven here: ids without timestamps against
+generate (on this model, whose vocabulary has timestamp tokens, its plain return re-cuts ids at them, and
+return_dict_in_generate with beams returns one row), and parity on audio clips (the tiny random model gives
+synthesized clips one output: tests/test_whisper_speech.py has a model trained on speech).
 """
 
 from __future__ import annotations
@@ -137,6 +138,59 @@ def test_audio_past_30_s_goes_window_by_window(whisper):
     assert stamped and all(0 <= a.start <= a.end for a in stamped)
     assert all(a.start <= b.start for a, b in zip(stamped, stamped[1:])) and stamped[-1].start < 45.0
 
+
+
+def hf_long_form(model, audio: np.ndarray, max_new: int) -> list[tuple]:
+    """transformers' sequential long-form generate on the clip's log-mel (runtime.longform.whole_mel's, cut at the
+    audio's frames), greedy: [(start s, end s, ids)], the end token dropped, and the timestamp transformers keeps
+    after a window's last pair (its mark of "no lone ending"; openai-whisper's segment, and ours, end before it)."""
+    from runtime.longform import whole_mel
+
+    mel, content = whole_mel(audio, 80)
+    with torch.no_grad():
+        out = model.generate(torch.from_numpy(mel[None, :, :content]), attention_mask=torch.ones(1, content).long(),
+                             language="en", task="transcribe", return_timestamps=True, return_segments=True,
+                             condition_on_prev_tokens=False, temperature=0.0, max_new_tokens=max_new,
+                             logprob_threshold=None, no_speech_threshold=None, compression_ratio_threshold=None)
+    eos, begin = model.generation_config.eos_token_id, model.generation_config.no_timestamps_token_id + 1
+    segments = []
+    for s in out["segments"][0]:
+        ids = [t for t in s["tokens"].tolist() if t != eos]
+        segments.append((round(float(s["start"]), 3), round(float(s["end"]), 3),
+                         ids[:-1] if len(ids) >= 2 and min(ids[-2:]) >= begin else ids))
+    return segments
+
+
+def test_long_form_segments_equal_transformers_long_form(whisper):
+    """A 75 s clip, 10 new tokens a window (each window then ends inside a timestamp pair): windows start at the
+    last timestamp (0, 25, 50 s), and every segment of the windows inside the clip equals transformers' long-form
+    generate's. The last window runs past the audio: transformers pads its slice of the log-mel with 0.0,
+    runtime.longform (as openai-whisper and faster-whisper do) with the log-mel of silence; decoded from
+    transformers' padding, its segments are generate's. A 60 s clip at 12 new tokens a window (each ends with a lone
+    timestamp: the next window starts 30 s on) has only full windows: all its segments are equal."""
+    from runtime.longform import segments_of, whole_mel
+
+    model, _, _, tr, _, _ = whisper
+    rng = np.random.default_rng(5)
+    audio = (rng.normal(0, 0.1, 16000 * 75) * np.repeat(rng.uniform(0.2, 1.0, 75), 16000)).astype(np.float32)
+    off = dict(temperatures=(0.0,), no_speech_threshold=None, logprob_threshold=None, compression_ratio_threshold=None)
+    got = tr.transcribe(audio, language="en", timestamps=True, max_new_tokens=10, **off).segments
+    want = hf_long_form(model, audio, 10)
+    seeks = sorted({s.seek for s in got})
+    assert len(seeks) >= 3 and any(at % 3000 for at in seeks), seeks          # seeks by the last timestamp
+    assert len({tuple(s.tokens) for s in got}) >= 4, [s.tokens for s in got]   # the segments vary
+    inside = [(s.start, s.end, s.tokens) for s in got if s.seek + 3000 <= 7500]
+    assert len([at for at in seeks if at + 3000 > 7500]) == 1 and len(inside) >= 6, seeks   # one partial window
+    assert inside == want[:len(inside)]
+    mel, content = whole_mel(audio, 80)
+    zero = np.pad(mel[:, seeks[-1]:content], ((0, 0), (0, seeks[-1] + 3000 - content)))
+    opts = tr.options(tr.prompt("en", "transcribe", True), True, max_new_tokens=10)
+    pieces, _ = segments_of(tr, tr.decode_window(zero, opts).tokens, seeks[-1] / 100, content - seeks[-1])
+    assert [(round(a, 3), round(b, 3), ids) for a, b, ids in pieces] == want[len(inside):]
+    full = audio[:16000 * 60]
+    got = tr.transcribe(full, language="en", timestamps=True, max_new_tokens=MAX_NEW, **off).segments
+    assert sorted({s.seek for s in got}) == [0, 3000]
+    assert [(s.start, s.end, s.tokens) for s in got] == hf_long_form(model, full, MAX_NEW)
 
 class EncoderRuns:
     """An engine counting its encoder runs (encode, and start without encoded=); shared=False hides encode, as

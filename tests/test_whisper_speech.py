@@ -6,7 +6,8 @@ Proofs, on clips the model was not trained on: language detection equals detect_
 beam-4 ids with timestamps equal generate(return_timestamps=True)'s (outputs vary, timestamp tokens present);
 long-form on a clip past 30 s: the first window's segments equal generate's long-form segments (times and ids),
 and the last window's ids equal generate's when decoded from transformers' zero padding (runtime.longform pads with
-openai-whisper's log-mel of silence, so there the two differ); the int8 gate (xfail: it misses, see the test).
+openai-whisper's log-mel of silence, so there the two differ); on the clip with silence after it up to 60 s (every
+window full) all segments are equal; the int8 gate (xfail: it misses, see the test).
 """
 
 from __future__ import annotations
@@ -106,11 +107,11 @@ def long_clip(held, seconds: float = 42.0) -> np.ndarray:
     return np.concatenate(pieces)
 
 
-def test_long_form_segments_equal_generate_long_form(speech):
+def hf_segments(model, audio: np.ndarray) -> tuple[list[tuple], np.ndarray, int]:
+    """transformers' long-form generate's [(start s, end s, ids)] on the clip's log-mel (runtime.longform.whole_mel,
+    cut at the audio's frames), greedy with timestamps; and that log-mel and its frame count."""
     from runtime.longform import whole_mel
 
-    model, _, held, paths = speech
-    audio = long_clip(held)
     mel, content = whole_mel(audio, 80)
     features = torch.from_numpy(mel[None, :, :content])
     with torch.no_grad():
@@ -119,13 +120,23 @@ def test_long_form_segments_equal_generate_long_form(speech):
                              condition_on_prev_tokens=False, temperature=0.0, max_new_tokens=MAX_NEW,
                              logprob_threshold=None, no_speech_threshold=None, compression_ratio_threshold=None)
     eos = model.generation_config.eos_token_id
-    want = [(round(float(s["start"]), 3), round(float(s["end"]), 3), [t for t in s["tokens"].tolist() if t != eos])
-            for s in out["segments"][0]]
-    assert len(want) >= 2 and want[-1][0] >= 30.0, want                # a segment past the first window
-    got = Transcriber(paths["fused"], provider="cpu").transcribe(
+    return [(round(float(s["start"]), 3), round(float(s["end"]), 3), [t for t in s["tokens"].tolist() if t != eos])
+            for s in out["segments"][0]], mel, content
+
+
+def ours(paths, audio: np.ndarray) -> list:
+    return Transcriber(paths["fused"], provider="cpu").transcribe(
         audio, language="en", timestamps=True, temperatures=(0.0,), max_new_tokens=MAX_NEW,
-        no_speech_threshold=None, logprob_threshold=None, compression_ratio_threshold=None)
-    got = [(s.start, s.end, s.tokens) for s in got.segments]
+        no_speech_threshold=None, logprob_threshold=None, compression_ratio_threshold=None).segments
+
+
+def test_long_form_segments_equal_generate_long_form(speech):
+    model, _, held, paths = speech
+    audio = long_clip(held)
+    want, mel, content = hf_segments(model, audio)
+    eos = model.generation_config.eos_token_id
+    assert len(want) >= 2 and want[-1][0] >= 30.0, want                # a segment past the first window
+    got = [(s.start, s.end, s.tokens) for s in ours(paths, audio)]
     first = [g for g in got if g[0] < 30.0]
     assert first == [w for w in want if w[0] < 30.0] and len(got) == len(want)   # the full window: equal
     # The last window runs past the audio: transformers pads its slice of the log-mel with 0.0, openai-whisper (and
@@ -135,6 +146,18 @@ def test_long_form_segments_equal_generate_long_form(speech):
     zero = np.pad(mel[:, 3000:content], ((0, 0), (0, 6000 - content)))
     assert [t for t in tr.decode_window(zero, opts).tokens if t != eos] == want[len(first)][2]
 
+
+
+def test_long_form_segments_equal_where_every_window_is_full(speech):
+    """The same clip with silence (zero samples) after it up to 60 s: its second window ends where the audio ends,
+    so no window is padded, and every segment, the second window's too, equals generate's."""
+    model, _, held, paths = speech
+    audio = long_clip(held)
+    audio = np.pad(audio, (0, 16000 * 60 - len(audio)))
+    got = ours(paths, audio)
+    assert sorted({s.seek for s in got}) == [0, 3000], [s.seek for s in got]     # two full windows, none padded
+    want, _, _ = hf_segments(model, audio)
+    assert [(s.start, s.end, s.tokens) for s in got] == want and len(want) >= 2 and want[-1][0] >= 30.0, want
 
 @pytest.mark.xfail(strict=True, reason="optimize's int8 gate judges on random log-mel features, not speech: every "
                    "recipe 95.7-97.7% greedy tokens against 98% on this model (README, Transcribe)")

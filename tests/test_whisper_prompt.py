@@ -115,8 +115,9 @@ def clip(seconds: int, seed: int = 5) -> np.ndarray:
 
 def test_windows_are_conditioned_on_the_prompt_and_the_previous_text(prompted):
     """A 45 s clip, at temperature 0: window 1 decodes after the prompt; window 2 after nothing, or (conditioned)
-    after the prompt and window 1's ids; each window's no-speech probability is read after its own prompt."""
-    _, _, _, tr, _ = prompted
+    after the prompt and window 1's ids; each window's no-speech probability is transformers' after its own prompt
+    (<|startofprev|>, the ids, <|startoftranscript|> fed at once)."""
+    model, _, _, tr, _ = prompted
     audio, plain = clip(45), dict(language="en", max_new_tokens=MAX_NEW, temperatures=(0.0,))
     mel, _ = whole_mel(audio, 80)
     windows = [mel[:, 0:3000], mel[:, 3000:6000]]
@@ -128,8 +129,11 @@ def test_windows_are_conditioned_on_the_prompt_and_the_previous_text(prompted):
         opts = tr.options(prompt, False, max_new_tokens=MAX_NEW, context=ctx)
         return tr.decode_window(windows[at], opts, encoded[at]).tokens
 
-    def no_speech(at, ctx):
-        return float(np.exp(tr.first_step(windows[at][None], encoded[at], ctx)[0, tr.no_speech]))
+    def no_speech(at, ctx):                                            # transformers' logits after the prompt
+        ids = torch.tensor([[*tr.lead(ctx), tr.engine.bos_id]])
+        with torch.no_grad():
+            logits = model(input_features=torch.from_numpy(windows[at][None]), decoder_input_ids=ids).logits
+        return float(torch.softmax(logits[0, -1].double(), -1)[tr.no_speech])
 
     once = tr.transcribe(audio, initial_prompt=TEXT, no_speech_threshold=None, **plain).segments
     first = decoded(0, context)

@@ -12,10 +12,10 @@ One 30-second window is decoded as transformers' `WhisperForConditionalGeneratio
 prompt after <|startoftranscript|> (runtime.speech.prompt_ids; without <|notimestamps|> when timestamps are asked
 for, the timestamp rules then on: runtime.processors.timestamp_rules), the model's suppressed ids, greedy or beam.
 The language, when not given (or "auto"), is detected as its `detect_language` does: one decoder step from
-<|startoftranscript|>, the most likely of the language tokens. A text prompt (initial_prompt=, generate's prompt_ids)
-goes before <|startoftranscript|>: <|startofprev|>, the prompt's ids, then <|startoftranscript|> and the rest, all forced, none
-returned. Audio past 30 s goes window by window (runtime.longform), as do the temperature fallback, the no-speech
-skip and conditioning on the previous windows' text.
+<|startoftranscript|>, the most likely of the language tokens. A text prompt (initial_prompt=; generate's
+prompt_ids) comes first: the decoder starts from <|startofprev|>, then the prompt's ids, <|startoftranscript|> and
+the rest, all forced, none returned. Audio past 30 s goes window by window (runtime.longform), as do the temperature
+fallback, the no-speech skip and conditioning on the previous windows' text.
 """
 
 from __future__ import annotations

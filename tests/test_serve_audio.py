@@ -3,10 +3,11 @@
 A tiny random Whisper with timestamp tokens (toolkit/testing/tiny_whisper.py) is exported once for the module and
 served beside the dates text model, behind API keys, on 127.0.0.1. Every answer is compared with what
 runtime.Transcriber gives for the same file (its own sessions on the same bundle): text, segments, for each
-response_format, for translations, a given language, a temperature and a prompt (which changes the answer). The timestamped transcriptions (srt, vtt,
-verbose_json: segment times and tokens) vary by clip and by language (asserted), though little: this random model's
-logits are nearly flat, so every window's average log-probability (about -7) falls back to the last temperature,
-1.0, whose seeded draw is nearly the same for every clip; the timestamp rules make the difference. The plain ones
+response_format, for translations, a given language, a temperature and a prompt (which changes the answer). The
+timestamped transcriptions (srt, vtt, verbose_json: segment times and tokens) vary by clip and by language
+(asserted), though little: this random model's logits are nearly flat, so every window's average log-probability
+(about -7) falls back to the last temperature, 1.0, whose seeded draw is nearly the same for every clip; the
+timestamp rules make the difference. The plain ones
 (json, text) are that same draw for every clip: held equal to the Transcriber's all the same, not proven on
 outputs that vary.
 """

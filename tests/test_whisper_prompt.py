@@ -3,12 +3,14 @@ previous windows' text, and segment times clamped to the audio.
 
 A tiny random Whisper with timestamp tokens (toolkit/testing/tiny_whisper.py; max_len 64, so a window takes at most
 31 prompt ids) is built and imported once for the session. Proofs: the prompt's ids are transformers' get_prompt_ids
-(less <|startofprev|>); greedy on 16 inputs and beam 4 on 8 give generate(prompt_ids=..., return_timestamps=True)'s
-first window (outputs vary, and the prompt changes them: asserted); the prompt is forced, never returned; a window's
-no-speech probability is read after its prompt; openai-whisper's rules for which ids each window gets (initial
+(less <|startofprev|>); greedy on 16 inputs gives generate(prompt_ids=..., return_timestamps=True)'s first window
+(outputs vary, and the prompt changes them: asserted); the prompt is forced, never returned; a window's no-speech
+probability is transformers' after its prompt; openai-whisper's rules for which ids each window gets (initial
 prompt, condition_on_previous_text, the reset after a hot fallback, carry_initial_prompt, the cut from the left) and
 their use on a 45 s clip; the max_len check; the errors (API and CLI); the CLI's --prompt is the API's
-initial_prompt. Slow (tests/test_whisper_speech.py's trained model): prompted ids on held-out clips.
+initial_prompt. Slow: beam 4; transformers' long-form generate(prompt_ids, condition_on_prev_tokens=True) on a
+45 s clip (the first window's segments; the second window's ids from its zero padding; its segment ends pass the
+clip's, ours do not); tests/test_whisper_speech.py: prompted ids on the trained model's held-out clips.
 """
 
 from __future__ import annotations
@@ -50,15 +52,14 @@ def prompted(tmp_path_factory):
     return model, features, ckpt, Transcriber.from_engine(TorchEngine(loaded.model), loaded.tokenizer), root / "tiny"
 
 
-def hf_first_windows(model, features, beams, prompt_ids=None) -> list[list[int]]:
+def hf_first_windows(model, features, beams, prompt_ids) -> list[list[int]]:
     """Each input's first window's ids after its decoder input (the prompt's, the forced ones), end token kept."""
-    kw = {} if prompt_ids is None else {"prompt_ids": torch.tensor(prompt_ids)}
     with torch.no_grad():
         out = model.generate(features, language="en", task="transcribe", return_timestamps=True, num_beams=beams,
-                             max_new_tokens=MAX_NEW, return_segments=True, **kw)
-    eos, skip = model.generation_config.eos_token_id, len(prompt_ids or ()) + 3   # <|sot|> <|en|> <|transcribe|>
+                             max_new_tokens=MAX_NEW, return_segments=True, prompt_ids=torch.tensor(prompt_ids))
+    eos, skip = model.generation_config.eos_token_id, len(prompt_ids) + 3   # <|sot|> <|en|> <|transcribe|>
     rows = [out["segments"][i][0]["result"].tolist() for i in range(len(features))]
-    assert all(r[:len(prompt_ids or ())] == list(prompt_ids or ()) for r in rows)   # the prompt leads the input
+    assert all(r[:len(prompt_ids)] == list(prompt_ids) for r in rows)   # the prompt leads the decoder input
     return [r[skip:][: r[skip:].index(eos) + 1] if eos in r[skip:] else r[skip:] for r in rows]
 
 
@@ -70,10 +71,13 @@ def test_prompted_ids_equal_generate_prompt_ids(prompted, beams, inputs):
     context = tr.prompt_ids(TEXT)
     assert hf.get_prompt_ids(TEXT).tolist() == [tr.start_of_prev, *context]
     want = hf_first_windows(model, features, beams, [tr.start_of_prev, *context])
-    plain = hf_first_windows(model, features, beams)
     assert len({tuple(r) for r in want}) >= max(4, inputs // 4), want  # outputs vary by input
-    assert sum(w != p for w, p in zip(want, plain)) >= inputs // 4    # and the prompt changes them
     prompt = tr.prompt("en", "transcribe", True)
+    plain = replace(tr.options(prompt, True, beams, max_new_tokens=MAX_NEW), prefix_ids=(tuple(prompt),) * inputs)
+    plain = [h[0].tokens[len(prompt):] for h in generate(tr.engine, Request.build(tr.engine, list(features.numpy()),
+                                                                                 None, plain))]
+    assert sum(w != p for w, p in zip(want, plain)) >= inputs // 4    # the prompt changes them (unprompted ids
+                                                                       # are generate's: tests/test_transcribe.py)
     opts = tr.options(prompt, True, beams, max_new_tokens=MAX_NEW, context=context)
     assert opts.start_id == tr.start_of_prev and opts.prefix_ids[0] == (*context, tr.engine.bos_id, *prompt)
     opts = replace(opts, prefix_ids=opts.prefix_ids * inputs)
@@ -214,3 +218,40 @@ def test_cli_prompt_is_the_apis_initial_prompt(prompted, tmp_path):
                           (["--carry-prompt"], "give --prompt too")):
         bad = CliRunner().invoke(main, ["transcribe", str(ckpt), str(path), *flags, *args])
         assert bad.exit_code == 2 and message in bad.stderr and len(bad.stderr.strip().splitlines()) == 1, bad.output
+
+
+@pytest.mark.slow
+def test_conditioned_long_form_equals_generate_condition_on_prev_tokens(prompted):
+    """A 45 s clip, prompt_ids and condition_on_prev_tokens=True in transformers' long-form generate: its first
+    window's segments are ours, and its second window's ids are ours decoded after the prompt and the first window's
+    ids from transformers' zero padding (runtime.longform pads the last window with the log-mel of silence, as
+    openai-whisper does: tests/test_whisper_speech.py)."""
+    model, _, _, tr, _ = prompted
+    audio, context = clip(45), tr.prompt_ids(TEXT)
+    mel, content = whole_mel(audio, 80)
+    model.generation_config.prev_sot_token_id = tr.start_of_prev   # real checkpoints' configs have it (without,
+    try:                                                            # transformers puts <|startofprev|> in twice)
+        with torch.no_grad():
+            out = model.generate(torch.from_numpy(mel[None, :, :content]), language="en", task="transcribe",
+                                 attention_mask=torch.ones(1, content, dtype=torch.long), return_timestamps=True,
+                                 return_segments=True, condition_on_prev_tokens=True, temperature=0.0,
+                                 max_new_tokens=MAX_NEW, logprob_threshold=None, no_speech_threshold=None,
+                                 compression_ratio_threshold=None,
+                                 prompt_ids=torch.tensor([tr.start_of_prev, *context]))
+    finally:
+        del model.generation_config.prev_sot_token_id
+    eos = model.generation_config.eos_token_id
+    want = [(round(float(s["start"]), 3), round(float(s["end"]), 3), [t for t in s["tokens"].tolist() if t != eos])
+            for s in out["segments"][0]]
+    got = tr.transcribe(audio, language="en", timestamps=True, temperatures=(0.0,), max_new_tokens=MAX_NEW,
+                        no_speech_threshold=None, logprob_threshold=None, compression_ratio_threshold=None,
+                        initial_prompt=TEXT, condition_on_previous_text=True).segments
+    first = [(s.start, s.end, s.tokens) for s in got if s.seek == 0]
+    assert len(first) >= 2 and first == want[:len(first)]
+    seek = got[len(first)].seek                                        # the second window's first frame
+    ctx = (context + [t for s in first for t in s[2]])[-tr.context_limit:]
+    zero = np.pad(mel[:, seek:content], ((0, 0), (0, 3000 - (content - seek))))
+    opts = tr.options(tr.prompt("en", "transcribe", True), True, max_new_tokens=MAX_NEW, context=ctx)
+    pieces, _ = segments_of(tr, [t for t in tr.decode_window(zero, opts).tokens if t != eos], seek / 100, 3000)
+    assert [p[2] for p in pieces] == [w[2] for w in want[len(first):]] and len(pieces) >= 2
+    assert any(w[1] > 45.0 for w in want) and all(s.end <= 45.0 for s in got)   # its ends pass the clip's; ours not

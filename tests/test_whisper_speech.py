@@ -4,10 +4,10 @@ out/whisper-speech, takes minutes the first time; export and optimize).
 
 Proofs, on clips the model was not trained on: language detection equals detect_language (and varies); greedy and
 beam-4 ids with timestamps equal generate(return_timestamps=True)'s (outputs vary, timestamp tokens present), and
-with a text prompt generate(prompt_ids=...)'s;
-long-form on a clip past 30 s: the first window's segments equal generate's long-form segments (times and ids),
-and the last window's ids equal generate's when decoded from transformers' zero padding (runtime.longform pads with
-openai-whisper's log-mel of silence, so there the two differ); the int8 gate (xfail: it misses, see the test).
+with a text prompt generate(prompt_ids=...)'s; long-form on a clip past 30 s: the first window's segments equal
+generate's long-form segments (times and ids), and the last window's ids equal generate's when decoded from
+transformers' zero padding (runtime.longform pads with openai-whisper's log-mel of silence, so there the two
+differ); the int8 gate (xfail: it misses, see the test).
 """
 
 from __future__ import annotations

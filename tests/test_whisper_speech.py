@@ -117,6 +117,12 @@ def test_prompted_ids_equal_generate_prompt_ids_on_held_out_clips(speech, beams)
     opts = replace(opts, prefix_ids=tuple((*context, tr.engine.bos_id, *p) for p in prompts))
     hyps = generate(tr.engine, Request.build(tr.engine, list(features.numpy()), None, opts))
     assert [h[0].tokens[len(opts.prefix_ids[i]):] for i, h in enumerate(hyps)] == want
+    if beams == 1:                                   # the step after the prompt, fed at once: the no-speech read
+        ids = torch.tensor([[tr.start_of_prev, *context, tr.engine.bos_id]] * len(features))
+        with torch.no_grad():
+            logits = model(input_features=features, decoder_input_ids=ids).logits[:, -1].double()
+        got = tr.first_step(features.numpy(), None, context)
+        assert np.abs(got - torch.log_softmax(logits, -1).numpy()).max() < 1e-4
 
 
 def long_clip(held, seconds: float = 42.0) -> np.ndarray:

@@ -40,7 +40,8 @@ from runtime.stream import stream
 TARGET_OPTIONS = tuple(name for name in inspect.signature(target_options).parameters
                        if name not in ("tokenizer", "inputs", "lead"))  # the options target_options turns into ids
 LANGUAGE_OPTIONS = ("src_lang", "tgt_lang")          # a multilingual model's languages (runtime.request.languages)
-INTERNAL = ("prefix_counted",)                       # SearchOptions fields that target_options sets, never a user
+INTERNAL = ("prefix_counted", "start_id")           # SearchOptions fields set by target_options (or the Whisper
+                                                     # transcriber), never by a user
 
 
 class Options(TypedDict, total=False):

@@ -25,7 +25,8 @@ import numpy as np
 
 from runtime.errors import NumericsError
 from runtime.request import Request
-from runtime.search import DecodeState, Hypothesis, SearchOptions, max_steps, rows_per_input, search
+from runtime.search import (DecodeState, Hypothesis, SearchOptions, max_steps, rows_per_input, search,
+                            start_token)
 
 
 class Engine(Protocol):
@@ -94,12 +95,12 @@ def generate(engine: Engine, request: Request, stop: np.ndarray | None = None,
     `encoded`: the request's encoder outputs, already computed by `engine.encode` (the encoder is not run again).
     """
     opts, n = request.opts, len(request.sequences)
-    state = start_search(engine, request, encoded)
+    state, start = start_search(engine, request, encoded), start_token(opts, engine.bos_id)
     if state is None:
-        return search(None, n, engine.bos_id, engine.eos_id, opts)
+        return search(None, n, start, engine.eos_id, opts)
     limits = np.asarray(request.limits, dtype=np.int64) if opts.beam == 1 else None
     try:
-        return search(state, n, engine.bos_id, engine.eos_id, opts, limits, stop, on_step)
+        return search(state, n, start, engine.eos_id, opts, limits, stop, on_step)
     except NumericsError as exc:
         exc.inputs = sorted({int(i) for i in state.inputs[exc.rows]})
         raise

@@ -142,6 +142,8 @@ class InflightBatch:
         opts, n, inputs = request.opts, rows_per_input(request.opts), len(request.sequences)
         if opts.beam != 1:
             raise ValueError("in-flight rows decode greedy search or sampling; beam search batches request-level")
+        if opts.start_id is not None:                                  # rows start from the engine's bos_id
+            raise ValueError("in-flight rows start from the model's decoder start token; decode start_id alone")
         controls = Controls.of(opts, inputs, n, self.e.eos_id)
         if controls is None and set(opts.suppress) != set(self.suppress):   # plain, but its own suppressed ids
             controls = Controls(opts, inputs, n, self.e.eos_id)

@@ -9,9 +9,19 @@ where its text repeats (compression ratio above `compression_ratio_threshold`, 2
 passes. A window whose <|nospeech|> probability passes `no_speech_threshold` (0.6) while its tokens are unlikely
 holds no speech: it is skipped. With timestamps the window's text is cut into segments at its timestamp pairs and
 the next window starts at its last timestamp (the whole window when it ends with one lone timestamp); without,
-the window is one segment and the next starts after it. The language is detected once, on the first window.
-Conditioning on the previous window's text (openai-whisper's condition_on_previous_text, <|startofprev|>) is not
-done: every window is decoded from its own prompt alone.
+the window is one segment and the next starts after it; a segment's start and end are clamped into its window's
+audio (a last timestamp past the clip's end ends its segment at that end). The language is detected once, on the
+first window.
+
+A text prompt goes before <|startofprev|>... <|startoftranscript|> as openai-whisper and faster-whisper put it
+(`Context`): `initial_prompt` (text, or ids) conditions the first window; with `condition_on_previous_text` each
+window is conditioned on the prompt and the text of the windows before it (their segments' ids, timestamps
+included), forgotten after a window decoded at a temperature above `prompt_reset_on_temperature` (0.5); with
+`carry_initial_prompt` the initial prompt leads every window's. A window takes at most max_len // 2 - 1 prompt ids
+(223 of Whisper's 448), the latest (cut from the left, as openai-whisper cuts `prompt[-(n_text_ctx // 2 - 1):]`):
+the prompt then always leaves the window room for its text. The prompt's ids are given, never scored or returned.
+Its window's no-speech probability is read after it (openai-whisper's, at the sot index); the language is
+detected without it (detect_language's one step from <|startoftranscript|>).
 """
 
 from __future__ import annotations
@@ -37,9 +47,41 @@ def whole_mel(samples: np.ndarray, n_mels: int) -> tuple[np.ndarray, int]:
     return log_mel_spectrogram(padded, n_mels), len(samples) // HOP_LENGTH
 
 
+class Context:
+    """The prompt ids of each window (after <|startofprev|>): openai-whisper's `all_tokens[prompt_reset_since:]`,
+    the initial prompt first; see the module docstring."""
+
+    def __init__(self, initial: list[int], condition: bool, carry: bool, reset_temperature: float, limit: int):
+        self.initial, self.condition, self.carry = list(initial)[-limit:] if limit > 0 else [], condition, carry
+        self.reset_temperature, self.limit = reset_temperature, limit
+        self.tokens, self.since = list(self.initial), 0
+
+    def ids(self) -> list[int]:
+        """This window's prompt ids (empty: it has none), at most `limit`, the latest."""
+        if self.carry and self.initial:                             # openai-whisper's carry_initial_prompt
+            room = self.limit - len(self.initial)
+            rest = self.tokens[max(len(self.initial), self.since):]
+            return self.initial + (rest[-room:] if room > 0 and rest else [])
+        return self.tokens[self.since:][-self.limit:] if self.limit > 0 else []
+
+    def add(self, ids: list[int], temperature: float) -> None:
+        """A decoded window's kept ids; without condition_on_previous_text, or after a hot fallback, the next
+        window starts afresh."""
+        self.tokens += ids
+        if not self.condition or temperature > self.reset_temperature:
+            self.since = len(self.tokens)
+
+
 def segments_of(tr, tokens: list[int], offset: float, window_frames: int) -> tuple[list[tuple], int]:
-    """openai-whisper's cut of one window's ids (end token stripped): [(start s, end s, ids)] and how many frames
-    the next window starts after this one's start."""
+    """openai-whisper's cut of one window's ids (end token stripped): [(start s, end s, ids)], each time clamped
+    into the window's audio (offset to offset + window_frames), and how many frames the next window starts after
+    this one's start."""
+    pieces, advance = _cut(tr, tokens, offset, window_frames)
+    end = offset + window_frames * HOP_LENGTH / SAMPLING_RATE
+    return [(min(max(a, offset), end), min(max(b, offset), end), ids) for a, b, ids in pieces], advance
+
+
+def _cut(tr, tokens: list[int], offset: float, window_frames: int) -> tuple[list[tuple], int]:
     begin, step = tr.timestamp_begin, TIMESTAMP_FRAMES * HOP_LENGTH / SAMPLING_RATE
     stamp = [t >= begin for t in tokens]
     lone_end = stamp[-2:] == [False, True]
@@ -96,12 +138,17 @@ def transcribe_samples(tr, samples: np.ndarray, language: str | None = None, tas
                        timestamps: bool = False, beam: int = 1, temperatures=TEMPERATURES,
                        compression_ratio_threshold: float | None = 2.4, logprob_threshold: float | None = -1.0,
                        no_speech_threshold: float | None = 0.6, max_new_tokens: int | None = None,
-                       max_initial_timestamp: int | None = 50):
+                       max_initial_timestamp: int | None = 50, initial_prompt=None,
+                       condition_on_previous_text: bool = False, carry_initial_prompt: bool = False,
+                       prompt_reset_on_temperature: float = 0.5):
     """The Transcription of 16 kHz mono samples by a runtime.transcribe.Transcriber `tr` (see the module
     docstring; thresholds None are off)."""
     from runtime.transcribe import Segment, Transcription
 
     temps = check(task, temperatures, language, tr)
+    initial = [] if initial_prompt is None else tr.prompt_ids(initial_prompt)
+    context = Context(initial, bool(condition_on_previous_text), bool(carry_initial_prompt),
+                      float(prompt_reset_on_temperature), tr.context_limit)
     mel, content = whole_mel(samples, tr.engine.feature_shape[0])
     detected, probability = None, None
     lang = language if tr.language_ids and language != "auto" else None
@@ -109,13 +156,17 @@ def transcribe_samples(tr, samples: np.ndarray, language: str | None = None, tas
     while seek < content:
         features = pad_or_trim(mel[:, seek:seek + 3000], 3000)
         encoded = tr.encode(features[None])                        # one encoder run serves the whole window
-        first = tr.first_step(features[None], encoded)
-        if seek == 0 and tr.language_ids and language in (None, "auto"):
+        lead = context.ids()
+        detect = seek == 0 and tr.language_ids and language in (None, "auto")
+        first = tr.first_step(features[None], encoded) if detect or not lead else None
+        if detect:
             detected, probability = tr.detect_language(features[None], first)[0]
         lang = detected or lang
+        if lead and tr.no_speech is not None:
+            first = tr.first_step(features[None], encoded, lead)   # no speech: read after the window's prompt
         no_speech = float(np.exp(first[0, tr.no_speech])) if tr.no_speech is not None else 0.0
         opts = tr.options(tr.prompt(lang, task, timestamps), timestamps, beam, 0.0, max_new_tokens,
-                          max_initial_timestamp)
+                          max_initial_timestamp, context=lead)
         window = decode_with_fallback(tr, features, opts, temps, compression_ratio_threshold, logprob_threshold,
                                       no_speech, no_speech_threshold, encoded)
         frames = min(3000, content - seek)
@@ -126,14 +177,14 @@ def transcribe_samples(tr, samples: np.ndarray, language: str | None = None, tas
             continue
         pieces, advance = segments_of(tr, window.tokens, offset, frames) if timestamps else \
             ([(offset, offset + frames * HOP_LENGTH / SAMPLING_RATE, window.tokens)], frames)
-        for start, end, ids in pieces:
-            text = tr.text_of(ids)
-            if text.strip() or not timestamps:
-                segments.append(Segment(len(segments), round(start, 3), round(end, 3), text, list(ids),
-                                        window.avg_logprob, window.compression_ratio, no_speech, window.temperature, seek))
+        kept = [p for p in pieces if tr.text_of(p[2]).strip() or not timestamps]
+        for start, end, ids in kept:
+            segments.append(Segment(len(segments), round(start, 3), round(end, 3), tr.text_of(ids), list(ids),
+                                    window.avg_logprob, window.compression_ratio, no_speech, window.temperature, seek))
+        context.add([t for p in kept for t in p[2]], window.temperature)
         seek += advance
     text = "".join(s.text for s in segments)
     return Transcription(text, lang, probability, segments, round(len(samples) / SAMPLING_RATE, 3))
 
 
-__all__ = ["transcribe_samples", "segments_of", "whole_mel", "decode_with_fallback", "TEMPERATURES"]
+__all__ = ["transcribe_samples", "segments_of", "Context", "whole_mel", "decode_with_fallback", "TEMPERATURES"]

@@ -53,6 +53,8 @@ class SearchOptions:
     bad_words_ids: tuple[tuple[int, ...], ...] = ()   # token sequences never generated
     prefix_ids: tuple[tuple[int, ...], ...] = ()      # per input: the target's first tokens, forced (() = none)
     prefix_counted: int = 0           # leading prefix tokens beam lengths count (a forced target-language token)
+    start_id: int | None = None       # the decoder's first input token (None: the model's decoder start token;
+                                      # Whisper's <|startofprev|> before a text prompt: runtime.transcribe)
     return_logprobs: bool = False     # give each hypothesis its tokens' log-probabilities
     shortlist: bool = True            # decode on the bundle's vocabulary shortlist, where it has one
     seed_index: tuple[int, ...] = ()  # sampling, per input: the index its generator is seeded by (() = its position
@@ -95,6 +97,8 @@ def check_options(opts: SearchOptions, inputs: int, vocab_size: int, max_len: in
             raise InputError(f"bad_words_ids[{i}] bans the end token {eos} alone, so no target could end; "
                              f"use min_new_tokens to delay it")
     _check_prefixes(opts, inputs, vocab_size, max_len, eos)
+    if opts.start_id is not None:
+        _number("start_id", opts.start_id, 0, vocab_size - 1, integer=True, what="the decoder's first input token")
     _check_timestamps(opts, vocab_size, eos)
 
 
@@ -182,6 +186,11 @@ def ends_with_eos(opts: SearchOptions, default: bool = False) -> bool:
     """Whether a target that reaches its limit ends with a forced EOS: opts.forced_eos, or where it is unset the
     model's `default` (never with ignore_eos)."""
     return bool(default if opts.forced_eos is None else opts.forced_eos) and not opts.ignore_eos
+
+
+def start_token(opts: SearchOptions, bos: int) -> int:
+    """The token a search feeds the decoder first: opts.start_id, or the model's decoder start token `bos`."""
+    return bos if opts.start_id is None else int(opts.start_id)
 
 
 def max_steps(opts: SearchOptions) -> int:

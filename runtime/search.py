@@ -20,7 +20,7 @@ import numpy as np
 
 from runtime.errors import NumericsError
 from runtime.options import (Hypothesis, SearchOptions, check_options, ends_with_eos,  # noqa: F401  (re-exported)
-                             max_steps, rows_per_input)
+                             max_steps, rows_per_input, start_token)
 from runtime.processors import Controls, suppress
 
 NON_FINITE = ("the model gave a non-finite logit (NaN or inf) while decoding; its numbers overflow or its weights "

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from runtime.errors import InputError
 from runtime.generate import Engine, start_search
 from runtime.request import Request
-from runtime.search import GreedySearch, SearchOptions
+from runtime.search import GreedySearch, SearchOptions, start_token
 
 PENDING = "\ufffd"                   # what a decoder gives for the bytes of a character not complete yet
 
@@ -74,7 +74,8 @@ def stream(engine: Engine, tokenizer, source: str | list[int], opts: SearchOptio
     state, opts = start_search(engine, request), request.opts
     if state is None:                                                   # max_new_tokens 0: no text
         return iter(())
-    return _pieces(GreedySearch(state, 1, engine.bos_id, engine.eos_id, opts), Detokenizer(tokenizer, engine.eos_id))
+    search = GreedySearch(state, 1, start_token(opts, engine.bos_id), engine.eos_id, opts)
+    return _pieces(search, Detokenizer(tokenizer, engine.eos_id))
 
 
 def _pieces(search: GreedySearch, detok: Detokenizer) -> Iterator[str]:

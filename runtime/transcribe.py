@@ -12,8 +12,10 @@ One 30-second window is decoded as transformers' `WhisperForConditionalGeneratio
 prompt after <|startoftranscript|> (runtime.speech.prompt_ids; without <|notimestamps|> when timestamps are asked
 for, the timestamp rules then on: runtime.processors.timestamp_rules), the model's suppressed ids, greedy or beam.
 The language, when not given (or "auto"), is detected as its `detect_language` does: one decoder step from
-<|startoftranscript|>, the most likely of the language tokens. Audio past 30 s goes window by window
-(runtime.longform), as do the temperature fallback and the no-speech skip.
+<|startoftranscript|>, the most likely of the language tokens. A text prompt (initial_prompt=; generate's
+prompt_ids) comes first: the decoder starts from <|startofprev|>, then the prompt's ids, <|startoftranscript|> and
+the rest, all forced, none returned. Audio past 30 s goes window by window (runtime.longform), as do the temperature
+fallback, the no-speech skip and conditioning on the previous windows' text.
 """
 
 from __future__ import annotations
@@ -113,6 +115,8 @@ class Transcriber:
             if tokenizer.languages else []
         known = [t for t in NO_SPEECH_TOKENS if tokenizer._tok.token_to_id(t) is not None]
         self.no_speech = tokenizer._ids(known[:1], "nospeech")[0] if known else None
+        self.start_of_prev = tokenizer._tok.token_to_id("<|startofprev|>")   # before a text prompt (None: no prompts)
+        self.context_limit = engine.max_len // 2 - 1   # most prompt ids a window takes: openai's n_text_ctx // 2 - 1
 
     def encode(self, features: np.ndarray):
         """The encoder's outputs for features [B, mels, frames], for first_step and decode_window to share (one
@@ -121,14 +125,45 @@ class Transcriber:
             return None
         return self.engine.encode(*encoder_inputs(self.engine, list(features)))
 
-    def first_step(self, features: np.ndarray, encoded=None) -> np.ndarray:
-        """Log-probabilities [B, V] of the decoder's first step from <|startoftranscript|> over features [B, mels,
-        frames]: what detect_language and the no-speech probability read. encoded: self.encode(features)."""
+    def first_step(self, features: np.ndarray, encoded=None, context=()) -> np.ndarray:
+        """Log-probabilities [B, V] of the decoder's step from <|startoftranscript|> over features [B, mels,
+        frames]: what detect_language reads (no context) and the no-speech probability (after the window's
+        `context`, its text prompt: <|startofprev|> and those ids first, fed at once, as openai-whisper reads it at
+        the sot index). encoded: self.encode(features)."""
         ids, mask = encoder_inputs(self.engine, list(features))
         extra = {} if encoded is None else {"encoded": encoded}
-        state = self.engine.start(ids, mask, 1, 1, **extra)
-        logits = state.step(np.full(len(features), self.engine.bos_id, dtype=np.int64), None)
+        fed = [*self.lead(context), self.engine.bos_id]
+        state = self.engine.start(ids, mask, 1, len(fed), **extra)
+        tokens = np.tile(np.asarray(fed, dtype=np.int64), (len(features), 1))
+        logits = state.step(tokens[:, 0], None) if len(fed) == 1 else state.feed(tokens)[:, -1]
         return log_softmax(np.asarray(logits, dtype=np.float32))
+
+    def lead(self, context) -> list[int]:
+        """The ids before <|startoftranscript|> of a window with this context (text prompt ids): <|startofprev|>
+        and the context's ids; none without one."""
+        return [self.start_of_prev, *context] if len(context) else []
+
+    def prompt_ids(self, prompt) -> list[int]:
+        """A text prompt's ids (openai-whisper's initial_prompt: the tokens of " " + its stripped text), or ids
+        given as a list (a leading <|startofprev|> dropped, as transformers' prompt_ids carry it); InputError for
+        a model without <|startofprev|>, a prompt that is neither, or one holding special tokens."""
+        if self.start_of_prev is None:
+            raise InputError(f"{self.name} has no <|startofprev|> token: it takes no prompt; drop the prompt")
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode_target(" " + prompt.strip()) if prompt.strip() else []
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(i, (int, np.integer)) and not isinstance(i, bool)
+                                                       for i in prompt):
+            ids = [int(i) for i in prompt]
+            ids = ids[1:] if ids[:1] == [self.start_of_prev] else ids
+        else:
+            raise InputError(f"a prompt is a text or a list of token ids, got {prompt!r}")
+        stamps_ok = not isinstance(prompt, str)                     # ids may carry timestamps (a window's own)
+        special = [i for i in ids if not (0 <= i < self.engine.eos_id or stamps_ok and self.timestamp_begin <= i <
+                                          self.engine.vocab_size)]
+        if special:
+            raise InputError(f"the prompt holds special token id(s) {special[:5]}, not text; take them out of the "
+                             f"prompt")
+        return ids
 
     def detect_language(self, features: np.ndarray, first: np.ndarray | None = None) -> list[tuple[str, float]]:
         """Each window's (language code, its probability among the language tokens): the argmax over the language
@@ -152,15 +187,26 @@ class Transcriber:
 
     def options(self, prompt: list[int], timestamps: bool, beam: int = 1, temperature: float = 0.0,
                 max_new_tokens: int | None = None, max_initial_timestamp: int | None = 50,
-                seed: int = 0) -> SearchOptions:
-        """The SearchOptions of one window: greedy or beam at temperature 0, else sampling at that temperature."""
-        room = self.engine.max_len - len(prompt)
+                seed: int = 0, context=()) -> SearchOptions:
+        """The SearchOptions of one window: greedy or beam at temperature 0, else sampling at that temperature.
+        `context`: the window's text prompt ids (at most context_limit): the decoder then starts from
+        <|startofprev|>, its forced prefix the context, <|startoftranscript|>, `prompt` (transformers' prompt_ids).
+        max_new_tokens None: half the decoder's positions, at most what the prefix leaves."""
+        if len(context) > self.context_limit:
+            raise ValueError(f"a window's context holds at most {self.context_limit} ids, got {len(context)}")
+        prefix = [*context, self.engine.bos_id, *prompt] if len(context) else list(prompt)
+        room = self.engine.max_len - len(prefix)
+        if max_new_tokens is not None and max_new_tokens > room:
+            raise InputError(f"max_new_tokens {max_new_tokens} and the window's {len(prefix)} prompt tokens pass the "
+                             f"model's {self.engine.max_len} decoder positions; give max_new_tokens of at most "
+                             f"{room}" + (" (or a shorter prompt)" if len(context) else ""))
         new = min(room, max(1, self.engine.max_len // 2)) if max_new_tokens is None else max_new_tokens
         sampled = dict(sample=True, temperature=temperature, seed=seed) if temperature > 0 else dict(beam=beam)
         stamps = dict(timestamps=self.timestamp_begin, max_initial_timestamp=max_initial_timestamp) \
             if timestamps else {}
-        return SearchOptions(max_new_tokens=new, prefix_ids=(tuple(prompt),), return_logprobs=True, **sampled,
-                             **stamps)
+        start = dict(start_id=self.start_of_prev) if len(context) else {}
+        return SearchOptions(max_new_tokens=new, prefix_ids=(tuple(prefix),), return_logprobs=True, **sampled,
+                             **stamps, **start)
 
     def decode_window(self, features: np.ndarray, opts: SearchOptions, encoded=None) -> Window:
         """One window's features [mels, frames] decoded with opts: its ids after the prompt, and their scores.
@@ -184,7 +230,8 @@ class Transcriber:
         None / "auto" to detect it (multilingual models); task: "transcribe" or "translate" (into English);
         timestamps: segments from the model's timestamp tokens; beam: 1 greedy. Other options (runtime.longform.
         transcribe_samples): temperatures, compression_ratio_threshold, logprob_threshold, no_speech_threshold,
-        max_new_tokens, max_initial_timestamp, condition... InputError naming a bad one."""
+        max_new_tokens, max_initial_timestamp, initial_prompt (text, or ids), condition_on_previous_text,
+        carry_initial_prompt, prompt_reset_on_temperature. InputError naming a bad one."""
         from runtime.longform import transcribe_samples
 
         samples = _samples(audio)

@@ -3,10 +3,11 @@
 A tiny random Whisper with timestamp tokens (toolkit/testing/tiny_whisper.py) is exported once for the module and
 served beside the dates text model, behind API keys, on 127.0.0.1. Every answer is compared with what
 runtime.Transcriber gives for the same file (its own sessions on the same bundle): text, segments, for each
-response_format, for translations, a given language and a temperature. The timestamped transcriptions (srt, vtt,
-verbose_json: segment times and tokens) vary by clip and by language (asserted), though little: this random model's
-logits are nearly flat, so every window's average log-probability (about -7) falls back to the last temperature,
-1.0, whose seeded draw is nearly the same for every clip; the timestamp rules make the difference. The plain ones
+response_format, for translations, a given language, a temperature and a prompt (which changes the answer). The
+timestamped transcriptions (srt, vtt, verbose_json: segment times and tokens) vary by clip and by language
+(asserted), though little: this random model's logits are nearly flat, so every window's average log-probability
+(about -7) falls back to the last temperature, 1.0, whose seeded draw is nearly the same for every clip; the
+timestamp rules make the difference. The plain ones
 (json, text) are that same draw for every clip: held equal to the Transcriber's all the same, not proven on
 outputs that vary.
 """
@@ -120,6 +121,20 @@ def test_translations_language_and_temperature_are_the_transcribers(whisper, ser
     assert {s.temperature for s in hot.segments} == {0.9} and [s.model_dump() for s in hot.segments] == segments(want)
 
 
+def test_prompt_is_openai_whispers_initial_prompt(whisper, server):
+    """OpenAI's `prompt`: the Transcriber's initial_prompt (text before <|startofprev|>, never in the answer)."""
+    _, tr, clips = whisper
+    _, client = server
+    text = "the lazy dog jumps"
+    want = tr.transcribe(clips[0], timestamps=True, initial_prompt=text)
+    assert segments(want) != segments(tr.transcribe(clips[0], timestamps=True))   # the prompt changes the output
+    got = client.audio.transcriptions.create(file=clips[0].open("rb"), model="whisper-1", prompt=text,
+                                             response_format="verbose_json")
+    assert [s.model_dump() for s in got.segments] == segments(want) and got.text == want.text
+    plain = client.audio.transcriptions.create(file=clips[0].open("rb"), model="whisper-1", prompt=text)
+    assert plain.text == tr.transcribe(clips[0], initial_prompt=text).text
+
+
 def error_of(exc_info) -> dict:
     return exc_info.value.body
 
@@ -132,7 +147,7 @@ def test_refusals_are_openai_errors(whisper, server, tmp_path):
              (dict(file=("empty.wav", b"")), 400, "invalid_audio", "'empty.wav' is empty"),
              (dict(file=clip.open("rb"), model="dates"), 400, "model_not_speech", "model 'dates' is a text model"),
              (dict(file=clip.open("rb"), response_format="xml"), 400, "unsupported_response_format", "use one of"),
-             (dict(file=clip.open("rb"), prompt="hello"), 400, "unsupported_parameter", "prompt is not supported"),
+             (dict(file=clip.open("rb"), prompt="<|de|> hello"), 400, "invalid_request", "special token id"),
              (dict(file=clip.open("rb"), timestamp_granularities=["word"], response_format="verbose_json"), 400,
               "unsupported_granularity", "no word timestamps"),
              (dict(file=clip.open("rb"), language="xx"), 400, "invalid_request", "give the audio's language"),

@@ -3,11 +3,12 @@ against transformers' WhisperForConditionalGeneration on held-out clips (slow: t
 out/whisper-speech, takes minutes the first time; export and optimize).
 
 Proofs, on clips the model was not trained on: language detection equals detect_language (and varies); greedy and
-beam-4 ids with timestamps equal generate(return_timestamps=True)'s (outputs vary, timestamp tokens present);
-long-form on a clip past 30 s: the first window's segments equal generate's long-form segments (times and ids),
-and the last window's ids equal generate's when decoded from transformers' zero padding (runtime.longform pads with
-openai-whisper's log-mel of silence, so there the two differ); on the clip with silence after it up to 60 s (every
-window full) all segments are equal; the int8 gate (xfail: it misses, see the test).
+beam-4 ids with timestamps equal generate(return_timestamps=True)'s (outputs vary, timestamp tokens present), and
+with a text prompt generate(prompt_ids=...)'s; long-form on a clip past 30 s: the first window's segments equal
+generate's long-form segments (times and ids), and the last window's ids equal generate's when decoded from
+transformers' zero padding (runtime.longform pads with openai-whisper's log-mel of silence, so there the two
+differ); on the clip with silence after it up to 60 s (every window full) all segments are equal; the int8 gate
+(xfail: it misses, see the test).
 """
 
 from __future__ import annotations
@@ -94,6 +95,35 @@ def test_timestamp_ids_equal_generate_on_held_out_clips(speech, name, beams):
                    prefix_ids=tuple(tuple(p) for p in prompts))
     hyps = generate(tr.engine, Request.build(tr.engine, list(features.numpy()), None, opts))
     assert [h[0].tokens[len(p):] for h, p in zip(hyps, prompts)] == want
+
+
+@pytest.mark.parametrize("beams", [1, 4])
+def test_prompted_ids_equal_generate_prompt_ids_on_held_out_clips(speech, beams):
+    """A text prompt (<|startofprev|> + its ids before <|startoftranscript|>): ids equal generate(prompt_ids=...)'s."""
+    model, features, held, paths = speech
+    langs = detected(model, features)
+    tr = Transcriber(paths["fused"], provider="cpu")
+    context = tr.prompt_ids("hello world")
+    prompt_ids = torch.tensor([tr.start_of_prev, *context])
+    with torch.no_grad():
+        out = model.generate(features, language=langs, task="transcribe", return_timestamps=True, num_beams=beams,
+                             max_new_tokens=MAX_NEW, return_segments=True, prompt_ids=prompt_ids)
+    eos, prompts = model.generation_config.eos_token_id, [tr.prompt(lang, "transcribe", True) for lang in langs]
+    want = []
+    for i, prompt in enumerate(prompts):                               # each clip's ids after its decoder input
+        row = out["segments"][i][0]["result"].tolist()[len(prompt_ids) + 1 + len(prompt):]
+        want.append(row[: row.index(eos) + 1] if eos in row else row)
+    assert len({tuple(r) for r in want}) >= 4, want                   # outputs vary by clip
+    opts = tr.options(prompts[0], True, beams, max_new_tokens=MAX_NEW, context=context)
+    opts = replace(opts, prefix_ids=tuple((*context, tr.engine.bos_id, *p) for p in prompts))
+    hyps = generate(tr.engine, Request.build(tr.engine, list(features.numpy()), None, opts))
+    assert [h[0].tokens[len(opts.prefix_ids[i]):] for i, h in enumerate(hyps)] == want
+    if beams == 1:                                   # the step after the prompt, fed at once: the no-speech read
+        ids = torch.tensor([[tr.start_of_prev, *context, tr.engine.bos_id]] * len(features))
+        with torch.no_grad():
+            logits = model(input_features=features, decoder_input_ids=ids).logits[:, -1].double()
+        got = tr.first_step(features.numpy(), None, context)
+        assert np.abs(got - torch.log_softmax(logits, -1).numpy()).max() < 1e-4
 
 
 def long_clip(held, seconds: float = 42.0) -> np.ndarray:

@@ -5,7 +5,8 @@
     client.audio.transcriptions.create(file=open("talk.wav", "rb"), model="whisper-1", response_format="srt")
 
 A request is OpenAI's multipart form: `file` (WAV, FLAC, OGG or MP3: runtime.audio reads it), `model`, and optionally
-`language` (transcriptions only; none: detected), `prompt` (empty only: decoding is not conditioned on text),
+`language` (transcriptions only; none: detected), `prompt` (text the audio follows: openai-whisper's initial_prompt,
+given to the first 30 s window after <|startofprev|>, its last 223 tokens; never in the answer),
 `response_format` (json, text, srt, vtt, verbose_json), `temperature` (t: openai-whisper's fallback schedule t,
 t + 0.2, ... up to 1; 0 by default) and `timestamp_granularities[]` (segment, with verbose_json). runtime.Transcriber
 decodes the file as `onnxformer transcribe` does: json and text without timestamps; srt, vtt and verbose_json with
@@ -112,6 +113,7 @@ class Ask:
     language: str | None
     fmt: str
     temperatures: tuple[float, ...]
+    prompt: str | None = None
 
 
 def speech_models(models: ModelSet) -> dict[str, Speech]:
@@ -173,7 +175,7 @@ async def read_ask(request: Request, limit: int, task: str) -> Ask:
     if not audio:
         raise AudioRefusal(400, "invalid_audio", f"{name!r} is empty (0 bytes); send an audio file", "file")
     return Ask(audio, name, model_field(values), task, values.get("language") or None, format_field(values),
-               schedule(values.get("temperature")))
+               schedule(values.get("temperature")), values.get("prompt") or None)
 
 
 def fields_of(form, task: str) -> dict:
@@ -192,10 +194,6 @@ def fields_of(form, task: str) -> dict:
             raise AudioRefusal(400, "invalid_parameter", f"{key!r} must be a text field, not a file", key)
         else:
             values[key] = value
-    if values.get("prompt"):
-        raise AudioRefusal(400, "unsupported_parameter", "prompt is not supported: this server does not condition "
-                                                         "decoding on text (openai-whisper's initial_prompt); leave "
-                                                         "it out", "prompt")
     return values
 
 
@@ -231,7 +229,8 @@ async def transcribe(speech: Speech, ask: Ask, request: Request) -> Transcriptio
     tr = speech.transcriber
     timestamps = ask.fmt in TIMESTAMPED and tr.has_timestamps
     future = speech.submit(lambda: tr.transcribe(ask.audio, language=ask.language, task=ask.task,
-                                                 timestamps=timestamps, temperatures=ask.temperatures))
+                                                 timestamps=timestamps, temperatures=ask.temperatures,
+                                                 initial_prompt=ask.prompt))
     answer = asyncio.wrap_future(future)
     disconnect = asyncio.ensure_future(wait_for_disconnect(request))
     done, _ = await asyncio.wait({answer, disconnect}, return_when=asyncio.FIRST_COMPLETED)
@@ -244,7 +243,8 @@ async def transcribe(speech: Speech, ask: Ask, request: Request) -> Transcriptio
     except AudioError as exc:
         raise AudioRefusal(400, "invalid_audio", f"{ask.filename!r}: {exc}", "file") from None
     except OnnxformerError as exc:
-        param = "language" if ask.language and "language" in str(exc) else None
+        param = "language" if ask.language and "language" in str(exc) else \
+            "prompt" if ask.prompt and "prompt" in str(exc) else None
         raise AudioRefusal(400, "invalid_request", str(exc), param) from None
 
 

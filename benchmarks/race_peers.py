@@ -16,7 +16,8 @@ weights cannot pass a token gate);
 BART directory, speed as for opus); "t5-small" and "flan-t5-base" those T5 shapes with random weights
 (toolkit.testing.tiny_t5.SHAPES: ReLU and a tied head, gated GELU and its own head; 32,128 rows, a 32,100-token
 tokenizer; speed as for opus). Each row also gives the size of the engine's model folder and the worker
-process's peak resident memory.
+process's peak resident memory: over the whole run ("peak MB"), and once the first batch size's rounds ran ("peak
+b1": loading and batch 1 alone; the workers time the batch sizes in the order given, then run the token pass).
 
 `--shortlist 75` adds four engines on one synthetic vocabulary map (the --always most frequent ids + 75 random
 candidates a source token, Marian's conventional sizes; sources then drawn from the whole vocabulary): onnxformer
@@ -255,7 +256,7 @@ def rows_of(results: dict[str, dict], new: int, speed: bool) -> list[dict]:
         same = sum(a == b for a, b in zip(ref, r["tokens"]))
         row = {"engine": label, "sequences_equal_to_transformers": same / len(ref),
                "distinct_reference_outputs": len({tuple(t) for t in ref}), "peak_rss_mb": r.get("peak_rss_mb"),
-               "model_mb": folder_bytes(Path(r["model"])) / 1e6}
+               "model_mb": folder_bytes(Path(r["model"])) / 1e6, "peak_rss_mb_by_phase": r.get("peak_rss_mb_by_phase")}
         for b, times in r["times"].items():
             p50 = statistics.median(times)
             row[f"batch {b} ms"] = p50 * 1000
@@ -267,14 +268,15 @@ def rows_of(results: dict[str, dict], new: int, speed: bool) -> list[dict]:
 def print_table(rows: list[dict], sizes: list[int], speed: bool) -> None:
     head = f"{'engine':<28} " + " ".join(f"{'b' + str(b) + ' ms':>10}" for b in sizes) + \
         (" " + " ".join(f"{'b' + str(b) + ' tok/s':>11}" for b in sizes) if speed else "") + f" {'= HF':>7}" + \
-        f" {'model MB':>9} {'peak MB':>8}"
+        f" {'model MB':>9} {'peak MB':>8} {'peak b' + str(sizes[0]):>8}"
     print(head)
     for row in rows:
         line = f"{row['engine']:<28} " + " ".join(f"{row[f'batch {b} ms']:>10.1f}" for b in sizes)
         if speed:
             line += " " + " ".join(f"{row[f'batch {b} tokens/s']:>11.0f}" for b in sizes)
+        first = (row["peak_rss_mb_by_phase"] or {}).get(f"batch {sizes[0]}", float("nan"))
         print(line + f" {row['sequences_equal_to_transformers']:>7.1%} {row['model_mb']:>9.1f} "
-              f"{row['peak_rss_mb']:>8.0f}")
+              f"{row['peak_rss_mb']:>8.0f} {first:>8.0f}")
 
 
 def main() -> None:

@@ -8,7 +8,11 @@ INPUTS.json: {"marian": DIR (the original save_pretrained directory: Marian, or 
 "inputs": [[ids]], "batch_sizes": [1, 8], "beam": 1, "max_new_tokens": N, "min_new_tokens": M, "threads": T,
 "repeat": R, "warmup": W}, plus per engine "compute_type" (ctranslate2) and "use_vmap" (ctranslate2: decode with
 the model folder's vmap.txt). Writes {"tokens": [[ids] per input, EOS dropped], "times": {batch: [seconds per
-round]}, "peak_rss_mb": the process's peak resident memory}: every round generates for the first `batch` inputs.
+round]}, "peak_rss_mb": the process's peak resident memory, "peak_rss_mb_by_phase": {"loaded": ..., "batch B": the
+peak once batch B's rounds ran (batch sizes in the order given, so the first one's peak is that of loading and that
+batch alone), "tokens": the peak at the end}}: every round generates for the first `batch` inputs; the token pass
+over all inputs (64 at a time) runs after the timed rounds, so that it does not set the smaller batches' peaks.
+onnxformer loads its bundle without the tokenizer (ids in and out, as every other engine here is fed).
 """
 
 from __future__ import annotations
@@ -62,7 +66,7 @@ def onnxformer_fn(model: str, spec: dict, ids: tuple[int, int, int]):
     from runtime.search import SearchOptions
 
     eos, pad, _ = ids
-    eng = load_bundle(model, provider="cpu", threads=spec["threads"]).engine
+    eng = load_bundle(model, provider="cpu", threads=spec["threads"], tokenizer=False).engine
     # pad suppressed as the other engines are told to (bad_words_ids, suppress_sequences): T5 starts decoding
     # from pad, and a random T5 picks it again every step unless it is banned (Marian's bundles ban it already)
     opts = SearchOptions(max_new_tokens=spec["max_new_tokens"], beam=spec["beam"],
@@ -128,12 +132,17 @@ def transformers_fn(engine: str, model: str, spec: dict, ids: tuple[int, int, in
     return run
 
 
+def peak_mb() -> float:
+    """This process's peak resident memory so far, MB (2**20 bytes; Linux's ru_maxrss is in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
 def main() -> None:
     engine, model, inputs_file, out_file = sys.argv[1:5]
     spec = json.loads(Path(inputs_file).read_text())
     run = engine_fn(engine, model, spec)
     inputs = spec["inputs"]
-    tokens = [t for chunk in batches(inputs, 64) for t in run(chunk)]
+    phases = {"loaded": peak_mb()}
     times = {}
     for b in spec["batch_sizes"]:
         for _ in range(spec["warmup"]):
@@ -144,9 +153,11 @@ def main() -> None:
             run(inputs[:b])
             rounds.append(time.perf_counter() - start)
         times[str(b)] = rounds
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        phases[f"batch {b}"] = peak_mb()
+    tokens = [t for chunk in batches(inputs, 64) for t in run(chunk)]
+    phases["tokens"] = peak_mb()
     Path(out_file).write_text(json.dumps({"engine": engine, "model": model, "tokens": tokens, "times": times,
-                                          "peak_rss_mb": peak}))
+                                          "peak_rss_mb": peak_mb(), "peak_rss_mb_by_phase": phases}))
 
 
 if __name__ == "__main__":

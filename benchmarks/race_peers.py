@@ -16,7 +16,8 @@ weights cannot pass a token gate);
 BART directory, speed as for opus); "t5-small" and "flan-t5-base" those T5 shapes with random weights
 (toolkit.testing.tiny_t5.SHAPES: ReLU and a tied head, gated GELU and its own head; 32,128 rows, a 32,100-token
 tokenizer; speed as for opus). Each row also gives the size of the engine's model folder and the worker
-process's peak resident memory.
+process's peak resident memory: over the whole run ("peak MB"), and once the first batch size's rounds ran ("peak
+b1": loading and batch 1 alone; the workers time the batch sizes in the order given, then run the token pass).
 
 `--shortlist 75` adds four engines on one synthetic vocabulary map (the --always most frequent ids + 75 random
 candidates a source token, Marian's conventional sizes; sources then drawn from the whole vocabulary): onnxformer
@@ -42,6 +43,7 @@ PY = sys.executable
 ENVS = {"ct2": ["torch==2.13.0", "ctranslate2==4.8.5", "transformers>=5.24,<6", "sentencepiece"],
         "optimum": ["torch==2.13.0", "optimum-onnx[onnxruntime]==0.1.0", "sentencepiece", "accelerate"]}
 LOCK = "/tmp/onnxformer-bench.lock"
+REFERENCE = "transformers (PyTorch eager)"     # the engine every other one's tokens are compared with
 
 
 def log(msg: str) -> None:
@@ -199,6 +201,8 @@ def parse_args() -> argparse.Namespace:
                     help="also race this onnxformer bundle (another optimize of the same export), as LABEL")
     ap.add_argument("--no-optimum", action="store_true", help="leave Optimum out (its export of the NLLB-600M "
                     "shape needs more than 13 GiB and a long time)")
+    ap.add_argument("--no-reference", action="store_true", help="leave PyTorch eager out (\"= HF\" is then not "
+                    "measured): size and peak on a machine too loaded for its threads")
     ap.add_argument("--build-only", action="store_true", help="convert every engine's model, then stop (the "
                     "conversions need no quiet machine; the timed run does)")
     args = ap.parse_args()
@@ -209,7 +213,7 @@ def parse_args() -> argparse.Namespace:
 def engine_list(args: argparse.Namespace, marian: Path, out: Path) -> list[tuple]:
     """(label, python, engine, model folder, spec extras) for every engine this run races."""
     ct2, opt = env_python("ct2"), env_python("optimum")
-    engines = [("transformers (PyTorch eager)", ct2, "transformers", marian, {}),
+    engines = [(REFERENCE, ct2, "transformers", marian, {}),
                ("onnxformer fp32", PY, "onnxformer", out / "onnxformer-fp32", {}),
                ("onnxformer int8", PY, "onnxformer", out / "onnxformer-int8", {}),
                ("ctranslate2 fp32", ct2, "ctranslate2", out / "ct2-fp32", {}),
@@ -220,6 +224,8 @@ def engine_list(args: argparse.Namespace, marian: Path, out: Path) -> list[tuple
         engines.append((label, PY, "onnxformer", Path(folder).absolute(), {}))
     if args.no_optimum:
         engines = [e for e in engines if e[2] != "optimum"]
+    if args.no_reference:
+        engines = [e for e in engines if e[2] != "transformers"]
     if args.shortlist:
         engines += shortlisted(out, args.shortlist, args.always)
     if args.only and not args.build_only:
@@ -228,7 +234,7 @@ def engine_list(args: argparse.Namespace, marian: Path, out: Path) -> list[tuple
         if unknown:
             args.error(f"--only: no engine labelled {', '.join(map(repr, unknown))}; the labels are: "
                        f"{', '.join(e[0] for e in engines)}")
-        engines = [e for e in engines if e[0] in wanted or e[0] == "transformers (PyTorch eager)"]
+        engines = [e for e in engines if e[0] in wanted or e[0] == REFERENCE]
     return engines
 
 
@@ -249,13 +255,14 @@ def run_engines(engines: list[tuple], spec: dict, out: Path, threads: int) -> di
 
 def rows_of(results: dict[str, dict], new: int, speed: bool) -> list[dict]:
     """One row an engine: p50 times, tokens/s, agreement with PyTorch's sequences, model and peak MB."""
-    ref = results["transformers (PyTorch eager)"]["tokens"]
+    ref = results[REFERENCE]["tokens"] if REFERENCE in results else None
     rows = []
     for label, r in results.items():
-        same = sum(a == b for a, b in zip(ref, r["tokens"]))
-        row = {"engine": label, "sequences_equal_to_transformers": same / len(ref),
-               "distinct_reference_outputs": len({tuple(t) for t in ref}), "peak_rss_mb": r.get("peak_rss_mb"),
-               "model_mb": folder_bytes(Path(r["model"])) / 1e6}
+        same = sum(a == b for a, b in zip(ref, r["tokens"])) / len(ref) if ref else None
+        row = {"engine": label, "sequences_equal_to_transformers": same,
+               "distinct_reference_outputs": len({tuple(t) for t in ref}) if ref else None,
+               "peak_rss_mb": r.get("peak_rss_mb"),
+               "model_mb": folder_bytes(Path(r["model"])) / 1e6, "peak_rss_mb_by_phase": r.get("peak_rss_mb_by_phase")}
         for b, times in r["times"].items():
             p50 = statistics.median(times)
             row[f"batch {b} ms"] = p50 * 1000
@@ -267,14 +274,16 @@ def rows_of(results: dict[str, dict], new: int, speed: bool) -> list[dict]:
 def print_table(rows: list[dict], sizes: list[int], speed: bool) -> None:
     head = f"{'engine':<28} " + " ".join(f"{'b' + str(b) + ' ms':>10}" for b in sizes) + \
         (" " + " ".join(f"{'b' + str(b) + ' tok/s':>11}" for b in sizes) if speed else "") + f" {'= HF':>7}" + \
-        f" {'model MB':>9} {'peak MB':>8}"
+        f" {'model MB':>9} {'peak MB':>8} {'peak b' + str(sizes[0]):>8}"
     print(head)
     for row in rows:
         line = f"{row['engine']:<28} " + " ".join(f"{row[f'batch {b} ms']:>10.1f}" for b in sizes)
         if speed:
             line += " " + " ".join(f"{row[f'batch {b} tokens/s']:>11.0f}" for b in sizes)
-        print(line + f" {row['sequences_equal_to_transformers']:>7.1%} {row['model_mb']:>9.1f} "
-              f"{row['peak_rss_mb']:>8.0f}")
+        first = (row["peak_rss_mb_by_phase"] or {}).get(f"batch {sizes[0]}", float("nan"))
+        same = row["sequences_equal_to_transformers"]
+        print(line + f" {'-' if same is None else f'{same:.1%}':>7} {row['model_mb']:>9.1f} "
+              f"{row['peak_rss_mb']:>8.0f} {first:>8.0f}")
 
 
 def main() -> None:
@@ -296,7 +305,9 @@ def main() -> None:
     print(f"model {marian} ({'speed: exactly' if speed else 'tokens: at most'} {new} new tokens, beam {args.beam}, "
           f"{args.threads} threads, {args.repeat} rounds; load average before: {load[0]:.2f})")
     print_table(rows, spec["batch_sizes"], speed)
-    print(f"reference outputs: {rows[0]['distinct_reference_outputs']} distinct of {len(spec['inputs'])}; "
+    distinct = rows[0]["distinct_reference_outputs"]
+    count = "not run" if distinct is None else f"{distinct} distinct of {len(spec['inputs'])}"
+    print(f"reference outputs: {count}; "
           f"load average after: {os.getloadavg()[0]:.2f}")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))

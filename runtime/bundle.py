@@ -57,7 +57,7 @@ class Bundle:
 
 def load_bundle(path: str | Path, provider: str = "auto", threads: int | None = None,
                 session_options: SessionConfig | None = None, io_binding: bool | None = None,
-                one_graph_at_a_time: bool = False, shortlist: bool = True) -> Bundle:
+                one_graph_at_a_time: bool = False, shortlist: bool = True, tokenizer: bool = True) -> Bundle:
     """Validate and load a bundle directory; `threads` sets intra-op threads, `io_binding` None = per provider.
 
     `one_graph_at_a_time` (CPU without IO binding; for one-shot use such as `onnxformer generate`): each graph's session is made when
@@ -67,7 +67,12 @@ def load_bundle(path: str | Path, provider: str = "auto", threads: int | None = 
     (still a BundleError). Servers and benchmarks, which encode and decode in turn, keep both sessions.
 
     `shortlist`: load the bundle's vocabulary shortlist (its map and decoder graph, a third session) where it has
-    one; requests then decode on it unless their options say shortlist=False. False: the bundle loads as without."""
+    one; requests then decode on it unless their options say shortlist=False. False: the bundle loads as without.
+
+    `tokenizer=False` (callers that feed token ids, as the peer race's worker does): the tokenizer is not loaded
+    (`bundle.tokenizer` is None; its files are still verified by hash). Parsing a Hugging Face tokenizer.json of T5's
+    32,100-piece Unigram vocabulary adds 25 MiB resident, 17 of them to a batch-1 run's peak (benchmarks/RESULTS.md,
+    "T5 against its peers")."""
     path = Path(path)
     manifest = read_manifest(path)                                    # format, version, fields
     verify_hashes(path, manifest)                                     # every listed file present and unchanged
@@ -95,7 +100,7 @@ def load_bundle(path: str | Path, provider: str = "auto", threads: int | None = 
                       f"them on the models measured); optimize the fp32 bundle again with --weight-bits 7 (the "
                       f"default on such a CPU) for int8 weights exact on every CPU", RuntimeWarning,
                       stacklevel=2)
-    return Bundle(path, manifest, engine, _tokenizer(path, manifest), chosen, files)
+    return Bundle(path, manifest, engine, _tokenizer(path, manifest) if tokenizer else None, chosen, files)
 
 
 def weight_bits(manifest: dict) -> int | None:

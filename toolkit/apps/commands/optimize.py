@@ -25,7 +25,8 @@ from toolkit.parity.inputs import DEFAULT_SAMPLES
               help="int8 recipe: auto (try default, per-channel, per-row, per-channel-per-row, fp32-projection in "
                    "that order, cheapest first, and keep the first that passes the gate) | one of those names | "
                    "blocks (8-bit weight blocks in the decoder: batch 1 faster or slower by shape, batch 8 slower; "
-                   "never tried by auto)")
+                   "never tried by auto) | fp32-cross-kv (default with the encoder's cross-attention K/V projections "
+                   "in float32: an encoder cost once a request, none per decode step; never tried by auto)")
 @click.option("--weight-bits", type=click.Choice(["auto", "8", "7"]), default="auto", show_default=True,
               help="int8 weight bits: 7 is exact on every CPU, 8 is one bit more precise but saturates in the int8 "
                    "kernel of x86 CPUs without VNNI (AVX2 / AVX-512 only); auto: 7 on such a CPU, else 8")

@@ -25,7 +25,7 @@ UNREPRESENTATIVE = ("random ids are not representative of a text model's inputs 
                     "--input with source texts like the model's own (one a line)")
 
 FEATURES_NOTE = ("random log-mel features are not speech: a Whisper bundle judged on them is not judged on what it "
-                 "hears; give optimize --gate-audio FILES|DIR with speech clips like the model's own")
+                 "hears; judge it on speech clips like the model's own (optimize --gate-audio FILES|DIR)")
 AUDIO_SUFFIXES = (".wav", ".flac", ".ogg", ".opus", ".mp3")
 
 

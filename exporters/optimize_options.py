@@ -125,7 +125,7 @@ def source_manifest(bundle_dir: Path, out_dir: Path, precision: str, fuse: bool,
 
 
 __all__ = ["source_manifest", "TARGETS", "CPU_TARGETS", "ATTENTION_OPS", "STATIC_ATTENTION_OPS", "OptimizeError", "check_options", "resolve_kv_cache",
-           "attention_state", "check_source"]
+           "attention_state", "check_source", "given_gate_inputs"]
 
 
 def given_gate_inputs(manifest: dict, bundle_dir: Path, texts: list[str] | None, audio: list | None,

@@ -63,6 +63,8 @@ def test_bad_clips_are_refused_by_name(tmp_path, clips):
         audio_inputs(AUDIO, [tmp_path / "broken.wav"])
     with pytest.raises(InputError, match="is for an audio \\(Whisper\\) bundle, and this one reads text"):
         audio_inputs(preset("tiny"), [clips])
+    with pytest.raises(InputError, match=r"^--audio .*empty holds no audio files"):       # parity's flag
+        audio_inputs(AUDIO, [empty], option="--audio")
     with pytest.raises(InputError, match="--samples must be at least 1"):
         audio_inputs(AUDIO, [clips], samples=0)
 

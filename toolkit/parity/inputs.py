@@ -25,7 +25,8 @@ UNREPRESENTATIVE = ("random ids are not representative of a text model's inputs 
                     "--input with source texts like the model's own (one a line)")
 
 FEATURES_NOTE = ("random log-mel features are not speech: a Whisper bundle judged on them is not judged on what it "
-                 "hears; judge it on speech clips like the model's own (optimize --gate-audio FILES|DIR)")
+                 "hears; judge it on speech clips like the model's own (optimize --gate-audio, parity --audio "
+                 "FILES|DIR)")
 AUDIO_SUFFIXES = (".wav", ".flac", ".ogg", ".opus", ".mp3")
 
 
@@ -89,39 +90,39 @@ __all__ = ["ParityInputs", "choose_inputs", "parity_inputs", "audio_inputs", "au
            "UNREPRESENTATIVE", "AUDIO_SUFFIXES"]
 
 
-def audio_files(paths) -> list:
+def audio_files(paths, option: str = "--gate-audio") -> list:
     """The files of --gate-audio FILES|DIR in order: a file as given, a directory's audio files (AUDIO_SUFFIXES, not
-    its subdirectories) sorted by name."""
+    its subdirectories) sorted by name. option: the flag the messages name."""
     found = []
     for path in map(Path, paths):
         if path.is_dir():
             inside = sorted(f for f in path.iterdir() if f.is_file() and f.suffix.lower() in AUDIO_SUFFIXES)
             if not inside:
-                raise InputError(f"--gate-audio {path} holds no audio files ({', '.join(AUDIO_SUFFIXES)}); give a "
+                raise InputError(f"{option} {path} holds no audio files ({', '.join(AUDIO_SUFFIXES)}); give a "
                                  f"directory of speech clips, or the clips themselves")
             found += inside
         elif path.is_file():
             found.append(path)
         else:
-            raise InputError(f"--gate-audio {path} does not exist; give speech clips (files, or a directory of them)")
+            raise InputError(f"{option} {path} does not exist; give speech clips (files, or a directory of them)")
     return found
 
 
-def audio_inputs(config, paths, samples: int = DEFAULT_SAMPLES) -> ParityInputs:
+def audio_inputs(config, paths, samples: int = DEFAULT_SAMPLES, option: str = "--gate-audio") -> ParityInputs:
     """An audio encoder's inputs from audio files (audio_files; the first `samples`): each clip's log-mel features
     [n_mels, 3000], its first 30 s padded with silence, as runtime.audio makes them for a request."""
     if samples < 1:
         raise InputError(f"--samples must be at least 1, got {samples}")
     if not config.features:
-        raise InputError("--gate-audio is for an audio (Whisper) bundle, and this one reads text: leave it out, or "
-                         "give source texts with --input")
+        raise InputError(f"{option} is for an audio (Whisper) bundle, and this one reads text: leave it out, or "
+                         f"give source texts with --input")
     from runtime.audio import batch_features
 
-    files = audio_files(paths)[:samples]
+    files = audio_files(paths, option)[:samples]
     try:
         features = batch_features(files, config.n_mels)
     except AudioError as exc:
-        raise AudioError(f"--gate-audio: {exc}") from None
+        raise AudioError(f"{option}: {exc}") from None
     return ParityInputs(list(features), f"{len(files)} given audio clips' log-mel features")
 
 

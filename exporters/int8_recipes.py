@@ -10,7 +10,9 @@ embedding or not) stays float32. The "blocks" recipe instead gives the decoder's
 of 128 along K (com.microsoft.MatMulNBits, exporters/precision.to_blocks: a scale per block, activations quantized
 per row inside the kernel) and the encoder the default recipe's; auto never tries it (EXPLICIT): faster at batch 1
 on one shape and slower on another, slower at batch 8, no more accurate than default where that was measured
-(benchmarks/RESULTS.md).
+(benchmarks/RESULTS.md). The "fp32-cross-kv" recipe (by name only too) is the default with the encoder's
+cross-attention K/V projections (the MatMuls behind every present.N.encoder.key/value output, run once a request)
+kept float32: on the speech-trained tiny Whisper they made most of int8's logit error on speech (RESULTS.md).
 --per-channel/--per-tensor and --activation-scales narrow the list to the recipes
 that agree with them; with --recipe they must agree with it.
 """
@@ -28,6 +30,7 @@ from exporters.precision import INT8_BLOCK, precision_pass, to_blocks
 
 LOGITS = "logits"
 PROJECTION = "output_projection"
+CROSS_KV = "cross_kv_projection"
 AUTO = "auto"
 
 
@@ -40,10 +43,12 @@ class Recipe:
     step_cost: str                    # its decode-step cost against "default", where it was measured
     blocks: bool = False              # the decoder's MatMuls: 8-bit weight blocks (MatMulNBits), not per tensor
     weight_bits: int = 8              # 7: |w| <= 64, exact on CPUs whose int8 kernel saturates (resolve_weight_bits)
+    float_cross_kv: bool = False      # the encoder's cross-attention K/V MatMuls stay float32
 
     def options(self) -> dict:
         return {"recipe": self.name, "per_channel": self.per_channel, "activation_scales": self.activation_scales,
-                "float_projection": self.float_projection, "blocks": self.blocks, "weight_bits": self.weight_bits}
+                "float_projection": self.float_projection, "blocks": self.blocks, "weight_bits": self.weight_bits,
+                **({"float_cross_kv": True} if self.float_cross_kv else {})}   # other recipes' manifests as before
 
 
 # Cheapest first, by decode-step cost (benchmarks/RESULTS.md, "int8 activation scales"): per-channel weight scales
@@ -66,6 +71,9 @@ EXPLICIT = (             # chosen by name only: --recipe blocks
            "batch 1 1.12x faster, batch 8 1.15x slower than default at the BART-base shape, batch 1 1.16x "
            "slower at the NLLB-600M shape (benchmarks/RESULTS.md, "
            "\"The NLLB-600M and BART-base shapes: the race\")", blocks=True),
+    Recipe("fp32-cross-kv", False, "per-tensor", False,
+           "decode steps as default's; the encoder's cross K/V MatMuls, run once a request, in float32",
+           float_cross_kv=True),
 )
 NAMES = tuple(r.name for r in RECIPES)
 ALL_NAMES = NAMES + tuple(r.name for r in EXPLICIT)
@@ -117,18 +125,33 @@ def _recipes(recipe: str, per_channel: bool | None, activation_scales: str | Non
     return [chosen]
 
 
-def output_projections(model: ir.Model) -> list[ir.Node]:
-    """The MatMuls that make the logits output: walked back from it through its bias Add (and reshapes, casts)."""
+def _matmuls_behind(model: ir.Model, wanted, through: tuple[str, ...], data: tuple[str, ...] = ()) -> list[ir.Node]:
+    """The MatMuls that make the graph outputs whose names `wanted` accepts, walked back through `through` ops
+    with one moving (non-constant) input each, and `data` ops by their first input (a Reshape's shape may be
+    computed); each once, in graph output order."""
     found = []
     for out in model.graph.outputs:
-        node = out.producer() if out.name == LOGITS else None
-        while node is not None and node.op_type in ("Add", "Mul", "Reshape", "Cast", "Identity"):
+        node = out.producer() if wanted(out.name) else None
+        while node is not None and node.op_type in through + data:
             moving = [v for v in node.inputs if v is not None and v.producer() is not None
                       and ir.convenience.get_const_tensor(v) is None]
-            node = moving[0].producer() if len(moving) == 1 else None
-        if node is not None and node.op_type == "MatMul":
+            moving = node.inputs[:1] if node.op_type in data else moving
+            node = moving[0].producer() if len(moving) == 1 and moving[0] is not None else None
+        if node is not None and node.op_type == "MatMul" and node not in found:
             found.append(node)
     return found
+
+
+def output_projections(model: ir.Model) -> list[ir.Node]:
+    """The MatMuls that make the logits output: walked back from it through its bias Add (and reshapes, casts)."""
+    return _matmuls_behind(model, lambda name: name == LOGITS, ("Add", "Mul", "Reshape", "Cast", "Identity"))
+
+
+def cross_kv_projections(model: ir.Model) -> list[ir.Node]:
+    """The encoder graph's MatMuls behind its present.N.encoder.key/value outputs (packed: one per decoder layer),
+    walked back through the heads' reshapes and transposes, the bias Add and the packed split."""
+    return _matmuls_behind(model, lambda name: name.startswith("present.") and ".encoder." in name, ("Add",),
+                           ("Reshape", "Transpose", "Split", "Cast", "Identity"))
 
 
 def prepare(model: ir.Model, recipe: Recipe,
@@ -139,9 +162,11 @@ def prepare(model: ir.Model, recipe: Recipe,
     run = run_passes(quantization_prepasses(tied_projection=not recipe.float_projection,
                                             weight_bits=recipe.weight_bits), model, steps=2)
     keep = []
-    if recipe.float_projection:
-        for i, node in enumerate(output_projections(run.model)):
-            node.name = node.name or f"{PROJECTION}_{i}"
+    floats = {PROJECTION: output_projections(run.model) if recipe.float_projection else [],
+              CROSS_KV: cross_kv_projections(run.model) if recipe.float_cross_kv and graph == "encoder" else []}
+    for prefix, nodes in floats.items():
+        for i, node in enumerate(nodes):
+            node.name = node.name or f"{prefix}_{i}"
             keep.append(node.name)
     step = precision_pass("int8", recipe.per_channel, recipe.activation_scales, keep_float=tuple(keep),
                           reduce_range=recipe.weight_bits == 7)
@@ -191,4 +216,4 @@ def account(tried: list[tuple[Recipe, dict, int]], kept: int) -> tuple[dict, lis
 
 
 __all__ = ["Recipe", "RECIPES", "NAMES", "ALL_NAMES", "WEIGHT_BITS", "resolve_weight_bits", "AUTO", "recipes_for",
-           "output_projections", "prepare", "figures", "pick", "account"]
+           "output_projections", "cross_kv_projections", "prepare", "figures", "pick", "account"]

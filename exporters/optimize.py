@@ -29,7 +29,8 @@ from exporters.int8_recipes import (AUTO, Recipe, account, figures, pick, prepar
 from exporters.logs import quiet_loggers
 from exporters.optimize_gate import optimize_parity
 from exporters.optimize_options import (ATTENTION_OPS, CPU_TARGETS, RELATIVE_BIAS_CACHE, STATIC_ATTENTION_OPS, TARGETS,
-                                        OptimizeError, check_options, resolve_kv_cache, source_manifest)
+                                        OptimizeError, check_options, given_gate_inputs, resolve_kv_cache,
+                                        source_manifest)
 from exporters.ort_format import add_ort_format, check_convertible
 from exporters.passes import explain_misses, run_passes
 from exporters.precision import fp16_keep_float, precision_pass
@@ -43,7 +44,7 @@ from runtime.session import int8_saturates, return_freed_memory
 from runtime.spec import DYNAMIC
 from toolkit.parity import ParityError
 from toolkit.parity.graphs import record_table
-from toolkit.parity.inputs import DEFAULT_SAMPLES
+from toolkit.parity.inputs import DEFAULT_SAMPLES, ParityInputs
 
 @dataclass
 class OptimizeReport:
@@ -158,6 +159,7 @@ class _Job:
     progress: Callable[[str], None]
     allow_unverified: bool = False
     texts: list[str] | None = None
+    inputs: ParityInputs | None = None        # the gate's, given as audio clips (optimize_options.given_gate_inputs)
 
     def source(self, graph: str) -> Path:
         return self.bundle_dir / self.manifest["graphs"][graph]["file"]
@@ -169,7 +171,7 @@ def optimize_bundle(bundle_dir: str | Path, out_dir: str | Path, target: str = "
                     ort_format: bool = False, kv_cache: str = "auto",
                     allow_unverified: bool = False, activation_scales: str | None = None,
                     texts: list[str] | None = None, recipe: str = AUTO,
-                    weight_bits: str | int = "auto") -> tuple[Path, OptimizeReport]:
+                    weight_bits: str | int = "auto", gate_audio: list | None = None) -> tuple[Path, OptimizeReport]:
     """Fuse and/or convert a bundle into out_dir; returns (out_dir, report). Bad input: OptimizeError/BundleError.
 
     Three steps, inside a staging folder renamed into place only when all succeed: transform (fusions, static
@@ -193,8 +195,9 @@ def optimize_bundle(bundle_dir: str | Path, out_dir: str | Path, target: str = "
     (failed, or inconclusive because the outputs do not vary) raises ParityError and writes nothing, unless
     allow_unverified, which writes the bundle with the verdict and "verified": false in its manifest. Its token
     check runs on `samples` inputs chosen as `onnxformer parity` chooses them (toolkit.parity.inputs): the texts
-    given (through the bundle's tokenizer), else the held-out inputs of the model's task, else random ids (which a
-    text model, e.g. an imported Marian, never sees: give it texts).
+    given (through the bundle's tokenizer), or an audio bundle's clips given (gate_audio: files or directories),
+    else the held-out inputs of the model's task, else random ids (which a text model, e.g. an imported Marian, never
+    sees: give it texts; nor does a Whisper bundle hear random log-mel features: give it clips).
     """
     start = time.perf_counter()
     bundle_dir, out_dir = Path(bundle_dir), Path(out_dir)
@@ -206,13 +209,11 @@ def optimize_bundle(bundle_dir: str | Path, out_dir: str | Path, target: str = "
     report = OptimizeReport(str(bundle_dir), str(out_dir), target, precision, attention if fuse else None, kv_cache)
     if manifest["model"].get("relative_buckets") and target in CPU_TARGETS and fuse and attention == "ort":
         report.notes.append(f"KV cache dynamic: {RELATIVE_BIAS_CACHE}")
-    if texts is not None and not manifest.get("tokenizer"):
-        raise OptimizeError(f"{bundle_dir} has no tokenizer (it takes token ids), so gate input texts cannot be "
-                            f"encoded; leave --input out and the gate uses random ids")
+    inputs = given_gate_inputs(manifest, bundle_dir, texts, gate_audio, samples)
     recipes = _int8_recipes(target, recipe, per_channel, activation_scales, weight_bits, report) \
         if precision == "int8" else []
     job = _Job(bundle_dir, out_dir, manifest, target, precision, fuse, attention, kv_cache, recipes, samples,
-               ort_format, report, progress or (lambda msg: None), allow_unverified, texts)
+               ort_format, report, progress or (lambda msg: None), allow_unverified, texts, inputs)
     job.progress(f"optimizing {bundle_dir} -> {out_dir}")
     if manifest.get("ort_graphs"):
         report.notes.append("the source's ORT-format (.ort) graphs are not carried over; convert the new graphs again")

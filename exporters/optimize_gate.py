@@ -33,7 +33,7 @@ def optimize_parity(job, paths: dict[str, Path]) -> dict:
         return record
     t0 = time.perf_counter()
     record = bundle_gate(src_paths, paths, job.manifest, job.bundle_dir, provider, precision, job.samples,
-                         job.texts, layouts[0])
+                         job.texts, layouts[0], job.inputs)
     job.progress(f"parity against the source bundle on {provider} in {time.perf_counter() - t0:.1f} s: "
                  f"{record['summary']}")
     return record

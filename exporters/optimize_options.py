@@ -9,6 +9,8 @@ from exporters.row_activations import ACTIVATION_SCALES
 from runtime.errors import OnnxformerError
 from runtime.manifest import GRAPHS, PRECISIONS, read_manifest, verify_hashes
 from runtime.spec import KV_CACHES
+from toolkit.parity.inputs import ParityInputs, audio_inputs
+from toolkit.reference.config import ModelConfig
 
 TARGETS = ("cpu", "cuda", "wasm")                # bundle targets optimize writes (the manifest also knows "any")
 CPU_TARGETS = ("cpu", "wasm")   # wasm: onnxruntime-web, the CPU engine compiled to WebAssembly (`onnxformer web`)
@@ -123,4 +125,18 @@ def source_manifest(bundle_dir: Path, out_dir: Path, precision: str, fuse: bool,
 
 
 __all__ = ["source_manifest", "TARGETS", "CPU_TARGETS", "ATTENTION_OPS", "STATIC_ATTENTION_OPS", "OptimizeError", "check_options", "resolve_kv_cache",
-           "attention_state", "check_source"]
+           "attention_state", "check_source", "given_gate_inputs"]
+
+
+def given_gate_inputs(manifest: dict, bundle_dir: Path, texts: list[str] | None, audio: list | None,
+                      samples: int) -> ParityInputs | None:
+    """The gate's inputs from audio clips given (--gate-audio, read now so a bad file stops optimize before any
+    work), else None (the gate chooses: texts, the task's, random); refuses texts for a bundle without a tokenizer
+    and both texts and clips."""
+    if texts is not None and audio:
+        raise OptimizeError("--gate-audio and --input both give the gate's inputs; pass one of them (--gate-audio "
+                            "for an audio bundle, --input for a text one)")
+    if texts is not None and not manifest.get("tokenizer"):
+        raise OptimizeError(f"{bundle_dir} has no tokenizer (it takes token ids), so gate input texts cannot be "
+                            f"encoded; leave --input out and the gate uses random ids")
+    return audio_inputs(ModelConfig.from_dict(manifest["model"]), audio, samples) if audio else None

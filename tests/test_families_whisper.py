@@ -193,3 +193,14 @@ def test_onnxformer_parity_against_the_original(whisper, tmp_path):
     texts.write_text("hello\n")
     result = CliRunner().invoke(main, ["parity", str(src), str(ckpt.path), "--input", str(texts)])
     assert result.exit_code == 2 and "a Whisper model reads audio" in result.stderr, result.output
+    sf = pytest.importorskip("soundfile")
+    clips = tmp_path / "clips"
+    clips.mkdir()
+    for i, hz in enumerate((220, 440, 880)):
+        sf.write(clips / f"{i}.wav", (0.3 * np.sin(2 * np.pi * hz * np.arange(8000) / 16000)).astype(np.float32), 16000)
+    result = CliRunner().invoke(main, ["parity", str(src), str(ckpt.path), "--audio", str(clips), "--beam", "1"])
+    assert "3 given audio clips' log-mel features" in result.output and "not speech" not in result.output
+    assert result.exit_code in (0, 1) and "Traceback" not in result.output, result.output   # 3 clips: few outputs
+    result = CliRunner().invoke(main, ["parity", str(src), str(ckpt.path), "--audio", str(clips), "--input",
+                                       str(texts)])
+    assert result.exit_code == 2 and "--audio and --input both give the inputs" in result.stderr, result.output

@@ -8,7 +8,7 @@ import onnx_ir as ir
 import pytest
 from click.testing import CliRunner
 
-from exporters.int8_recipes import NAMES, RECIPES, output_projections, recipes_for
+from exporters.int8_recipes import NAMES, RECIPES, cross_kv_projections, output_projections, recipes_for
 from exporters.optimize import optimize_bundle
 from exporters.optimize_options import OptimizeError
 from runtime.manifest import read_manifest
@@ -24,6 +24,8 @@ def test_auto_tries_every_recipe_cheapest_first_and_flags_narrow_it():
     assert [r.name for r in recipes_for("auto", False, "per-tensor")] == ["default", "fp32-projection"]
     assert [r.name for r in recipes_for("per-row", None, "per-row")] == ["per-row"]
     assert "blocks" not in NAMES and [r.name for r in recipes_for("blocks", None, None)] == ["blocks"]
+    assert "fp32-cross-kv" not in NAMES and [r.name for r in recipes_for("fp32-cross-kv", None, None)] == [
+        "fp32-cross-kv"]
 
 
 def test_the_blocks_recipe_puts_the_decoder_in_8_bit_blocks_and_the_encoder_as_default(toy_exported, tmp_path):
@@ -41,6 +43,29 @@ def test_the_blocks_recipe_puts_the_decoder_in_8_bit_blocks_and_the_encoder_as_d
     assert {"quantize_int8", "quantize_int8_blocks"} <= set(manifest["passes"])
     nbits = next(n for n in ir.load(out / "decoder.onnx").graph if n.op_type == "MatMulNBits")
     assert (nbits.attributes["bits"].value, nbits.attributes["block_size"].value) == (8, 128)
+
+
+def test_the_fp32_cross_kv_recipe_keeps_the_encoders_cross_kv_matmuls_float(toy_exported, tmp_path):
+    """--recipe fp32-cross-kv: the encoder's MatMuls behind present.N.encoder.key/value stay float32 MatMuls, its
+    others are int8 as default's, the decoder is default's byte for byte; recorded in the manifest (and the other
+    recipes' options have no such key, as before)."""
+    _, bundle = toy_exported
+    out, _ = optimize_bundle(bundle, tmp_path / "cross", precision="int8", recipe="fp32-cross-kv",
+                             allow_unverified=True)
+    default, _ = optimize_bundle(bundle, tmp_path / "default", precision="int8", recipe="default",
+                                 allow_unverified=True)
+    options = read_manifest(out)["source"]["options"]
+    assert (options["recipe"], options["float_cross_kv"]) == ("fp32-cross-kv", True)
+    assert "float_cross_kv" not in read_manifest(default)["source"]["options"]
+    encoder = ir.load(out / "encoder.onnx")
+    floats = [n for n in encoder.graph if n.op_type == "MatMul"]
+    layers = read_manifest(out)["model"]["n_decoder_layers"]
+    assert floats and floats == cross_kv_projections(encoder) and len(floats) <= 2 * layers
+    assert all(ir.convenience.get_const_tensor(n.inputs[1]).numpy().dtype == np.float32 for n in floats)
+    ops = read_manifest(out)["graphs"]["encoder"]["op_counts"]
+    assert ops.get("MatMulInteger", 0) + ops.get("com.microsoft.DynamicQuantizeMatMul", 0) >= 4
+    assert not cross_kv_projections(ir.load(default / "encoder.onnx"))             # default quantizes them
+    assert (out / "decoder.onnx").read_bytes() == (default / "decoder.onnx").read_bytes()
 
 
 @pytest.mark.parametrize("recipe, per_channel, scales, message", [

@@ -9,6 +9,7 @@ decision whose top-2 margin is `margin`; choosing the inputs whose every greedy 
 gate's token check a statement about the quantization error, on every CPU.
 
     texts, margins = confident_inputs(model, tok, pool, n=64, max_new_tokens=32)
+    tokens, margins = engine_margins(engine, inputs, max_new_tokens=32)   # a bundle's engine: ids or features
 """
 
 from __future__ import annotations
@@ -52,4 +53,26 @@ def confident_inputs(model, tok, pool: list[str], n: int, max_new_tokens: int) -
     return [pool[i] for i in chosen], [margins[i] for i in chosen]
 
 
-__all__ = ["confident_inputs", "greedy_margins"]
+def engine_margins(engine, seqs: list, max_new_tokens: int) -> tuple[list[list[int]], list[float]]:
+    """(greedy tokens, per input the smallest top-1 minus top-2 logit over their steps) of a runtime Engine (a
+    bundle's: inputs token ids or an audio encoder's features), as optimize's gate decodes them (its suppressed ids
+    are no rival), teacher-forced on those tokens."""
+    import numpy as np
+
+    from runtime.search import SearchOptions
+    from toolkit.parity.generation import _best_tokens, _forced_logits, forced_owners
+
+    tokens = _best_tokens(engine, seqs, SearchOptions(max_new_tokens=max_new_tokens, beam=1))
+    owners, low = forced_owners(tokens), np.full(len(seqs), np.inf)
+
+    def visit(offset: int, logits: np.ndarray) -> None:
+        logits = np.array(logits, dtype=np.float64)
+        logits[:, list(engine.suppress_ids)] = -np.inf
+        top2 = np.sort(logits, axis=-1)[:, -2:]
+        np.minimum.at(low, owners[offset:offset + len(logits)], top2[:, 1] - top2[:, 0])
+
+    _forced_logits(engine, seqs, tokens, visit)
+    return tokens, low.tolist()
+
+
+__all__ = ["confident_inputs", "greedy_margins", "engine_margins"]

@@ -8,7 +8,7 @@ by the tolerance table's row for the precision and provider, so a new precision 
 What the row asks is judged, against the source bundle's graphs on the same provider:
 - atol (not None): every graph output over a first and 8 cached decoder steps (toolkit.parity.graphs);
 - token_match: greedy tokens over `samples` inputs, chosen as `onnxformer parity` chooses them
-  (toolkit.parity.inputs: texts given, else the task's held-out inputs, else random ids); the reference
+  (toolkit.parity.inputs: texts or audio clips given, else the task's held-out inputs, else random ids); the reference
   outputs must vary (toolkit.parity.generation), else teacher-forced logits decide, judged by atol, and without
   an atol (int8) the tokens are no verdict: "inconclusive", which a gate refuses like "failed";
 - accuracy_drop (not None): the task metric of the model's task (toolkit.reference.tasks.task_accuracy), the candidate at
@@ -28,7 +28,7 @@ from runtime.tokenizer import load_tokenizer
 from toolkit.reference.config import ModelConfig
 from toolkit.parity.generation import generation_parity
 from toolkit.parity.graphs import bundle_parity
-from toolkit.parity.inputs import DEFAULT_SAMPLES, choose_inputs, not_representative
+from toolkit.parity.inputs import DEFAULT_SAMPLES, ParityInputs, choose_inputs, not_representative
 from toolkit.parity.report import combine, shout
 from toolkit.parity.tolerances import tolerance
 from toolkit.reference.tasks import task_accuracy
@@ -52,10 +52,11 @@ def engine(paths: dict[str, Path], config: dict, provider: str, layout: str) -> 
 
 def bundle_gate(src_paths: dict[str, Path], paths: dict[str, Path], manifest: dict, bundle_dir: Path,
                 provider: str, precision: str, samples: int = DEFAULT_SAMPLES,
-                texts: list[str] | None = None, layout: str | None = None) -> dict:
+                texts: list[str] | None = None, layout: str | None = None, inputs: ParityInputs | None = None) -> dict:
     """The parity record of candidate graphs against the source bundle's, with the gate's verdict. texts: source
     texts (through the bundle's tokenizer, at most `samples`) as the token check's inputs instead of the task's
-    held-out inputs or random ids; layout: the candidate's decoder layout (default: the source's, `manifest`'s)."""
+    held-out inputs or random ids; layout: the candidate's decoder layout (default: the source's, `manifest`'s);
+    inputs: the token check's inputs chosen already (an audio bundle's given clips: inputs.audio_inputs)."""
     config, source_layout = manifest["model"], decoder_layout(manifest)
     layout = layout or source_layout
     tol = tolerance(precision, provider)
@@ -63,7 +64,7 @@ def bundle_gate(src_paths: dict[str, Path], paths: dict[str, Path], manifest: di
                            layouts=(layout, source_layout)).to_dict()
     verdicts = {"graphs": record["verdict"]} if record["judged"] or record["verdict"] == "inconclusive" else {}
     tokenizer = load_tokenizer(bundle_dir / manifest["tokenizer"]) if manifest.get("tokenizer") else None
-    inputs = choose_inputs(ModelConfig.from_dict(config), tokenizer, samples, texts)
+    inputs = inputs or choose_inputs(ModelConfig.from_dict(config), tokenizer, samples, texts)
     # the engines as makers: each made in its turn and dropped before the other (one model in memory at a time)
     reference = lambda: engine(src_paths, config, provider, source_layout)           # noqa: E731
     candidate = lambda: engine(paths, config, provider, layout)                      # noqa: E731

@@ -205,6 +205,16 @@ def _forced_logits(engine, seqs: list[list[int]], tokens: list[list[int]], visit
             feed = np.asarray([t[pos] if pos < len(t) else engine.eos_id for t in outs], dtype=np.int64)
 
 
+def forced_owners(tokens: list[list[int]]) -> list[int]:
+    """The input each row visited by _forced_logits belongs to, in its order (chunk, position, row)."""
+    owners = []
+    for start in range(0, len(tokens), BATCH):
+        chunk = range(start, min(start + BATCH, len(tokens)))
+        for pos in range(max(1, max(len(tokens[i]) for i in chunk))):
+            owners += [i for i in chunk if pos < len(tokens[i])]
+    return owners
+
+
 def teacher_forced(reference, candidate, seqs: list[list[int]], tokens: list[list[int]], tol: Tolerance) -> dict:
     """Both engines fed the reference's output tokens (after the start token): their logits at every position
     of every output, judged by tol.atol (None: report only, verdict "inconclusive"). The reference logits must
@@ -255,4 +265,4 @@ def teacher_forced(reference, candidate, seqs: list[list[int]], tokens: list[lis
 
 
 __all__ = ["GenerationCheck", "GenerationReport", "generation_parity", "teacher_forced", "compare_tokens",
-           "parity_inputs", "combine", "needed_distinct"]
+           "forced_owners", "parity_inputs", "combine", "needed_distinct"]

@@ -2,6 +2,7 @@
 judge a bundle on the same inputs:
 
     source texts given (--input, one a line, through the model's tokenizer, the first `samples`)
+    or, for an audio encoder, audio clips given (optimize --gate-audio: their log-mel features, the first `samples`)
     > the held-out inputs of the model's task (toolkit.reference.tasks: the dates model's)
     > `samples` seeded random id sequences (an audio encoder's: seeded random log-mel features, FEATURES)
 
@@ -12,10 +13,11 @@ judge a bundle on the same inputs:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
-from runtime.errors import InputError
+from runtime.errors import AudioError, InputError
 from toolkit.reference.tasks import task_parity_inputs
 
 DEFAULT_SAMPLES = 100               # inputs per token check, for parity and the optimize gate alike
@@ -23,7 +25,9 @@ UNREPRESENTATIVE = ("random ids are not representative of a text model's inputs 
                     "--input with source texts like the model's own (one a line)")
 
 FEATURES_NOTE = ("random log-mel features are not speech: a Whisper bundle judged on them is not judged on what it "
-                 "hears; compare real audio's features too (runtime.generate.generate_ids in Python)")
+                 "hears; judge it on speech clips like the model's own (optimize --gate-audio, parity --audio "
+                 "FILES|DIR)")
+AUDIO_SUFFIXES = (".wav", ".flac", ".ogg", ".opus", ".mp3")
 
 
 def not_representative(source: str) -> str:
@@ -52,7 +56,8 @@ class ParityInputs:
 
 def choose_inputs(config, tokenizer=None, samples: int = DEFAULT_SAMPLES, texts: list[str] | None = None,
                   seed: int = 0) -> ParityInputs:
-    """The inputs by the rule above. config: the model's ModelConfig; tokenizer: its tokenizer or None."""
+    """The inputs by the rule above (given audio clips: audio_inputs). config: the model's ModelConfig; tokenizer:
+    its tokenizer or None."""
     if samples < 1:
         raise InputError(f"--samples must be at least 1, got {samples}")
     if texts:
@@ -81,7 +86,44 @@ def parity_inputs(config, tokenizer=None, samples: int = DEFAULT_SAMPLES, seed: 
     return chosen.seqs, chosen.source
 
 
-__all__ = ["ParityInputs", "choose_inputs", "parity_inputs", "DEFAULT_SAMPLES", "UNREPRESENTATIVE"]
+__all__ = ["ParityInputs", "choose_inputs", "parity_inputs", "audio_inputs", "audio_files", "DEFAULT_SAMPLES",
+           "UNREPRESENTATIVE", "AUDIO_SUFFIXES"]
+
+
+def audio_files(paths, option: str = "--gate-audio") -> list:
+    """The files of --gate-audio FILES|DIR in order: a file as given, a directory's audio files (AUDIO_SUFFIXES, not
+    its subdirectories) sorted by name. option: the flag the messages name."""
+    found = []
+    for path in map(Path, paths):
+        if path.is_dir():
+            inside = sorted(f for f in path.iterdir() if f.is_file() and f.suffix.lower() in AUDIO_SUFFIXES)
+            if not inside:
+                raise InputError(f"{option} {path} holds no audio files ({', '.join(AUDIO_SUFFIXES)}); give a "
+                                 f"directory of speech clips, or the clips themselves")
+            found += inside
+        elif path.is_file():
+            found.append(path)
+        else:
+            raise InputError(f"{option} {path} does not exist; give speech clips (files, or a directory of them)")
+    return found
+
+
+def audio_inputs(config, paths, samples: int = DEFAULT_SAMPLES, option: str = "--gate-audio") -> ParityInputs:
+    """An audio encoder's inputs from audio files (audio_files; the first `samples`): each clip's log-mel features
+    [n_mels, 3000], its first 30 s padded with silence, as runtime.audio makes them for a request."""
+    if samples < 1:
+        raise InputError(f"--samples must be at least 1, got {samples}")
+    if not config.features:
+        raise InputError(f"{option} is for an audio (Whisper) bundle, and this one reads text: leave it out, or "
+                         f"give source texts with --input")
+    from runtime.audio import batch_features
+
+    files = audio_files(paths, option)[:samples]
+    try:
+        features = batch_features(files, config.n_mels)
+    except AudioError as exc:
+        raise AudioError(f"{option}: {exc}") from None
+    return ParityInputs(list(features), f"{len(files)} given audio clips' log-mel features")
 
 
 def random_features(config, samples: int, seed: int = 0) -> ParityInputs:

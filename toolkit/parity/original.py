@@ -254,8 +254,9 @@ def token_checks(model, engine, seqs: list[list[int]], beams=(1, 4), max_new_tok
 
 def marian_parity(original: str | Path, engine, candidate: str = "", texts: list[str] | None = None,
                   samples: int = DEFAULT_SAMPLES, beams=(1, 4), max_new_tokens: int = 32, length_penalty: float = 1.0,
-                  tokenizer=None, token_match: float = 1.0, progress=None) -> OriginalReport:
-    """Compare an engine (bundle or checkpoint) with the Marian model it was imported from."""
+                  tokenizer=None, token_match: float = 1.0, progress=None, audio=None) -> OriginalReport:
+    """Compare an engine (bundle or checkpoint) with the Marian model it was imported from (audio: a Whisper
+    model's clips, original_whisper)."""
     from toolkit.reference.importers import reference_of
 
     progress = progress or (lambda msg: None)
@@ -264,7 +265,10 @@ def marian_parity(original: str | Path, engine, candidate: str = "", texts: list
         from toolkit.parity.original_whisper import whisper_parity
 
         return whisper_parity(original, engine, candidate, texts, samples, beams, max_new_tokens, tokenizer,
-                              token_match, progress)
+                              token_match, progress, audio)
+    if audio:
+        raise InputError(f"--audio is for an audio (Whisper) model, and {original} is a {family.name} model that "
+                         f"reads text: leave it out, or give source texts with --input")
     model, tok = family.load_original(Path(original))
     seqs, source, tok_check = marian_inputs(tok, tokenizer, texts, samples, family=family.name)
     report = OriginalReport(str(original), candidate, len(seqs), source, reference=family.original,

@@ -25,7 +25,7 @@ from runtime.generate import generate_ids
 from runtime.search import SearchOptions
 from runtime.speech import prompt_ids
 from toolkit.parity.generation import compare_tokens
-from toolkit.parity.inputs import random_features
+from toolkit.parity.inputs import audio_inputs, random_features
 from toolkit.parity.report import token_verdict
 from toolkit.parity.tolerances import IMPORTED
 
@@ -78,25 +78,27 @@ def whisper_generate(model, features: np.ndarray, language: str | None, beam: in
 
 
 def whisper_parity(original: str | Path, engine, candidate: str = "", texts=None, samples: int = 100,
-                   beams=(1, 4), max_new_tokens: int = 32, tokenizer=None, token_match: float = 1.0, progress=None):
-    """Compare an engine (bundle or checkpoint) with the Whisper model it was imported from."""
+                   beams=(1, 4), max_new_tokens: int = 32, tokenizer=None, token_match: float = 1.0, progress=None,
+                   audio=None):
+    """Compare an engine (bundle or checkpoint) with the Whisper model it was imported from, on audio clips' log-mel
+    features (audio: files or directories) or seeded random ones."""
     from toolkit.parity.original import OriginalCheck, OriginalReport, original_of
     from toolkit.reference.importers import reference_of
 
     progress = progress or (lambda msg: None)
     if texts:
-        raise InputError("--input gives texts, but a Whisper model reads audio; leave --input out (parity uses "
-                         "random log-mel features) or compare real audio's features in Python")
+        raise InputError("--input gives texts, but a Whisper model reads audio; give speech clips with --audio "
+                         "FILES|DIR instead, or leave --input out (parity uses random log-mel features)")
     if tokenizer is None or not tokenizer.spec.get("decoder_prompt"):
         raise InputError(f"{candidate or 'the candidate'} has no Whisper tokenizer, so its prompt is unknown; "
                          f"import the Whisper directory with its tokenizer.json")
     family = original_of(original)
     model, _ = family.load_original(Path(original))
     ours = reference_of(original)
-    inputs = random_features(ours.config, samples)
+    inputs = audio_inputs(ours.config, audio, samples, "--audio") if audio else random_features(ours.config, samples)
     features = np.stack(inputs.seqs)
     report = OriginalReport(str(original), candidate, len(features), inputs.source, reference=family.original,
-                            representative=False, family=family.name)
+                            representative=inputs.representative, family=family.name)
     progress(f"logits: {family.original} vs the imported reference model")
     report.checks.append(whisper_logits(model, ours, features))
     language = "en" if "en" in tokenizer.languages else (tokenizer.languages[0] if tokenizer.languages else None)

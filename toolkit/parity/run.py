@@ -21,7 +21,7 @@ from runtime.bundle import load_bundle
 from runtime.errors import InputError
 from toolkit.parity.generation import generation_parity
 from toolkit.parity.graphs import graph_parity
-from toolkit.parity.inputs import DEFAULT_SAMPLES, choose_inputs
+from toolkit.parity.inputs import DEFAULT_SAMPLES, audio_inputs, choose_inputs
 from toolkit.parity.report import Combined
 from toolkit.parity.tolerances import tolerance
 from toolkit.reference.checkpoint import load_checkpoint
@@ -50,17 +50,19 @@ def searches(beam: int, max_new_tokens: int) -> tuple[int, ...]:
 
 def checkpoint_parity(checkpoint: str | Path, bundle: str | Path, provider: str = "auto",
                       samples: int = DEFAULT_SAMPLES, beam: int = 4, max_new_tokens: int = 32,
-                      texts: list[str] | None = None, threads: int = 1, progress=None) -> Combined:
+                      texts: list[str] | None = None, threads: int = 1, progress=None, audio=None) -> Combined:
     """Graphs and generated tokens of a bundle against the checkpoint it was exported from: greedy, and beam
     `beam` besides. texts: source texts as the token checks' inputs (through the checkpoint's tokenizer, else
-    the bundle's). progress: called with one line saying what is compared, once both are loaded."""
+    the bundle's); audio: an audio model's inputs as clips (files or directories, toolkit.parity.inputs.audio_inputs).
+    progress: called with one line saying what is compared, once both are loaded."""
     beams = searches(beam, max_new_tokens)
     if threads < 1:
         raise InputError(f"--threads must be at least 1, got {threads}")
     ckpt, loaded = load_checkpoint(checkpoint), load_bundle(bundle, provider=provider, threads=threads)
     precision = loaded.manifest["precision"]
     tol = tolerance(precision, loaded.provider)                      # refuses pairs the table does not define
-    inputs = choose_inputs(ckpt.config, ckpt.tokenizer or loaded.tokenizer, samples, texts)
+    inputs = audio_inputs(ckpt.config, audio, samples, "--audio") if audio else choose_inputs(
+        ckpt.config, ckpt.tokenizer or loaded.tokenizer, samples, texts)
     if progress is not None:
         progress(f"comparing {bundle} ({precision}, onnxruntime on {loaded.provider}) with {checkpoint} (PyTorch)")
     with torch_threads(threads):

@@ -25,7 +25,8 @@ from toolkit.parity.inputs import DEFAULT_SAMPLES
               help="int8 recipe: auto (try default, per-channel, per-row, per-channel-per-row, fp32-projection in "
                    "that order, cheapest first, and keep the first that passes the gate) | one of those names | "
                    "blocks (8-bit weight blocks in the decoder: batch 1 faster or slower by shape, batch 8 slower; "
-                   "never tried by auto)")
+                   "never tried by auto) | fp32-cross-kv (default with the encoder's cross-attention K/V projections "
+                   "in float32: an encoder cost once a request, none per decode step; never tried by auto)")
 @click.option("--weight-bits", type=click.Choice(["auto", "8", "7"]), default="auto", show_default=True,
               help="int8 weight bits: 7 is exact on every CPU, 8 is one bit more precise but saturates in the int8 "
                    "kernel of x86 CPUs without VNNI (AVX2 / AVX-512 only); auto: 7 on such a CPU, else 8")
@@ -45,12 +46,16 @@ from toolkit.parity.inputs import DEFAULT_SAMPLES
               help="source texts, one a line, for the parity gate's token check (the first --samples; the "
                    "bundle's tokenizer encodes them) [default: the model's task's held-out inputs, else random ids, which "
                    "a text model such as an imported Marian never sees]")
+@click.option("--gate-audio", multiple=True, type=click.Path(exists=True),
+              help="speech clips (files, or a directory of them; repeatable) for an audio (Whisper) bundle's gate: "
+                   "the first --samples clips' log-mel features [default: seeded random log-mel features, which a "
+                   "Whisper model never hears: a trained one's greedy choices on them are near-ties int8 flips]")
 @click.option("--samples", default=DEFAULT_SAMPLES, show_default=True,
               help="inputs of the parity gate's token check (the same inputs `onnxformer parity` judges)")
 @click.option("--json", "as_json", is_flag=True, help="print the report as JSON")
 @friendly
 def command(bundle, out, target, precision, fuse, attention, kv_cache, recipe, weight_bits, per_channel,
-            activation_scales, ort_format, force, allow_unverified, input_file, samples, as_json):
+            activation_scales, ort_format, force, allow_unverified, input_file, gate_audio, samples, as_json):
     """Optimize a bundle for ONNX Runtime: attention/LayerNorm/GELU fusion, fp16 or int8, checked for parity."""
     require("export")
     from exporters.optimize import optimize_bundle
@@ -66,7 +71,7 @@ def command(bundle, out, target, precision, fuse, attention, kv_cache, recipe, w
                                     force=force, per_channel=per_channel, progress=progress,
                                     ort_format=ort_format, kv_cache=kv_cache, allow_unverified=allow_unverified,
                                     activation_scales=activation_scales, texts=texts, samples=samples,
-                                    recipe=recipe, weight_bits=weight_bits)
+                                    recipe=recipe, weight_bits=weight_bits, gate_audio=list(gate_audio) or None)
     except ParityError as exc:
         if isinstance(exc.report, dict) and not as_json:
             from toolkit.parity.graphs import record_table

@@ -25,6 +25,9 @@ from toolkit.parity.inputs import DEFAULT_SAMPLES
 @click.option("--input", "input_file", type=click.Path(exists=True, dir_okay=False),
               help="source texts, one a line, through the model's tokenizer (the first --samples) [default: the "
                    "model's task's held-out inputs, else random ids, which a text model never sees]")
+@click.option("--audio", multiple=True, type=click.Path(exists=True),
+              help="speech clips (files, or a directory of them; repeatable) as an audio (Whisper) model's inputs: "
+                   "the first --samples clips' log-mel features [default: seeded random log-mel features]")
 @click.option("--length-penalty", default=1.0, show_default=True,
               help="against an original model directory: beam scores are log-prob / length ** this")
 @click.option("--threads", default=1, show_default=True,
@@ -32,7 +35,7 @@ from toolkit.parity.inputs import DEFAULT_SAMPLES
                    "small model's batches are too small to split across threads)")
 @click.option("--json", "as_json", is_flag=True, help="one JSON report instead of tables")
 @friendly
-def command(checkpoint, bundle, provider, samples, beam, max_new_tokens, input_file, length_penalty, threads,
+def command(checkpoint, bundle, provider, samples, beam, max_new_tokens, input_file, audio, length_penalty, threads,
             as_json):
     """Check BUNDLE against CHECKPOINT: exit 0 within tolerance, 1 outside, 2 on bad input.
 
@@ -44,15 +47,19 @@ def command(checkpoint, bundle, provider, samples, beam, max_new_tokens, input_f
     require("torch")
     from toolkit.reference.importers import original_family
 
+    if input_file and audio:
+        raise InputError("--audio and --input both give the inputs; pass one of them (--audio for an audio model, "
+                         "--input for a text one)")
+    audio = list(audio) or None
     if original_family(checkpoint) is not None:
         return _against_original(checkpoint, bundle, provider, samples, beam, max_new_tokens, input_file,
-                                 length_penalty, threads, as_json)
+                                 length_penalty, threads, as_json, audio)
     if length_penalty != 1.0:
         raise InputError("--length-penalty applies when the reference is an original model directory (e.g. Marian)")
     from toolkit.parity.run import checkpoint_parity
 
     report = checkpoint_parity(checkpoint, bundle, provider, samples, beam, max_new_tokens, text_lines(input_file),
-                               threads, progress=lambda m: click.echo(m, err=True))
+                               threads, progress=lambda m: click.echo(m, err=True), audio=audio)
     _print(report, as_json)
 
 
@@ -66,7 +73,7 @@ def _print(report, as_json: bool) -> None:
 
 
 def _against_original(original, candidate, provider, samples, beam, max_new_tokens, input_file, length_penalty,
-                      threads, as_json):
+                      threads, as_json, audio=None):
     from toolkit.apps.engines import open_model
     from toolkit.parity.original import marian_parity
     from toolkit.parity.run import searches, torch_threads
@@ -82,5 +89,5 @@ def _against_original(original, candidate, provider, samples, beam, max_new_toke
     with torch_threads(threads):
         report = marian_parity(original, opened.engine, str(candidate), texts, samples, beams, max_new_tokens,
                                length_penalty, opened.tokenizer, token_match,
-                               progress=lambda m: click.echo(m, err=True))
+                               progress=lambda m: click.echo(m, err=True), audio=audio)
     _print(report, as_json)

@@ -107,7 +107,8 @@ def compare(bundle: Path, texts: list[str], tgt_lang: str | None, max_new: int) 
     cross = max(float(np.abs(a - b).max()) for w, n in zip(web, native) for a, b in zip(w["cross"], n["cross"]))
     return {"bundle": str(bundle), "inputs": len(texts), "distinct_outputs": len({tuple(h) for h in hyps}),
             "scored_steps": int(d.size), "max_logit_difference": float(d.max()),
-            "steps_over_1e-3": int((d > 1e-3).sum()), "min_margin": float(m.min()), "median_margin": float(np.median(m)),
+            "steps_over_1e-3": int((d > 1e-3).sum()), "min_margin": float(m.min()),
+            "median_margin": float(np.median(m)),
             "steps_margin_under_2x_difference": int((m < 2 * d).sum()), "argmax_flips": flips,
             "max_cross_difference": cross}
 

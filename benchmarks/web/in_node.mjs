@@ -1,4 +1,5 @@
-// onnxformer's page code and graphs in Node, for benchmarks/web_logits.py (why the page's ids differ from the runtime's):
+// onnxformer's page code and graphs in Node, for benchmarks/web_logits.py (why the page's ids differ from the
+// runtime's):
 //   node in_node.mjs logits BUNDLE JOBS.json OUT.json
 //     JOBS: [{src: source ids, tokens: target ids fed after the decoder start, capacity}]; per job the encoder's
 //     cross keys/values and every decoder step's logits, one row, fed as the page feeds (toolkit/apps/web/src), on
@@ -66,7 +67,8 @@ async function page(site, requestsFile, ortNode) {
   const dir = mkdtempSync(join(tmpdir(), "onnxformer-page-"));
   try {
     cpSync(site, dir, { recursive: true });
-    writeFileSync(join(dir, "ort.wasm.min.mjs"), ortNode ? nativeShim(ortNode) : `export * from "${pathToFileURL(WEB)}";`);
+    const ortModule = ortNode ? nativeShim(ortNode) : `export * from "${pathToFileURL(WEB)}";`;
+    writeFileSync(join(dir, "ort.wasm.min.mjs"), ortModule);
     globalThis.fetch = async (name) => {     // the page fetches its bundle from its own folder
       const b = readFileSync(join(dir, String(name)));
       return { ok: true, json: async () => JSON.parse(b.toString("utf8")),
@@ -75,7 +77,9 @@ async function page(site, requestsFile, ortNode) {
     process.chdir(dir);                      // the page sets ort.env.wasm.wasmPaths = "./"
     const mod = await import(pathToFileURL(join(dir, "onnxformer.js")));
     const model = await mod.Model.load(), answers = [];
-    for (const r of JSON.parse(readFileSync(requestsFile, "utf8"))) answers.push(await mod.translate(model, r.texts, r));
+    for (const r of JSON.parse(readFileSync(requestsFile, "utf8"))) {
+      answers.push(await mod.translate(model, r.texts, r));
+    }
     process.stdout.write(JSON.stringify({ answers }));
   } finally {
     rmSync(dir, { recursive: true, force: true });

@@ -398,19 +398,31 @@ def _webgpu_adapter(site: Path) -> str | None:
         else None
 
 
-@pytest.mark.slow
-def test_page_webgpu_ids_equal_the_runtime(browser, dates_bundle, tmp_path, monkeypatch):
-    """The dates bundle with executionProviders ['webgpu'] (greedy, fp32): the Python runtime's ids on 32 inputs."""
+def _assert_webgpu_equals_runtime(bundle: Path, texts: list[str], tmp_path: Path, monkeypatch) -> None:
+    """The page with executionProviders ['webgpu'] (greedy): runtime.Translator's ids, one input at a time."""
     from runtime.api import Translator
 
-    site = web.write_site(dates_bundle, tmp_path / "site", webgpu=True)
+    site = web.write_site(bundle, tmp_path / "site", webgpu=True)
     why = _webgpu_adapter(site)
     if why:
         pytest.skip(f"headless Chromium offers no WebGPU adapter here: {why}")
-    texts = _inputs()
     monkeypatch.setenv("WEBGPU", "1")
     page = _page_answers(site, [{"texts": texts, "beam": 1, "maxNewTokens": MAX_NEW}], tmp_path, "?ep=webgpu")
-    expected = [r.hypotheses[0] for r in Translator(dates_bundle, provider="cpu").generate(
+    expected = [r.hypotheses[0] for r in Translator(bundle, provider="cpu").generate(
         texts, batch_size=1, max_new_tokens=MAX_NEW)]
-    assert len({tuple(h.ids) for h in expected}) >= 8
+    assert len({tuple(h.ids) for h in expected}) >= 8                  # outputs that vary
     assert [a["ids"] for a in page["answers"][0]] == [h.ids for h in expected]
+
+
+@pytest.mark.slow
+def test_page_webgpu_ids_equal_the_runtime(browser, dates_bundle, tmp_path, monkeypatch):
+    """The dates bundle on WebGPU (fp32, dynamic cache): the Python runtime's ids on 32 inputs."""
+    _assert_webgpu_equals_runtime(dates_bundle, _inputs(), tmp_path, monkeypatch)
+
+
+@pytest.mark.slow
+def test_page_webgpu_marian_equals_the_runtime(browser, tiny_marian_bundles, tmp_path, monkeypatch):
+    """The tiny Marian fp32 bundle on WebGPU (SentencePiece in the page): the runtime's ids on 32 held-out texts."""
+    from toolkit.testing.tiny_marian import held_out
+
+    _assert_webgpu_equals_runtime(tiny_marian_bundles[1]["fp32"], held_out(32), tmp_path, monkeypatch)

@@ -1,19 +1,24 @@
-"""Race onnxformer's Whisper bundles against faster-whisper (CTranslate2) on identical random weights: one
-WhisperForConditionalGeneration directory of a real shape feeds our importer and CTranslate2's converter; each engine
-then runs in its own process, under the bench lock, with the same threads:
+"""Race onnxformer's Whisper bundles against faster-whisper (CTranslate2) and Optimum (onnxruntime) on identical
+random weights: one WhisperForConditionalGeneration directory of a real shape feeds our importer, CTranslate2's
+converter and optimum-cli's export; each engine then runs in its own process, under the bench lock, with the same
+threads:
 
     .venv/bin/python benchmarks/race_whisper.py [--shape tiny|base|small] [--threads 2] [--build-only]
 
 Three timings an engine (p50 of --repeat after one warm-up): the encoder on one 30 s window; a decode of exactly 64
-tokens from the transcribe prompt over that encoder output (the end token suppressed / ignored); a whole transcribe of
-a 60 s clip (seeded noise: greedy, temperature 0 only, no fallback, no no-speech skip, no timestamps, no VAD, the
-same --max-new-tokens a window). Random weights decode garbage of their own length, so the tokens each engine
-decoded in the transcribe are reported beside its time. Also the model folder's size and the worker's peak RSS.
+tokens after the same prompt (<|startoftranscript|><|en|><|transcribe|><|notimestamps|>) over that encoder output,
+the end token suppressed / ignored; a whole transcribe of a 60 s clip (seeded noise: greedy, temperature 0 only, no
+fallback, no no-speech skip, no timestamps, no VAD, every window's end token suppressed / ignored, so that each
+window decodes exactly --max-new-tokens). Optimum has no transcribe here: transformers' long-form path needs
+timestamp tokens. Random weights decode garbage, but every engine decodes the same number of tokens: the race checks
+it (the prompts, the decode's count, the transcribe's windows and their counts) and prints no ratio when they differ.
+Also the model files' size, each worker's RSS once the model is loaded, and its peak RSS.
 
 The directory's vocabulary is Whisper's 51,865 rows: tiny_whisper's byte-level BPE text tokens padded with
-placeholder tokens to 50,353 text ids, then the 11 special tokens (three languages) and the 1501 timestamp tokens,
-so every shape (embedding, head, softmax) is the real model's. faster-whisper runs from a venv of its own
-(out/peers-whisper, or $ONNXFORMER_WHISPER_PEERS: faster-whisper, ctranslate2, transformers 5, torch).
+placeholder tokens and the empty piece to 50,353 text ids, then the 11 special tokens (three languages) and the 1501
+timestamp tokens, so every shape (embedding, head, softmax) is the real model's. faster-whisper runs from a venv of
+its own (out/peers-whisper, or $ONNXFORMER_WHISPER_PEERS: faster-whisper, ctranslate2, transformers 5, torch),
+Optimum from race_peers.py's (out/peers/optimum, or $ONNXFORMER_OPTIMUM_ENV: optimum-onnx 0.1, transformers 4.57).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 WORK = ROOT / "out" / "race-whisper"
 PEERS = Path(os.environ.get("ONNXFORMER_WHISPER_PEERS") or ROOT / "out" / "peers-whisper").absolute()
+OPTIMUM = Path(os.environ.get("ONNXFORMER_OPTIMUM_ENV") or ROOT / "out" / "peers" / "optimum").absolute()
 LOCK = "/tmp/onnxformer-bench.lock"
 VOCAB = 51865
 SHAPES = {"tiny": dict(d_model=384, encoder_layers=4, decoder_layers=4, heads=6, ffn=1536),
@@ -49,15 +55,19 @@ def sh(*args, **kw) -> None:
 
 def padded_tokenizer(directory: Path) -> dict[str, int]:
     """tiny_whisper's tokenizer.json rewritten with Whisper's layout at its real size: placeholder text pieces after
-    the trained ones up to 50,353 text ids, the specials next, the 1501 timestamps last (51,865 in all)."""
+    the trained ones and the empty piece up to 50,353 text ids, the specials next, the 1501 timestamps last (51,865 in
+    all)."""
     from toolkit.testing.tiny_whisper import SPECIALS, TIMESTAMPS, byte_bpe
 
     byte_bpe(directory, timestamps=False)
     data = json.loads((directory / "tokenizer.json").read_text())
     vocab = data["model"]["vocab"]
     text = VOCAB - len(SPECIALS) - len(TIMESTAMPS)
-    for i in range(len(vocab), text):
+    for i in range(len(vocab), text - 1):
         vocab[f"<placeholder{i}>"] = i           # no merge reaches them: decodable, never produced by encode
+    # the real multilingual vocabulary's empty piece (id 50256 there), last of the text ids: CTranslate2 4.8 reads
+    # a Whisper model as multilingual (language and task tokens in faster-whisper's prompt) only when it holds ""
+    vocab[""] = text - 1
     added = [{"id": text + k, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
               "normalized": k >= len(SPECIALS), "special": k < len(SPECIALS)}
              for k, t in enumerate((*SPECIALS, *TIMESTAMPS))]
@@ -95,7 +105,9 @@ def build_directory(shape: str, directory: Path) -> None:
 
 
 def build(shape: str) -> Path:
-    """The shape's folder: hf/ (the original), onnxformer-fp32/-int8 bundles, ct2-fp32/-int8 models."""
+    """The shape's folder: hf/ (the original), onnxformer-fp32/-int8 bundles, ct2-fp32/-int8 models, optimum-fp32
+    (optimum-cli's export) and optimum-int8 (its ORTQuantizer's dynamic avx512_vnni quantization). Each step is
+    skipped when its output is there: --build-only once, then the timed run on a quiet machine."""
     out = WORK / shape
     hf = out / "hf"
     if not (hf / "config.json").exists():
@@ -104,9 +116,11 @@ def build(shape: str) -> Path:
     ox = Path(sys.executable).with_name("onnxformer")
     steps = [("checkpoint", ["import", hf, "--out", out / "checkpoint"]),
              ("onnxformer-export", ["export", out / "checkpoint", "--out", out / "onnxformer-export"]),
-             ("onnxformer-fp32", ["optimize", out / "onnxformer-export", "--out", out / "onnxformer-fp32"]),
-             # random weights pass no token gate: the default recipe written unverified, its gate on few inputs
-             # (auto would try every recipe, each failing, at minutes apiece on the small shape)
+             # the parity gate on 8 inputs, not 100: each is a 30 s encoder run and a greedy decode on both bundles
+             ("onnxformer-fp32", ["optimize", out / "onnxformer-export", "--out", out / "onnxformer-fp32",
+                                  "--samples", "8"]),
+             # random weights pass no int8 token gate: the default recipe written unverified (auto would try every
+             # recipe, each failing, at minutes apiece on the small shape)
              ("onnxformer-int8", ["optimize", out / "onnxformer-export", "--out", out / "onnxformer-int8",
                                   "--precision", "int8", "--recipe", "default", "--samples", "8",
                                   "--allow-unverified"])]
@@ -119,9 +133,51 @@ def build(shape: str) -> Path:
             log(f"CTranslate2: ct2-transformers-converter ({name})")
             sh(PEERS / "bin" / "ct2-transformers-converter", "--model", hf, "--output_dir", out / name, "--force",
                "--copy_files", "tokenizer.json", "preprocessor_config.json", *extra)
+    build_optimum(hf, out)
     return out
 
 
+def build_optimum(hf: Path, out: Path) -> None:
+    """optimum-cli's export (automatic-speech-recognition-with-past) into optimum-fp32, then ORTQuantizer's dynamic
+    int8 (avx512_vnni, per tensor) of the two files ORTModelForSpeechSeq2Seq loads into optimum-int8."""
+    opt = optimum_python()
+    fp32, int8 = out / "optimum-fp32", out / "optimum-int8"
+    if not (fp32 / "decoder_model_merged.onnx").exists():
+        log("Optimum: optimum-cli export onnx (automatic-speech-recognition-with-past)")
+        sh(opt, "-m", "optimum.commands.optimum_cli", "export", "onnx", "--model", hf, "--task",
+           "automatic-speech-recognition-with-past", fp32)
+    if not (int8 / "decoder_model_merged.onnx").exists():
+        log("Optimum: ORTQuantizer avx512_vnni dynamic int8")
+        sh(opt, Path(__file__).resolve(), "--quantize", fp32, int8)
+
+
+def optimum_python() -> Path:
+    py = OPTIMUM / "bin" / "python"
+    if not py.exists():
+        raise SystemExit(f"no Optimum environment at {OPTIMUM}: build it with benchmarks/race_peers.py (its "
+                         f"optimum venv) or point $ONNXFORMER_OPTIMUM_ENV at one")
+    return py
+
+
+def optimum_quantize(src: str, dst: str) -> None:
+    """(In the Optimum venv.) The encoder and the merged decoder of src quantized into dst under their own names,
+    the other files but the unmerged decoders copied."""
+    import shutil
+
+    from optimum.onnxruntime import ORTQuantizer
+    from optimum.onnxruntime.configuration import AutoQuantizationConfig
+
+    config = AutoQuantizationConfig.avx512_vnni(is_static=False, per_channel=False)
+    tmp = Path(dst + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    for name in ("encoder_model.onnx", "decoder_model_merged.onnx"):
+        ORTQuantizer.from_pretrained(src, file_name=name).quantize(save_dir=tmp, quantization_config=config)
+        (tmp / name.replace(".onnx", "_quantized.onnx")).rename(tmp / name)     # the names from_pretrained loads
+    for f in Path(src).iterdir():
+        if f.suffix != ".onnx" and not (tmp / f.name).exists():
+            shutil.copy(f, tmp / f.name)
+    shutil.rmtree(dst, ignore_errors=True)
+    tmp.rename(dst)
 def timed(fn, repeat: int) -> tuple[float, list[float], object]:
     """(p50 seconds, every round, the last result) of fn() over `repeat` rounds after one warm-up."""
     fn()
@@ -144,7 +200,8 @@ def inputs(seconds: int):
 
 
 def onnxformer_worker(model: str, spec: dict) -> dict:
-    """Our bundle: Transcriber.encode, generate over its output (64 tokens, EOS ignored), Transcriber.transcribe."""
+    """Our bundle: Transcriber.encode, generate over its output (64 tokens, EOS ignored), Transcriber.transcribe
+    with every window's EOS ignored (each window then decodes exactly max_new_tokens)."""
     import dataclasses
 
     from runtime.generate import generate
@@ -152,6 +209,7 @@ def onnxformer_worker(model: str, spec: dict) -> dict:
     from runtime.transcribe import Transcriber
 
     tr = Transcriber(model, provider="cpu", threads=spec["threads"])
+    loaded = rss_mb()
     features, samples = inputs(spec["seconds"])
     prompt = tr.prompt("en", "transcribe", False)
     enc_s, enc_r, encoded = timed(lambda: tr.encode(features[None]), spec["repeat"])
@@ -161,18 +219,37 @@ def onnxformer_worker(model: str, spec: dict) -> dict:
     def decode():
         return generate(tr.engine, request, encoded=encoded)[0][0].tokens[len(prompt):]
     dec_s, dec_r, tokens = timed(decode, spec["repeat"])
+    window_options = tr.options
+    tr.options = lambda *a, **k: dataclasses.replace(window_options(*a, **k), ignore_eos=True)
 
     def transcribe():
         return tr.transcribe(samples, language="en", beam=1, temperatures=(0.0,), compression_ratio_threshold=None,
                              logprob_threshold=None, no_speech_threshold=None, max_new_tokens=spec["max_new_tokens"])
     tx_s, tx_r, result = timed(transcribe, spec["repeat"])
-    decoded = sum(len(s.tokens) for s in result.segments)
-    return {"encode": [enc_s, enc_r], "decode": [dec_s, dec_r], "decode_tokens": len(tokens),
-            "transcribe": [tx_s, tx_r], "transcribe_tokens": decoded, "windows": len(result.segments)}
+    return {"loaded_rss_mb": loaded, "prompt": [tr.engine.bos_id, *prompt], "encode": [enc_s, enc_r], "decode": [dec_s, dec_r],
+            "decode_ids": list(tokens), "transcribe": [tx_s, tx_r],
+            "window_tokens": windows_of((s.seek, len(s.tokens)) for s in result.segments)}
+
+
+def rss_mb() -> float:
+    """The process's resident memory now (the model loaded: what it holds before any input)."""
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def windows_of(pairs) -> list[int]:
+    """The tokens each window decoded, from (seek, tokens) of every segment (segments of a window share its seek)."""
+    counts: dict[int, int] = {}
+    for seek, n in pairs:
+        counts[seek] = counts.get(seek, 0) + n
+    return [counts[k] for k in sorted(counts)]
 
 
 def faster_whisper_worker(model: str, spec: dict) -> dict:
-    """faster-whisper: model.model.encode, model.model.generate (64 tokens, the end token suppressed), transcribe."""
+    """faster-whisper: model.model.encode, model.model.generate (64 tokens, the end token suppressed), transcribe
+    (every window's end token suppressed). CTranslate2's Whisper generate stops at max_length // 2 new tokens
+    whatever the prompt's length (OpenAI's sample_len = n_text_ctx // 2; measured on 4.8.5: max_length 66, 128,
+    448 give 33, 64, 224), and faster-whisper's transcribe passes max_length = prompt + max_new_tokens: both are
+    asked for twice the tokens wanted (prompt subtracted in transcribe) so that they decode the count asked."""
     import ctranslate2
     import numpy as np
     from faster_whisper import WhisperModel
@@ -180,6 +257,7 @@ def faster_whisper_worker(model: str, spec: dict) -> dict:
 
     wm = WhisperModel(model, device="cpu", compute_type=spec["compute_type"], cpu_threads=spec["threads"],
                       num_workers=1)
+    loaded = rss_mb()
     features, samples = inputs(spec["seconds"])
     tok = Tokenizer(wm.hf_tokenizer, wm.model.is_multilingual, task="transcribe", language="en")
     prompt = [*tok.sot_sequence, tok.no_timestamps]
@@ -187,7 +265,7 @@ def faster_whisper_worker(model: str, spec: dict) -> dict:
     enc_s, enc_r, encoded = timed(lambda: wm.model.encode(view, to_cpu=False), spec["repeat"])
 
     def decode():
-        return wm.model.generate(encoded, [prompt], beam_size=1, max_length=len(prompt) + NEW_TOKENS,
+        return wm.model.generate(encoded, [prompt], beam_size=1, max_length=2 * NEW_TOKENS,
                                  suppress_tokens=[tok.eot], suppress_blank=False,
                                  return_no_speech_prob=False)[0].sequences_ids[0]
     dec_s, dec_r, tokens = timed(decode, spec["repeat"])
@@ -196,35 +274,78 @@ def faster_whisper_worker(model: str, spec: dict) -> dict:
         segments, _ = wm.transcribe(samples, language="en", beam_size=1, temperature=0.0,
                                     condition_on_previous_text=False, without_timestamps=True, vad_filter=False,
                                     compression_ratio_threshold=None, log_prob_threshold=None,
-                                    no_speech_threshold=None, max_new_tokens=spec["max_new_tokens"])
+                                    no_speech_threshold=None, suppress_tokens=[-1, tok.eot],
+                                    max_new_tokens=2 * spec["max_new_tokens"] - len(prompt))
         return list(segments)
     tx_s, tx_r, segments = timed(transcribe, spec["repeat"])
-    return {"encode": [enc_s, enc_r], "decode": [dec_s, dec_r], "decode_tokens": len(tokens),
-            "transcribe": [tx_s, tx_r], "transcribe_tokens": sum(len(s.tokens) for s in segments),
-            "windows": len(segments)}
+    return {"loaded_rss_mb": loaded, "prompt": prompt, "encode": [enc_s, enc_r], "decode": [dec_s, dec_r],
+            "decode_ids": list(tokens), "transcribe": [tx_s, tx_r],
+            "window_tokens": windows_of((s.seek, len(s.tokens)) for s in segments)}
+
+
+def optimum_worker(model: str, spec: dict) -> dict:
+    """Optimum's ORTModelForSpeechSeq2Seq (onnxruntime, the merged decoder): its encoder, and generate over its output
+    (transformers' WhisperGenerationMixin, min_new_tokens = max_new_tokens = 64). No transcribe: transformers'
+    long-form path (> 3000 frames) insists on timestamp tokens, so it cannot decode the fixed windows asked."""
+    import numpy as np
+    import onnxruntime as ort
+    import torch
+    from optimum.onnxruntime import ORTModelForSpeechSeq2Seq
+
+    torch.set_num_threads(1)     # torch only runs the logits processors here: its pool must not fight ORT's
+    so = ort.SessionOptions()
+    so.intra_op_num_threads, so.inter_op_num_threads = spec["threads"], 1
+    hf = ORTModelForSpeechSeq2Seq.from_pretrained(model, session_options=so, provider="CPUExecutionProvider")
+    loaded = rss_mb()
+    features, _ = inputs(spec["seconds"])
+    x = torch.from_numpy(np.ascontiguousarray(features[None]))
+    enc_s, enc_r, encoded = timed(lambda: hf.encoder(input_features=x, attention_mask=None), spec["repeat"])
+
+    def decode():
+        with torch.no_grad():
+            return hf.generate(encoder_outputs=encoded, language="en", task="transcribe", return_timestamps=False,
+                               num_beams=1, do_sample=False, min_new_tokens=NEW_TOKENS, max_new_tokens=NEW_TOKENS)
+    dec_s, dec_r, out = timed(decode, spec["repeat"])
+    gc = hf.generation_config
+    prompt = [gc.decoder_start_token_id, gc.lang_to_id["<|en|>"], gc.task_to_id["transcribe"],
+              gc.no_timestamps_token_id]
+    ids = out[0].tolist()
+    ids = ids[len(prompt):] if ids[:len(prompt)] == prompt else ids      # some versions return the prompt too
+    return {"loaded_rss_mb": loaded, "prompt": prompt, "encode": [enc_s, enc_r], "decode": [dec_s, dec_r],
+            "decode_ids": ids}
 
 
 def worker(engine: str, model: str, spec_file: str, out_file: str) -> None:
     spec = json.loads(Path(spec_file).read_text())
-    fn = onnxformer_worker if engine == "onnxformer" else faster_whisper_worker
+    fn = {"onnxformer": onnxformer_worker, "faster-whisper": faster_whisper_worker,
+          "optimum": optimum_worker}[engine]
     result = fn(model, spec)
     result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     Path(out_file).write_text(json.dumps(result))
 
 
-def folder_mb(folder: Path) -> float:
-    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()) / 1e6
+def model_mb(folder: Path) -> float:
+    """The files the engine loads: Optimum's folder also holds the unmerged decoders it does not read."""
+    skip = {"decoder_model.onnx", "decoder_with_past_model.onnx"}
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file() and p.name not in skip) / 1e6
+
+
+def engines(out: Path) -> list[tuple[str, Path, str, Path, str]]:
+    """(label, python, engine, model folder, compute type) of every engine, ours first at each precision."""
+    fw, opt = PEERS / "bin" / "python", optimum_python()
+    return [("onnxformer fp32", Path(sys.executable), "onnxformer", out / "onnxformer-fp32", "float32"),
+            ("faster-whisper fp32", fw, "faster-whisper", out / "ct2-fp32", "float32"),
+            ("optimum fp32", opt, "optimum", out / "optimum-fp32", "float32"),
+            ("onnxformer int8", Path(sys.executable), "onnxformer", out / "onnxformer-int8", "int8"),
+            ("faster-whisper int8", fw, "faster-whisper", out / "ct2-int8", "int8"),
+            ("optimum int8", opt, "optimum", out / "optimum-int8", "int8")]
 
 
 def run_engines(out: Path, args: argparse.Namespace) -> dict[str, dict]:
     """Each engine in its own process (nice 10, the bench lock); label -> its result and model MB."""
-    engines = [("onnxformer fp32", sys.executable, "onnxformer", out / "onnxformer-fp32", "float32"),
-               ("faster-whisper fp32", PEERS / "bin" / "python", "faster-whisper", out / "ct2-fp32", "float32"),
-               ("onnxformer int8", sys.executable, "onnxformer", out / "onnxformer-int8", "int8"),
-               ("faster-whisper int8", PEERS / "bin" / "python", "faster-whisper", out / "ct2-int8", "int8")]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(args.threads)}
     results = {}
-    for label, py, engine, model, compute in engines:
+    for label, py, engine, model, compute in engines(out):
         log(f"{label}: {model}")
         spec = {"threads": args.threads, "repeat": args.repeat, "seconds": args.seconds, "compute_type": compute,
                 "max_new_tokens": args.max_new_tokens}
@@ -232,29 +353,65 @@ def run_engines(out: Path, args: argparse.Namespace) -> dict[str, dict]:
         spec_file.write_text(json.dumps(spec))
         sh("flock", LOCK, "nice", "-n", "10", py, Path(__file__).resolve(), "--worker", engine, model, spec_file,
            out_file, env=env, cwd=ROOT)
-        results[label] = json.loads(out_file.read_text()) | {"model_mb": folder_mb(model)}
+        results[label] = json.loads(out_file.read_text()) | {"model_mb": model_mb(model)}
     return results
 
 
-def table(results: dict[str, dict], args: argparse.Namespace) -> str:
-    head = (f"| engine | encoder 30 s (ms) | decode {NEW_TOKENS} tokens (ms) | transcribe {args.seconds} s (s) "
-            f"| transcribe tokens (windows) | model MB | peak RSS MB |")
-    lines = [head, "|" + "---|" * 7]
+def unequal_work(results: dict[str, dict], new_tokens: int, max_new_tokens: int) -> list[str]:
+    """Why the timings are not comparable, [] when they are: every engine's decode must yield exactly new_tokens
+    ids after the same prompt, and every transcribe the same windows of exactly max_new_tokens each."""
+    problems = []
+    prompts = {tuple(r["prompt"]) for r in results.values()}
+    if len(prompts) > 1:
+        problems.append(f"the engines' prompts differ: {sorted(prompts)}")
     for label, r in results.items():
-        lines.append(f"| {label} | {r['encode'][0] * 1000:.0f} | {r['decode'][0] * 1000:.0f} "
-                     f"({r['decode_tokens']} tok) | {r['transcribe'][0]:.2f} | {r['transcribe_tokens']} "
-                     f"({r['windows']}) | {r['model_mb']:.1f} | {r['peak_rss_mb']:.0f} |")
+        if len(r["decode_ids"]) != new_tokens:
+            problems.append(f"{label} decoded {len(r['decode_ids'])} tokens, not {new_tokens}")
+    windows = {label: r["window_tokens"] for label, r in results.items() if "window_tokens" in r}
+    for label, w in windows.items():
+        if not w or any(n != max_new_tokens for n in w):
+            problems.append(f"{label}'s transcribe windows decoded {w}, not {max_new_tokens} each")
+    if len({len(w) for w in windows.values()}) > 1:
+        problems.append(f"the transcribes' window counts differ: {windows}")
+    return problems
+
+
+def table(results: dict[str, dict], args: argparse.Namespace) -> str:
+    head = (f"| engine | encoder 30 s (ms) | decode {NEW_TOKENS} tokens (ms) | ms / token | transcribe "
+            f"{args.seconds} s (s) | windows x tokens | model MB | RSS loaded / peak MB |")
+    lines = [head, "|" + "---|" * 8]
+    for label, r in results.items():
+        w = r.get("window_tokens")
+        tx = f"{r['transcribe'][0]:.2f} | {len(w)} x {w[0]}" if w else "n/a | n/a"
+        lines.append(f"| {label} | {r['encode'][0] * 1000:.0f} | {r['decode'][0] * 1000:.0f} | "
+                     f"{r['decode'][0] * 1000 / len(r['decode_ids']):.1f} | {tx} | {r['model_mb']:.1f} | "
+                     f"{r['loaded_rss_mb']:.0f} / {r['peak_rss_mb']:.0f} |")
     return "\n".join(lines)
 
 
+def agreement(ours: list[int], theirs: list[int]) -> int:
+    """How many leading decode ids two engines share (same weights, same prompt: fp32 should share most)."""
+    n = 0
+    for a, b in zip(ours, theirs):
+        if a != b:
+            break
+        n += 1
+    return n
+
+
 def ratios(results: dict[str, dict]) -> str:
-    """faster-whisper's time / ours, per precision and timing (> 1: ours faster), and peak RSS ours / theirs."""
+    """Each peer's time / ours, per precision and timing (> 1: ours faster), peak RSS ours / theirs, and the
+    leading decode ids it shares with ours."""
     lines = []
     for p in ("fp32", "int8"):
-        ours, theirs = results[f"onnxformer {p}"], results[f"faster-whisper {p}"]
-        parts = [f"{k} {theirs[k][0] / ours[k][0]:.2f}x" for k in ("encode", "decode", "transcribe")]
-        parts.append(f"peak RSS {ours['peak_rss_mb'] / theirs['peak_rss_mb']:.2f} of theirs")
-        lines.append(f"- {p}: faster-whisper time / ours: " + ", ".join(parts))
+        ours = results[f"onnxformer {p}"]
+        for peer in ("faster-whisper", "optimum"):
+            theirs = results[f"{peer} {p}"]
+            parts = [f"{k} {theirs[k][0] / ours[k][0]:.2f}x" for k in ("encode", "decode", "transcribe")
+                     if k in theirs]
+            parts.append(f"peak RSS {ours['peak_rss_mb'] / theirs['peak_rss_mb']:.2f} of theirs")
+            parts.append(f"decode ids shared {agreement(ours['decode_ids'], theirs['decode_ids'])}/{NEW_TOKENS}")
+            lines.append(f"- {p}: {peer} time / ours: " + ", ".join(parts))
     return "\n".join(lines)
 
 
@@ -262,20 +419,30 @@ def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
         worker(*sys.argv[2:6])
         return
+    if len(sys.argv) > 1 and sys.argv[1] == "--quantize":
+        optimum_quantize(*sys.argv[2:4])
+        return
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", choices=sorted(SHAPES), default="base")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--seconds", type=int, default=60, help="the transcribed clip's length")
-    ap.add_argument("--max-new-tokens", type=int, default=224, help="a transcribe window's cap, both engines")
+    ap.add_argument("--max-new-tokens", type=int, default=224,
+                    help="every transcribe window's token count (EOS ignored), both engines; at most 224")
     ap.add_argument("--build-only", action="store_true")
     args = ap.parse_args()
+    if not 1 <= args.max_new_tokens <= 224:
+        ap.error(f"--max-new-tokens {args.max_new_tokens}: give 1 to 224 (faster-whisper's windows stop at 224)")
     out = build(args.shape)
     if args.build_only:
         return
     results = run_engines(out, args)
     (out / "race.json").write_text(json.dumps(results, indent=1))
     print(table(results, args))
+    problems = unequal_work(results, NEW_TOKENS, args.max_new_tokens)
+    if problems:
+        print("unequal work, no ratios:\n" + "\n".join(f"- {p}" for p in problems))
+        raise SystemExit(1)
     print(ratios(results))
 
 

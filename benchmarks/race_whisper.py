@@ -9,10 +9,11 @@ Three timings an engine (p50 of --repeat after one warm-up): the encoder on one 
 tokens after the same prompt (<|startoftranscript|><|en|><|transcribe|><|notimestamps|>) over that encoder output,
 the end token suppressed / ignored; a whole transcribe of a 60 s clip (seeded noise: greedy, temperature 0 only, no
 fallback, no no-speech skip, no timestamps, no VAD, every window's end token suppressed / ignored, so that each
-window decodes exactly --max-new-tokens). Optimum has no transcribe here: transformers' long-form path needs
-timestamp tokens. Random weights decode garbage, but every engine decodes the same number of tokens: the race checks
-it (the prompts, the decode's count, the transcribe's windows and their counts) and prints no ratio when they differ.
-Also the model files' size, each worker's RSS once the model is loaded, and its peak RSS.
+window decodes exactly --max-new-tokens); every engine suppresses the timestamp ids too (random small weights choose
+them after <|notimestamps|>, where faster-whisper cuts its windows and transformers its output). Optimum has no
+transcribe here: transformers' long-form path needs timestamp tokens. Random weights decode garbage, but the same
+count: the race checks the prompts, the decode's count and the transcribe's windows and counts, and prints no ratio
+when they differ. Also model MB, RSS once loaded, peak RSS.
 
 The directory's vocabulary is Whisper's 51,865 rows: tiny_whisper's byte-level BPE text tokens padded with
 placeholder tokens and the empty piece to 50,353 text ids, then the 11 special tokens (three languages) and the 1501
@@ -200,10 +201,8 @@ def inputs(seconds: int):
 
 
 def onnxformer_worker(model: str, spec: dict) -> dict:
-    """Our bundle: Transcriber.encode, generate over its output (64 tokens, EOS ignored), Transcriber.transcribe
-    with every window's EOS ignored (each window then decodes exactly max_new_tokens)."""
+    """Our bundle: Transcriber.encode, generate over its output (64 tokens), Transcriber.transcribe; EOS ignored."""
     import dataclasses
-
     from runtime.generate import generate
     from runtime.request import Request
     from runtime.transcribe import Transcriber
@@ -213,14 +212,15 @@ def onnxformer_worker(model: str, spec: dict) -> dict:
     features, samples = inputs(spec["seconds"])
     prompt = tr.prompt("en", "transcribe", False)
     enc_s, enc_r, encoded = timed(lambda: tr.encode(features[None]), spec["repeat"])
-    opts = dataclasses.replace(tr.options(prompt, False, max_new_tokens=NEW_TOKENS), ignore_eos=True)
+    stamps = tuple(range(tr.timestamp_begin, tr.engine.vocab_size))   # no timestamps asked: none decoded
+    opts = dataclasses.replace(tr.options(prompt, False, max_new_tokens=NEW_TOKENS), ignore_eos=True, suppress=stamps)
     request = Request.build(tr.engine, [features], None, opts)
 
     def decode():
         return generate(tr.engine, request, encoded=encoded)[0][0].tokens[len(prompt):]
     dec_s, dec_r, tokens = timed(decode, spec["repeat"])
     window_options = tr.options
-    tr.options = lambda *a, **k: dataclasses.replace(window_options(*a, **k), ignore_eos=True)
+    tr.options = lambda *a, **k: dataclasses.replace(window_options(*a, **k), ignore_eos=True, suppress=stamps)
 
     def transcribe():
         return tr.transcribe(samples, language="en", beam=1, temperatures=(0.0,), compression_ratio_threshold=None,
@@ -245,11 +245,9 @@ def windows_of(pairs) -> list[int]:
 
 
 def faster_whisper_worker(model: str, spec: dict) -> dict:
-    """faster-whisper: model.model.encode, model.model.generate (64 tokens, the end token suppressed), transcribe
-    (every window's end token suppressed). CTranslate2's Whisper generate stops at max_length // 2 new tokens
-    whatever the prompt's length (OpenAI's sample_len = n_text_ctx // 2; measured on 4.8.5: max_length 66, 128,
-    448 give 33, 64, 224), and faster-whisper's transcribe passes max_length = prompt + max_new_tokens: both are
-    asked for twice the tokens wanted (prompt subtracted in transcribe) so that they decode the count asked."""
+    """faster-whisper: encode, generate (64 tokens), transcribe; end token suppressed. CTranslate2's Whisper
+    generate stops at max_length // 2 new tokens whatever the prompt (OpenAI's sample_len; 4.8.5: max_length 66,
+    128, 448 give 33, 64, 224): both are asked for twice the tokens wanted (transcribe: less the prompt)."""
     import ctranslate2
     import numpy as np
     from faster_whisper import WhisperModel
@@ -261,12 +259,13 @@ def faster_whisper_worker(model: str, spec: dict) -> dict:
     features, samples = inputs(spec["seconds"])
     tok = Tokenizer(wm.hf_tokenizer, wm.model.is_multilingual, task="transcribe", language="en")
     prompt = [*tok.sot_sequence, tok.no_timestamps]
+    stamps = list(range(tok.timestamp_begin, VOCAB))                  # no timestamps asked: none decoded
     view = ctranslate2.StorageView.from_array(np.ascontiguousarray(features[None]))
     enc_s, enc_r, encoded = timed(lambda: wm.model.encode(view, to_cpu=False), spec["repeat"])
 
     def decode():
         return wm.model.generate(encoded, [prompt], beam_size=1, max_length=2 * NEW_TOKENS,
-                                 suppress_tokens=[tok.eot], suppress_blank=False,
+                                 suppress_tokens=[tok.eot, *stamps], suppress_blank=False,
                                  return_no_speech_prob=False)[0].sequences_ids[0]
     dec_s, dec_r, tokens = timed(decode, spec["repeat"])
 
@@ -274,7 +273,7 @@ def faster_whisper_worker(model: str, spec: dict) -> dict:
         segments, _ = wm.transcribe(samples, language="en", beam_size=1, temperature=0.0,
                                     condition_on_previous_text=False, without_timestamps=True, vad_filter=False,
                                     compression_ratio_threshold=None, log_prob_threshold=None,
-                                    no_speech_threshold=None, suppress_tokens=[-1, tok.eot],
+                                    no_speech_threshold=None, suppress_tokens=[-1, tok.eot, *stamps],
                                     max_new_tokens=2 * spec["max_new_tokens"] - len(prompt))
         return list(segments)
     tx_s, tx_r, segments = timed(transcribe, spec["repeat"])
@@ -285,8 +284,7 @@ def faster_whisper_worker(model: str, spec: dict) -> dict:
 
 def optimum_worker(model: str, spec: dict) -> dict:
     """Optimum's ORTModelForSpeechSeq2Seq (onnxruntime, the merged decoder): its encoder, and generate over its output
-    (transformers' WhisperGenerationMixin, min_new_tokens = max_new_tokens = 64). No transcribe: transformers'
-    long-form path (> 3000 frames) insists on timestamp tokens, so it cannot decode the fixed windows asked."""
+    (min_new_tokens = max_new_tokens = 64). No transcribe: transformers' long-form path needs timestamp tokens."""
     import numpy as np
     import onnxruntime as ort
     import torch
@@ -300,13 +298,14 @@ def optimum_worker(model: str, spec: dict) -> dict:
     features, _ = inputs(spec["seconds"])
     x = torch.from_numpy(np.ascontiguousarray(features[None]))
     enc_s, enc_r, encoded = timed(lambda: hf.encoder(input_features=x, attention_mask=None), spec["repeat"])
-
+    gc = hf.generation_config
+    suppress = [*(gc.suppress_tokens or []), *range(gc.no_timestamps_token_id + 1, VOCAB)]   # no timestamps decoded
     def decode():
         with torch.no_grad():
             return hf.generate(encoder_outputs=encoded, language="en", task="transcribe", return_timestamps=False,
-                               num_beams=1, do_sample=False, min_new_tokens=NEW_TOKENS, max_new_tokens=NEW_TOKENS)
+                               num_beams=1, do_sample=False, min_new_tokens=NEW_TOKENS, max_new_tokens=NEW_TOKENS,
+                               suppress_tokens=suppress)
     dec_s, dec_r, out = timed(decode, spec["repeat"])
-    gc = hf.generation_config
     prompt = [gc.decoder_start_token_id, gc.lang_to_id["<|en|>"], gc.task_to_id["transcribe"],
               gc.no_timestamps_token_id]
     ids = out[0].tolist()

@@ -9,7 +9,7 @@ from exporters.row_activations import ACTIVATION_SCALES
 from runtime.errors import OnnxformerError
 from runtime.manifest import GRAPHS, PRECISIONS, read_manifest, verify_hashes
 from runtime.spec import KV_CACHES
-from toolkit.parity.inputs import ParityInputs, audio_inputs
+from toolkit.parity.inputs import ParityInputs, choose_inputs
 from toolkit.reference.config import ModelConfig
 
 TARGETS = ("cpu", "cuda", "wasm")                # bundle targets optimize writes (the manifest also knows "any")
@@ -139,4 +139,4 @@ def given_gate_inputs(manifest: dict, bundle_dir: Path, texts: list[str] | None,
     if texts is not None and not manifest.get("tokenizer"):
         raise OptimizeError(f"{bundle_dir} has no tokenizer (it takes token ids), so gate input texts cannot be "
                             f"encoded; leave --input out and the gate uses random ids")
-    return audio_inputs(ModelConfig.from_dict(manifest["model"]), audio, samples) if audio else None
+    return choose_inputs(ModelConfig.from_dict(manifest["model"]), samples=samples, audio=audio) if audio else None

@@ -177,9 +177,10 @@ def transcribe_samples(tr, samples: np.ndarray, language: str | None = None, tas
             continue
         pieces, advance = segments_of(tr, window.tokens, offset, frames) if timestamps else \
             ([(offset, offset + frames * HOP_LENGTH / SAMPLING_RATE, window.tokens)], frames)
-        kept = [p for p in pieces if tr.text_of(p[2]).strip() or not timestamps]
-        for start, end, ids in kept:
-            segments.append(Segment(len(segments), round(start, 3), round(end, 3), tr.text_of(ids), list(ids),
+        kept = [(start, end, ids, text) for start, end, ids in pieces
+                for text in (tr.text_of(ids),) if text.strip() or not timestamps]
+        for start, end, ids, text in kept:
+            segments.append(Segment(len(segments), round(start, 3), round(end, 3), text, list(ids),
                                     window.avg_logprob, window.compression_ratio, no_speech, window.temperature, seek))
         context.add([t for p in kept for t in p[2]], window.temperature)
         seek += advance

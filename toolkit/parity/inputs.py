@@ -55,11 +55,13 @@ class ParityInputs:
 
 
 def choose_inputs(config, tokenizer=None, samples: int = DEFAULT_SAMPLES, texts: list[str] | None = None,
-                  seed: int = 0) -> ParityInputs:
-    """The inputs by the rule above (given audio clips: audio_inputs). config: the model's ModelConfig; tokenizer:
-    its tokenizer or None."""
+                  seed: int = 0, audio=None, option: str = "--gate-audio") -> ParityInputs:
+    """The inputs by the rule above. config: the model's ModelConfig; tokenizer: its tokenizer or None; audio: an
+    audio model's clips given (files or directories; audio_inputs), `option` the flag that gave them."""
     if samples < 1:
         raise InputError(f"--samples must be at least 1, got {samples}")
+    if audio:
+        return audio_inputs(config, audio, samples, option)
     if texts:
         if tokenizer is None:
             raise InputError("--input texts need a model with a tokenizer; this one has none (it takes token ids), "

@@ -3,8 +3,8 @@
 
     report = whisper_parity("whisper-tiny/", engine, tokenizer=bundle.tokenizer, samples=16)
 
-checks, on seeded random log-mel features (toolkit.parity.inputs.random_features: not speech, so the report says
-it is not representative; real audio's features are the caller's, in Python):
+checks, on the speech clips given (`--audio FILES|DIR`), else seeded random log-mel features
+(toolkit.parity.inputs.choose_inputs: not speech, so the report says they are not representative):
 - logits: the reference model imported in memory vs the original, teacher-forced, max abs error <= 1e-5 (float64
   where float32 rounding alone exceeds it);
 - tokens: the engine's best hypotheses (greedy, beam K) vs `generate(input_features, language, task="transcribe")`
@@ -25,7 +25,7 @@ from runtime.generate import generate_ids
 from runtime.search import SearchOptions
 from runtime.speech import prompt_ids
 from toolkit.parity.generation import compare_tokens
-from toolkit.parity.inputs import audio_inputs, random_features
+from toolkit.parity.inputs import choose_inputs
 from toolkit.parity.report import token_verdict
 from toolkit.parity.tolerances import IMPORTED
 
@@ -95,7 +95,7 @@ def whisper_parity(original: str | Path, engine, candidate: str = "", texts=None
     family = original_of(original)
     model, _ = family.load_original(Path(original))
     ours = reference_of(original)
-    inputs = audio_inputs(ours.config, audio, samples, "--audio") if audio else random_features(ours.config, samples)
+    inputs = choose_inputs(ours.config, None, samples, audio=audio, option="--audio")
     features = np.stack(inputs.seqs)
     report = OriginalReport(str(original), candidate, len(features), inputs.source, reference=family.original,
                             representative=inputs.representative, family=family.name)

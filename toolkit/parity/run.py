@@ -21,7 +21,7 @@ from runtime.bundle import load_bundle
 from runtime.errors import InputError
 from toolkit.parity.generation import generation_parity
 from toolkit.parity.graphs import graph_parity
-from toolkit.parity.inputs import DEFAULT_SAMPLES, audio_inputs, choose_inputs
+from toolkit.parity.inputs import DEFAULT_SAMPLES, choose_inputs
 from toolkit.parity.report import Combined
 from toolkit.parity.tolerances import tolerance
 from toolkit.reference.checkpoint import load_checkpoint
@@ -61,8 +61,8 @@ def checkpoint_parity(checkpoint: str | Path, bundle: str | Path, provider: str 
     ckpt, loaded = load_checkpoint(checkpoint), load_bundle(bundle, provider=provider, threads=threads)
     precision = loaded.manifest["precision"]
     tol = tolerance(precision, loaded.provider)                      # refuses pairs the table does not define
-    inputs = audio_inputs(ckpt.config, audio, samples, "--audio") if audio else choose_inputs(
-        ckpt.config, ckpt.tokenizer or loaded.tokenizer, samples, texts)
+    inputs = choose_inputs(ckpt.config, ckpt.tokenizer or loaded.tokenizer, samples, texts, audio=audio,
+                           option="--audio")
     if progress is not None:
         progress(f"comparing {bundle} ({precision}, onnxruntime on {loaded.provider}) with {checkpoint} (PyTorch)")
     with torch_threads(threads):

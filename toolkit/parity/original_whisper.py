@@ -7,10 +7,23 @@ checks, on the speech clips given (`--audio FILES|DIR`), else seeded random log-
 (toolkit.parity.inputs.choose_inputs: not speech, so the report says they are not representative):
 - logits: the reference model imported in memory vs the original, teacher-forced, max abs error <= 1e-5 (float64
   where float32 rounding alone exceeds it);
-- tokens: the engine's best hypotheses (greedy, beam K) vs `generate(input_features, language, task="transcribe")`
-  with the same prompt forced (runtime.speech.prompt_ids: the first of the model's languages, "en" where it has
-  it; none for English-only models) and the same suppressed ids (the model's generation config), judged by the
-  token rule (reference outputs must vary).
+- tokens: the engine's best hypotheses (greedy, beam K) vs transformers' own search of the original over the same
+  30 s window (whisper_generate): GenerationMixin.generate, the greedy / beam loop that
+  WhisperForConditionalGeneration.generate runs each window in, given what that generate would force and suppress
+  for language=..., task="transcribe" without timestamps: the prompt as its generation config spells it
+  (whisper_prompt: <|startoftranscript|> <|lang|> <|transcribe|> <|notimestamps|>, the language the first of the
+  model's, "en" where it has it; <|startoftranscript|> <|notimestamps|> for an English-only model), which must
+  equal the engine's (runtime.speech.prompt_ids), and the generation config's suppress_tokens and
+  begin_suppress_tokens (timestamp ids are not suppressed: transformers suppresses none when no timestamps are
+  asked), judged by the token rule (reference outputs must vary).
+
+Why not WhisperForConditionalGeneration.generate itself: even for one window (<= 30 s) it runs its long-form seek
+loop (transformers 5.25, generation_whisper.py: `while (seek < max_frames).any()`), cuts each output at its
+timestamp tokens (_retrieve_segment) and moves the seek to the last timestamp pair's time. A model that emits a
+timestamp pair after <|notimestamps|> at <|0.00|> moves it by 0 frames and decodes the same window forever (the
+speech-trained tiny Whisper does on held-out clips); one with a pair elsewhere gets the window decoded again from
+there and the pieces joined. Outputs without two timestamp tokens in a row are the same either way
+(tests/test_whisper_parity_seek.py).
 """
 
 from __future__ import annotations
@@ -63,17 +76,32 @@ def whisper_logits(model, reference, features: np.ndarray, seed: int = 0):
                          f"{IMPORTED.atol:.0e}, {where})", err, IMPORTED.atol)
 
 
-def whisper_generate(model, features: np.ndarray, language: str | None, beam: int, max_new_tokens: int):
-    """The original's generate after the prompt, cut after the first end token."""
-    import torch
+def whisper_prompt(generation_config, language: str | None) -> list[int]:
+    """The decoder ids WhisperForConditionalGeneration.generate(language=..., task="transcribe") forces without
+    timestamps, from its generation config: <|startoftranscript|> <|lang|> <|transcribe|> <|notimestamps|> (no
+    language, an English-only model: <|startoftranscript|> <|notimestamps|>)."""
+    gc = generation_config
+    spoken = [gc.lang_to_id[f"<|{language}|>"], gc.task_to_id["transcribe"]] if language else []
+    return [gc.decoder_start_token_id, *spoken, gc.no_timestamps_token_id]
 
-    eos, out = model.generation_config.eos_token_id, []
+
+def whisper_generate(model, features: np.ndarray, prompt: list[int], beam: int, max_new_tokens: int):
+    """transformers' search (GenerationMixin.generate, greedy or beam, no sampling) of the original after `prompt`
+    with its generation config's suppressed ids; each output's ids after the prompt, cut after the first end
+    token."""
+    import torch
+    from transformers import GenerationMixin
+
+    config = copy.deepcopy(model.generation_config)
+    config.update(max_new_tokens=max_new_tokens, num_beams=beam, do_sample=False, num_return_sequences=1)
+    eos, out = config.eos_token_id, []
     for start in range(0, len(features), BATCH):
+        batch = torch.from_numpy(features[start:start + BATCH])
         with torch.no_grad():
-            gen = model.generate(torch.from_numpy(features[start:start + BATCH]), language=language,
-                                 task="transcribe" if language else None, max_new_tokens=max_new_tokens,
-                                 num_beams=beam, do_sample=False)
-        out += [row[: row.index(eos) + 1] if eos in row else row for row in gen.tolist()]
+            gen = GenerationMixin.generate(model, batch, generation_config=config,
+                                           decoder_input_ids=torch.tensor([prompt] * len(batch)))
+        rows = gen[:, len(prompt):].tolist()
+        out += [row[: row.index(eos) + 1] if eos in row else row for row in rows]
     return out
 
 
@@ -82,7 +110,7 @@ def whisper_parity(original: str | Path, engine, candidate: str = "", texts=None
                    audio=None):
     """Compare an engine (bundle or checkpoint) with the Whisper model it was imported from, on audio clips' log-mel
     features (audio: files or directories) or seeded random ones."""
-    from toolkit.parity.original import OriginalCheck, OriginalReport, original_of
+    from toolkit.parity.original import OriginalReport, original_of
     from toolkit.reference.importers import reference_of
 
     progress = progress or (lambda msg: None)
@@ -102,19 +130,36 @@ def whisper_parity(original: str | Path, engine, candidate: str = "", texts=None
     progress(f"logits: {family.original} vs the imported reference model")
     report.checks.append(whisper_logits(model, ours, features))
     language = "en" if "en" in tokenizer.languages else (tokenizer.languages[0] if tokenizer.languages else None)
-    prefix = tuple(prompt_ids(tokenizer, language))
+    progress(f"tokens: {family.original} (transformers' search over one window) vs {candidate or 'the engine'} "
+             f"(beams {', '.join(map(str, beams))})")
+    report.checks += whisper_tokens(model, engine, features, prompt_ids(tokenizer, language), language, beams,
+                                    max_new_tokens, token_match)
+    return report
+
+
+def whisper_tokens(model, engine, features: np.ndarray, prefix, language: str | None, beams, max_new_tokens: int,
+                   token_match: float) -> list:
+    """OriginalChecks of the engine's best hypotheses after its prompt (<start> + prefix) vs whisper_generate's
+    after the original's (whisper_prompt), greedy and each beam width; a prompt of the engine's that is not the
+    original's fails a check of its own."""
+    from toolkit.parity.original import OriginalCheck
+
+    prefix, prompt, checks = tuple(prefix), whisper_prompt(model.generation_config, language), []
+    if prompt != [engine.bos_id, *prefix]:
+        checks.append(OriginalCheck("prompt", "failed", f"the original forces {prompt} for language {language}, the "
+                                    f"engine's prompt is {[engine.bos_id, *prefix]}: re-import the Whisper directory"))
     max_new_tokens = min(max_new_tokens, engine.max_len - len(prefix) - 1)
     for beam in beams:
-        ref = whisper_generate(model, features, language, beam, max_new_tokens)
+        ref = whisper_generate(model, features, prompt, beam, max_new_tokens)
         opts = SearchOptions(max_new_tokens=max_new_tokens, beam=beam, prefix_ids=(prefix,) * len(features))
         got = [h[0].tokens[len(prefix):] for h in generate_ids(engine, list(features), opts)]
         _, tok_eq, first = compare_tokens(ref, got)
         distinct = len({tuple(r) for r in ref})
         verdict = token_verdict(tok_eq, token_match, distinct, len(features))
-        report.checks.append(OriginalCheck("greedy" if beam == 1 else f"beam {beam}", verdict,
-                                           f"{tok_eq:.2%} tokens identical ({distinct} distinct; prompt language "
-                                           f"{language})", tok_eq, token_match, distinct, first))
-    return report
+        checks.append(OriginalCheck("greedy" if beam == 1 else f"beam {beam}", verdict,
+                                    f"{tok_eq:.2%} tokens identical ({distinct} distinct; prompt language "
+                                    f"{language})", tok_eq, token_match, distinct, first))
+    return checks
 
 
-__all__ = ["whisper_parity", "whisper_logits", "whisper_generate"]
+__all__ = ["whisper_parity", "whisper_logits", "whisper_generate", "whisper_prompt", "whisper_tokens"]

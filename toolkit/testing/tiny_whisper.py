@@ -106,6 +106,31 @@ def random_whisper(directory: str | Path, seed: int = 0, inputs: int = 16, times
     return model, features
 
 
+def zero_pair_whisper(directory: str | Path, seed: int = 0, inputs: int = 8, scale: float = 10.0):
+    """random_whisper with timestamps whose ids after <|startoftranscript|> <|lang|> <|task|> <|notimestamps|> are
+    <|0.00|> <|0.00|> for every input, then text that varies by input and no other timestamp: the decoder's position
+    embeddings at the prompt's last position and the next gain `scale` times the unit direction of <|0.00|>'s
+    (centred) embedding row, which the residual stream carries past both layers to the tied head, and
+    suppress_tokens (generation config and config) gains every timestamp after <|0.00|>. (model, features), saved to
+    directory."""
+    import torch
+
+    directory = Path(directory)
+    model, features = random_whisper(directory, seed, inputs, timestamps=True)
+    gen = json.loads((directory / "generation_config.json").read_text())
+    zero = gen["no_timestamps_token_id"] + 1                              # <|0.00|>
+    gen["suppress_tokens"] = sorted({*gen["suppress_tokens"], *range(zero + 1, zero + len(TIMESTAMPS))})
+    last = 3                                             # <|startoftranscript|> <|lang|> <|task|> <|notimestamps|>
+    with torch.no_grad():
+        row = model.model.decoder.embed_tokens.weight[zero]
+        direction = row - row.mean()
+        model.model.decoder.embed_positions.weight[last:last + 2] += scale * direction / direction.norm()
+    model.config.suppress_tokens = model.generation_config.suppress_tokens = gen["suppress_tokens"]
+    model.save_pretrained(directory)
+    (directory / "generation_config.json").write_text(json.dumps(gen, indent=2))
+    return model, features
+
+
 def whisper_config(ids: dict, gen: dict):
     """The WhisperConfig of SIZES over byte_bpe's ids, its special and suppressed ids generation_config's."""
     import transformers
@@ -145,5 +170,5 @@ def sample_features(inputs: int, seed: int):
     return noise * 0.5 + profile
 
 
-__all__ = ["random_whisper", "byte_bpe", "generation_config", "whisper_config", "sample_features", "LANGUAGES", "SPECIALS", "SIZES",
-           "TIMESTAMPS", "MAX_INITIAL_TIMESTAMP"]
+__all__ = ["random_whisper", "zero_pair_whisper", "byte_bpe", "generation_config", "whisper_config",
+           "sample_features", "LANGUAGES", "SPECIALS", "SIZES", "TIMESTAMPS", "MAX_INITIAL_TIMESTAMP"]

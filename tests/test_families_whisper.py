@@ -28,6 +28,7 @@ from runtime.generate import generate_ids  # noqa: E402
 from runtime.search import SearchOptions  # noqa: E402
 from runtime.speech import prompt_ids  # noqa: E402
 from toolkit.apps.cli import main  # noqa: E402
+from toolkit.parity.original_whisper import whisper_generate, whisper_prompt  # noqa: E402
 from toolkit.reference.checkpoint import load_checkpoint  # noqa: E402
 from toolkit.reference.importers import ImportRefused  # noqa: E402
 from toolkit.reference.importers.whisper import convert_state, generation_fields  # noqa: E402
@@ -148,6 +149,16 @@ def test_beam_ids_equal_generates(whisper):
     ref = hf_generate(model, features[:8], beams=4)
     assert len({tuple(r) for r in ref}) >= 4, ref
     assert ours(TorchEngine(ckpt.model), features[:8], prompt_ids(ckpt.tokenizer, "en"), beams=4) == ref
+
+
+@pytest.mark.parametrize("beams,inputs", [(1, INPUTS), (4, 8)])
+def test_the_parity_reference_equals_generate_where_its_seek_ends(whisper, beams, inputs):
+    """parity's reference (transformers' search over the window, original_whisper.whisper_generate) gives
+    generate's very ids where generate's seek loop ends, as it does on this model (no timestamp tokens)."""
+    model, features, _, _ = whisper
+    ref = hf_generate(model, features[:inputs], beams=beams)
+    prompt = whisper_prompt(model.generation_config, "en")
+    assert whisper_generate(model, features[:inputs].numpy(), prompt, beams, MAX_NEW) == ref
 
 
 def test_text_equals_batch_decode(whisper):

@@ -7,7 +7,9 @@ beam-4 ids with timestamps equal generate(return_timestamps=True)'s (outputs var
 with a text prompt generate(prompt_ids=...)'s; long-form on a clip past 30 s: the first window's segments equal
 generate's long-form segments (times and ids), and the last window's ids equal generate's when decoded from
 transformers' zero padding (runtime.longform pads with openai-whisper's log-mel of silence, so there the two
-differ); on the clip with silence after it up to 60 s (every window full) all segments are equal; `optimize
+differ); on the clip with silence after it up to 60 s (every window full) all segments are equal; `onnxformer
+parity MODEL BUNDLE --audio` (greedy and beam 4) finishes and passes on the held-out clips, where transformers'
+Whisper generate loops on some (toolkit/parity/original_whisper.py); `optimize
 --precision int8 --gate-audio` passes its gate on held-out clips whose greedy steps have clear margins (on the
 default random log-mel features it misses).
 """
@@ -127,6 +129,23 @@ def test_prompted_ids_equal_generate_prompt_ids_on_held_out_clips(speech, beams)
             logits = model(input_features=features, decoder_input_ids=ids).logits[:, -1].double()
         got = tr.first_step(features.numpy(), None, context)
         assert np.abs(got - torch.log_softmax(logits, -1).numpy()).max() < 1e-4
+
+
+def test_parity_against_the_original_finishes_and_passes_on_held_out_clips(speech):
+    """`onnxformer parity MODEL BUNDLE --audio HELD_OUT` (greedy and beam 4) on clips where transformers' Whisper
+    generate never returns: some greedy outputs end in the pair <|0.00|> <|0.00|>, which its seek loop decodes again
+    forever (issue 40; toolkit/parity/original_whisper.py)."""
+    from toolkit.parity.original_whisper import whisper_generate, whisper_prompt
+
+    model, features, held, paths = speech
+    zero, eos = model.generation_config.no_timestamps_token_id + 1, model.generation_config.eos_token_id
+    ref = whisper_generate(model, features.numpy(), whisper_prompt(model.generation_config, "en"), 1, 32)
+    assert any(r[-3:] == [zero, zero, eos] for r in ref), ref                       # the precondition: there
+    result = cli("parity", CACHE / "model", paths["fused"], "--audio", CACHE / "held-out", "--beam", 4, "--json")
+    report = json.loads(result.stdout)
+    checks = {c["what"]: c for c in report["checks"]}
+    assert report["verdict"] == "ok" and report["source"] == f"{len(held)} given audio clips' log-mel features"
+    assert checks["greedy"]["value"] == checks["beam 4"]["value"] == 1.0, report["summary"]
 
 
 def long_clip(held, seconds: float = 42.0) -> np.ndarray:

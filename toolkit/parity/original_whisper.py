@@ -86,14 +86,16 @@ def whisper_prompt(generation_config, language: str | None) -> list[int]:
 
 
 def whisper_generate(model, features: np.ndarray, prompt: list[int], beam: int, max_new_tokens: int):
-    """transformers' search (GenerationMixin.generate, greedy or beam, no sampling) of the original after `prompt`
-    with its generation config's suppressed ids; each output's ids after the prompt, cut after the first end
-    token."""
+    """transformers' search (GenerationMixin.generate, greedy or beam, no sampling; beam with
+    early_stopping="never", runtime.search's exact stopping rule, as every family's parity sets it) of the original
+    after `prompt` with its generation config's suppressed ids; each output's ids after the prompt, cut after the
+    first end token."""
     import torch
     from transformers import GenerationMixin
 
     config = copy.deepcopy(model.generation_config)
-    config.update(max_new_tokens=max_new_tokens, num_beams=beam, do_sample=False, num_return_sequences=1)
+    config.update(max_new_tokens=max_new_tokens, num_beams=beam, do_sample=False, num_return_sequences=1,
+                  early_stopping="never")
     eos, out = config.eos_token_id, []
     for start in range(0, len(features), BATCH):
         batch = torch.from_numpy(features[start:start + BATCH])
@@ -130,18 +132,19 @@ def whisper_parity(original: str | Path, engine, candidate: str = "", texts=None
     progress(f"logits: {family.original} vs the imported reference model")
     report.checks.append(whisper_logits(model, ours, features))
     language = "en" if "en" in tokenizer.languages else (tokenizer.languages[0] if tokenizer.languages else None)
-    progress(f"tokens: {family.original} (transformers' search over one window) vs {candidate or 'the engine'} "
+    progress(f"tokens: transformers' search of the original over one window vs {candidate or 'the engine'} "
              f"(beams {', '.join(map(str, beams))})")
     report.checks += whisper_tokens(model, engine, features, prompt_ids(tokenizer, language), language, beams,
-                                    max_new_tokens, token_match)
+                                    max_new_tokens, token_match, family.name)
     return report
 
 
 def whisper_tokens(model, engine, features: np.ndarray, prefix, language: str | None, beams, max_new_tokens: int,
-                   token_match: float) -> list:
+                   token_match: float, family: str = "whisper") -> list:
     """OriginalChecks of the engine's best hypotheses after its prompt (<start> + prefix) vs whisper_generate's
-    after the original's (whisper_prompt), greedy and each beam width; a prompt of the engine's that is not the
-    original's fails a check of its own."""
+    after the original's (whisper_prompt), greedy and each beam width (a first mismatch keyed by `family` and
+    "onnxformer", as OriginalReport shows it); a prompt of the engine's that is not the original's fails a check of
+    its own."""
     from toolkit.parity.original import OriginalCheck
 
     prefix, prompt, checks = tuple(prefix), whisper_prompt(model.generation_config, language), []
@@ -154,6 +157,9 @@ def whisper_tokens(model, engine, features: np.ndarray, prefix, language: str | 
         opts = SearchOptions(max_new_tokens=max_new_tokens, beam=beam, prefix_ids=(prefix,) * len(features))
         got = [h[0].tokens[len(prefix):] for h in generate_ids(engine, list(features), opts)]
         _, tok_eq, first = compare_tokens(ref, got)
+        if first is not None:
+            first = {"index": first["index"], "position": first["position"], family: first["pytorch"],
+                     "onnxformer": first["onnxruntime"]}
         distinct = len({tuple(r) for r in ref})
         verdict = token_verdict(tok_eq, token_match, distinct, len(features))
         checks.append(OriginalCheck("greedy" if beam == 1 else f"beam {beam}", verdict,

@@ -2,6 +2,7 @@
 
     model, features = random_whisper(out_dir)   # saved with save_pretrained: config, generation config,
                                                 # weights, tokenizer.json; features [16+, 80, 3000] that vary its output
+    model, features = zero_pair_whisper(out_dir)   # with timestamps; emits <|0.00|> <|0.00|> after <|notimestamps|>
 
 The layout is Whisper's: text tokens first (a byte-level BPE over tiny_families' words), then <|endoftext|> (end and
 pad), <|startoftranscript|> (the decoder start), the language tokens, <|translate|>, <|transcribe|>, <|startoflm|>,

@@ -100,10 +100,10 @@ def main() -> None:
     ap.add_argument("shape_dir", type=Path, help="a race_whisper.py shape folder (out/race-whisper/SHAPE)")
     ap.add_argument("--precision", choices=["fp32", "int8"], default="int8")
     args = ap.parse_args()
-    peers = Path(__import__("race_whisper").PEERS)
+    fw_python = __import__("race_whisper").peer_python("faster-whisper")      # its venv, built on first use
     runs = [("onnxformer", sys.executable, args.shape_dir / f"onnxformer-{args.precision}"),
             ("onnxformer-noprepack", sys.executable, args.shape_dir / f"onnxformer-{args.precision}"),
-            ("faster-whisper", peers / "bin" / "python", args.shape_dir / f"ct2-{args.precision}")]
+            ("faster-whisper", fw_python, args.shape_dir / f"ct2-{args.precision}")]
     compute = "int8" if args.precision == "int8" else "float32"
     print("| VmRSS / VmHWM MiB after | " + " | ".join(["imports", "loaded", "encoder", "decode 64", "transcribe 60 s"])
           + " |")

@@ -58,7 +58,7 @@ class SessionConfig:
         fixed_input: the encoder's input has one shape whatever the request (an audio encoder's features, 30 s).
         Its session then keeps ORT's CPU arena (with fixed_encoder_arena): every run asks for the same buffers,
         which the arena holds once and reuses. Without it glibc's heap kept what a run freed and, fragmented,
-        grew at each later run (Whisper base int8: a race worker's peak 364 MB with the heap, 323 with the
+        grew at each later run (Whisper base int8: a race worker's peak 355 MB with the heap, 309 with the
         arena, the same speed; RESULTS.md, "Whisper's int8 peak"). A token encoder's shapes vary by request:
         there the arena would keep the largest request's, so it stays off."""
         if graph != "encoder":

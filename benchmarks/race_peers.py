@@ -54,12 +54,14 @@ def sh(*args, env=None, **kw) -> None:
     subprocess.run([str(a) for a in args], check=True, env=env, **kw)
 
 
-def env_python(name: str) -> Path:
-    py = WORK / name / "bin" / "python"
+def env_python(name: str, folder: Path | None = None, packages: list[str] | None = None) -> Path:
+    """The python of the environment `name` (folder WORK/name, ENVS[name]'s pins unless given), built when absent."""
+    folder, packages = folder or WORK / name, packages or ENVS[name]
+    py = folder / "bin" / "python"
     if not py.exists():
-        log(f"building the {name} environment: {' '.join(ENVS[name])}")
-        sh("python3.11", "-m", "venv", WORK / name)
-        sh(py, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", *ENVS[name])
+        log(f"building the {name} environment in {folder}: {' '.join(packages)}")
+        sh("python3.11", "-m", "venv", folder)
+        sh(py, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", *packages)
     return py
 
 

@@ -19,7 +19,8 @@ The directory's vocabulary is Whisper's 51,865 rows: tiny_whisper's byte-level B
 placeholder tokens and the empty piece to 50,353 text ids, then the 11 special tokens (three languages) and the 1501
 timestamp tokens, so every shape (embedding, head, softmax) is the real model's. faster-whisper runs from a venv of
 its own (out/peers-whisper, or $ONNXFORMER_WHISPER_PEERS: faster-whisper, ctranslate2, transformers 5, torch),
-Optimum from race_peers.py's (out/peers/optimum, or $ONNXFORMER_OPTIMUM_ENV: optimum-onnx 0.1, transformers 4.57).
+Optimum from race_peers.py's (out/peers/optimum, or $ONNXFORMER_OPTIMUM_ENV: optimum-onnx 0.1, transformers 4.57);
+each is built there on first use (race_peers.env_python: FW_PACKAGES' pins, ENVS['optimum']'s).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 WORK = ROOT / "out" / "race-whisper"
 PEERS = Path(os.environ.get("ONNXFORMER_WHISPER_PEERS") or ROOT / "out" / "peers-whisper").absolute()
 OPTIMUM = Path(os.environ.get("ONNXFORMER_OPTIMUM_ENV") or ROOT / "out" / "peers" / "optimum").absolute()
+FW_PACKAGES = ["torch==2.13.0", "faster-whisper==1.2.1", "ctranslate2==4.8.5", "transformers>=5.24,<6"]
 LOCK = "/tmp/onnxformer-bench.lock"
 VOCAB = 51865
 SHAPES = {"tiny": dict(d_model=384, encoder_layers=4, decoder_layers=4, heads=6, ffn=1536),
@@ -129,10 +131,11 @@ def build(shape: str) -> Path:
         if not (out / folder / ("config.json" if folder == "checkpoint" else "manifest.json")).exists():
             log(f"onnxformer {cmd[0]} -> {folder}")
             sh(ox, *cmd, "--force")
+    convert = peer_python("faster-whisper").with_name("ct2-transformers-converter")
     for name, extra in (("ct2-fp32", []), ("ct2-int8", ["--quantization", "int8"])):
         if not (out / name / "model.bin").exists():
             log(f"CTranslate2: ct2-transformers-converter ({name})")
-            sh(PEERS / "bin" / "ct2-transformers-converter", "--model", hf, "--output_dir", out / name, "--force",
+            sh(convert, "--model", hf, "--output_dir", out / name, "--force",
                "--copy_files", "tokenizer.json", "preprocessor_config.json", *extra)
     build_optimum(hf, out)
     return out
@@ -141,7 +144,7 @@ def build(shape: str) -> Path:
 def build_optimum(hf: Path, out: Path) -> None:
     """optimum-cli's export (automatic-speech-recognition-with-past) into optimum-fp32, then ORTQuantizer's dynamic
     int8 (avx512_vnni, per tensor) of the two files ORTModelForSpeechSeq2Seq loads into optimum-int8."""
-    opt = optimum_python()
+    opt = peer_python("optimum")
     fp32, int8 = out / "optimum-fp32", out / "optimum-int8"
     if not (fp32 / "decoder_model_merged.onnx").exists():
         log("Optimum: optimum-cli export onnx (automatic-speech-recognition-with-past)")
@@ -152,12 +155,10 @@ def build_optimum(hf: Path, out: Path) -> None:
         sh(opt, Path(__file__).resolve(), "--quantize", fp32, int8)
 
 
-def optimum_python() -> Path:
-    py = OPTIMUM / "bin" / "python"
-    if not py.exists():
-        raise SystemExit(f"no Optimum environment at {OPTIMUM}: build it with benchmarks/race_peers.py (its "
-                         f"optimum venv) or point $ONNXFORMER_OPTIMUM_ENV at one")
-    return py
+def peer_python(name: str) -> Path:
+    """The python of "faster-whisper"'s or "optimum"'s venv, built on first use (race_peers.env_python)."""
+    from race_peers import env_python
+    return env_python(name, *{"faster-whisper": (PEERS, FW_PACKAGES), "optimum": (OPTIMUM, None)}[name])
 
 
 def optimum_quantize(src: str, dst: str) -> None:
@@ -226,8 +227,8 @@ def onnxformer_worker(model: str, spec: dict) -> dict:
         return tr.transcribe(samples, language="en", beam=1, temperatures=(0.0,), compression_ratio_threshold=None,
                              logprob_threshold=None, no_speech_threshold=None, max_new_tokens=spec["max_new_tokens"])
     tx_s, tx_r, result = timed(transcribe, spec["repeat"])
-    return {"loaded_rss_mb": loaded, "prompt": [tr.engine.bos_id, *prompt], "encode": [enc_s, enc_r], "decode": [dec_s, dec_r],
-            "decode_ids": list(tokens), "transcribe": [tx_s, tx_r],
+    return {"loaded_rss_mb": loaded, "prompt": [tr.engine.bos_id, *prompt], "encode": [enc_s, enc_r],
+            "decode": [dec_s, dec_r], "decode_ids": list(tokens), "transcribe": [tx_s, tx_r],
             "window_tokens": windows_of((s.seek, len(s.tokens)) for s in result.segments)}
 
 
@@ -331,7 +332,7 @@ def model_mb(folder: Path) -> float:
 
 def engines(out: Path) -> list[tuple[str, Path, str, Path, str]]:
     """(label, python, engine, model folder, compute type) of every engine, ours first at each precision."""
-    fw, opt = PEERS / "bin" / "python", optimum_python()
+    fw, opt = peer_python("faster-whisper"), peer_python("optimum")
     return [("onnxformer fp32", Path(sys.executable), "onnxformer", out / "onnxformer-fp32", "float32"),
             ("faster-whisper fp32", fw, "faster-whisper", out / "ct2-fp32", "float32"),
             ("optimum fp32", opt, "optimum", out / "optimum-fp32", "float32"),

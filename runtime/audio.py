@@ -27,6 +27,7 @@ N_SAMPLES = CHUNK_SECONDS * SAMPLING_RATE      # 480000: Whisper's encoder sees 
 N_FFT = 400                                    # 25 ms windows
 HOP_LENGTH = 160                               # 10 ms hops -> 3000 frames for 30 s
 MEL_SIZES = (80, 128)                          # Whisper up to large-v2: 80; large-v3 and turbo: 128
+MEL_BLOCK = 500                                # STFT frames computed at once (5 s: ~6 MB of float64)
 FORMATS = "WAV, FLAC, OGG (Vorbis or Opus) or MP3 file"
 INSTALL = "pip install 'onnxformer[audio]'"
 
@@ -141,13 +142,19 @@ def mel_filters(n_mels: int, n_fft: int = N_FFT, sampling_rate: int = SAMPLING_R
     return np.maximum(0.0, np.minimum(rising, falling)) * (2.0 / (edges[2:] - edges[:-2]))
 
 
-def _power_spectrum(audio: np.ndarray, n_fft: int, hop: int) -> np.ndarray:
-    """[n_fft // 2 + 1, frames] |STFT|^2 of one clip: centred frames (reflect padding), periodic Hann window."""
-    padded = np.pad(audio.astype(np.float64), n_fft // 2, mode="reflect")
-    frames = np.lib.stride_tricks.sliding_window_view(padded, n_fft)[::hop]           # [frames, n_fft], a view
+def _mel_power(audio: np.ndarray, filters: np.ndarray, n_fft: int, hop: int) -> np.ndarray:
+    """[n_mels, frames - 1] float64 mel power of one clip: centred frames (reflect padding), periodic Hann window,
+    |STFT|^2 through the mel filters [n_mels, n_fft // 2 + 1], the last frame dropped. MEL_BLOCK frames at a time:
+    the float64 frames and spectrum of a block are all that is held besides the result (a whole 60 s clip's,
+    padded to 90 s, took 80 MB; an hour's, 3.5 GB), and each frame's numbers are those of the whole clip's STFT."""
+    padded = np.pad(audio, n_fft // 2, mode="reflect")                                  # float32, exact copies
+    frames = np.lib.stride_tricks.sliding_window_view(padded, n_fft)[::hop][:-1]       # [frames, n_fft], a view
     window = np.hanning(n_fft + 1)[:-1]                                                # periodic Hann
-    spectrum = np.fft.rfft(frames * window, axis=-1)
-    return (spectrum.real ** 2 + spectrum.imag ** 2).T
+    mel = np.empty((len(filters), len(frames)))
+    for start in range(0, len(frames), MEL_BLOCK):
+        spectrum = np.fft.rfft(frames[start:start + MEL_BLOCK].astype(np.float64) * window, axis=-1)
+        mel[:, start:start + MEL_BLOCK] = filters @ (spectrum.real ** 2 + spectrum.imag ** 2).T
+    return mel
 
 
 def log_mel_spectrogram(audio: np.ndarray, n_mels: int = 80, n_fft: int = N_FFT,
@@ -160,10 +167,12 @@ def log_mel_spectrogram(audio: np.ndarray, n_mels: int = 80, n_fft: int = N_FFT,
     if audio.ndim != 1 or audio.shape[0] <= n_fft // 2:
         raise AudioError(f"log-mel needs one mono clip longer than {n_fft // 2} samples, got shape "
                          f"{audio.shape}; pad it with pad_or_trim first")
-    power = _power_spectrum(audio, n_fft, hop)[:, :-1]        # Whisper drops the last frame: 3000 for 30 s
-    log_spec = np.log10(np.maximum(mel_filters(n_mels, n_fft).T @ power, 1e-10))
-    log_spec = np.maximum(log_spec, log_spec.max() - 8.0)     # at most 8 (80 dB) below the clip's loudest
-    return ((log_spec + 4.0) / 4.0).astype(np.float32)
+    log_spec = _mel_power(audio, mel_filters(n_mels, n_fft).T, n_fft, hop)   # Whisper drops the last frame
+    np.log10(np.maximum(log_spec, 1e-10, out=log_spec), out=log_spec)          # in place: one [n_mels, frames]
+    np.maximum(log_spec, log_spec.max() - 8.0, out=log_spec)  # at most 8 (80 dB) below the clip's loudest
+    log_spec += 4.0
+    log_spec /= 4.0
+    return log_spec.astype(np.float32)
 
 
 def _samples(audio) -> np.ndarray:

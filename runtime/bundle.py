@@ -30,8 +30,8 @@ from runtime.ort_engine import OrtEngine
 from runtime.session import (Arg, OnDemandSession, SessionConfig, choose_provider, installed_onnxruntime,
                              int8_saturates, make_session)
 from runtime.shortlist import FEEDS, Shortlist, ShortlistWeight
-from runtime.spec import (GraphSpec, config_field_of, graph_specs, parse_cache_name, shortlist_decoder_spec,
-                          source_vocab_size)
+from runtime.spec import (GraphSpec, config_field_of, feature_shape, graph_specs, parse_cache_name,
+                          shortlist_decoder_spec, source_vocab_size)
 from runtime.tokenizer import CharTokenizer, load_tokenizer
 
 _LOAD_ERRORS = (ort_errors.Fail, ort_errors.InvalidGraph, ort_errors.InvalidProtobuf, ort_errors.NotImplemented,
@@ -120,12 +120,13 @@ def _sessions(path: Path, manifest: dict, provider: str, config: SessionConfig,
     expected = graph_specs(manifest["model"], layout=decoder_layout(manifest))
     sessions, files = {}, {}
     shared, pages = tables
+    fixed = feature_shape(manifest["model"]) is not None               # an audio encoder: one input shape
     for name in GRAPHS:
         _check_recorded(path, name, recorded[name], expected[name])
         file = graph_file(manifest, name, provider)
         onnx_graph = file.endswith(".onnx")                            # .ort graphs embed their weights
 
-        def make(file=path / file, options=config.for_graph(name), given=shared if onnx_graph else None,
+        def make(file=path / file, options=config.for_graph(name, fixed), given=shared if onnx_graph else None,
                  spec=recorded[name], pages=pages if onnx_graph else None):
             session = _session(file, provider, options, given)
             _check_session(file, session, spec)

@@ -152,10 +152,11 @@ def transcribe_samples(tr, samples: np.ndarray, language: str | None = None, tas
     mel, content = whole_mel(samples, tr.engine.feature_shape[0])
     detected, probability = None, None
     lang = language if tr.language_ids and language != "auto" else None
-    segments, seek = [], 0
+    segments, seek, encoded = [], 0, None
     while seek < content:
         features = pad_or_trim(mel[:, seek:seek + 3000], 3000)
-        encoded = tr.encode(features[None])                        # one encoder run serves the whole window
+        del encoded                                                # the last window's outputs (the cross K/V of
+        encoded = tr.encode(features[None])                        # every layer) freed before this window's run
         lead = context.ids()
         detect = seek == 0 and tr.language_ids and language in (None, "auto")
         first = tr.first_step(features[None], encoded) if detect or not lead else None

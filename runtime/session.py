@@ -47,12 +47,24 @@ class SessionConfig:
                                           # arena and memory patterns")
     memory_pattern: bool = False          # ORT's mem pattern: each run's tensors planned into one block per input
                                           # shape, kept; the CUDA device's own arena is not affected by either
+    fixed_encoder_arena: bool = True      # the arena on for an encoder whose input has one shape (Whisper's 30 s
+                                          # of features): see for_graph
 
-    def for_graph(self, graph: str) -> "SessionConfig":
+    def for_graph(self, graph: str, fixed_input: bool = False) -> "SessionConfig":
         """The options for one graph. The encoder runs once a request and then its threads, spinning, would take
         the cores from the decoder's first steps (RESULTS.md, "Two thread pools"); without spinning the encoder
-        costs a little more, once a request."""
-        return replace(self, spinning=self.encoder_spinning) if graph == "encoder" else self
+        costs a little more, once a request.
+
+        fixed_input: the encoder's input has one shape whatever the request (an audio encoder's features, 30 s).
+        Its session then keeps ORT's CPU arena (with fixed_encoder_arena): every run asks for the same buffers,
+        which the arena holds once and reuses. Without it glibc's heap kept what a run freed and, fragmented,
+        grew at each later run (Whisper base int8: a race worker's peak 355 MB with the heap, 309 with the
+        arena, the same speed; RESULTS.md, "Whisper's int8 peak"). A token encoder's shapes vary by request:
+        there the arena would keep the largest request's, so it stays off."""
+        if graph != "encoder":
+            return self
+        return replace(self, spinning=self.encoder_spinning,
+                       cpu_memory_arena=self.cpu_memory_arena or (fixed_input and self.fixed_encoder_arena))
 
     def with_(self, **changes) -> "SessionConfig":
         """A copy with the given fields changed (None values are ignored)."""

@@ -104,6 +104,29 @@ def test_real_speech_equals_whisper_feature_extractor(extractors, speech, n_mels
     assert_features_match(extractors[n_mels], audio, n_mels)
 
 
+def test_a_long_clip_s_log_mel_is_computed_in_blocks_with_the_same_numbers(monkeypatch):
+    """Two minutes of audio (24 blocks of STFT frames): every number equals the whole-clip computation's, and the
+    float64 temporaries held at once are a block's, not the clip's (a quarter of the whole clip's at most)."""
+    import tracemalloc
+
+    import runtime.audio as audio
+
+    clip = tone(120.0, SR, freqs=(220.0, 1250.0), noise=0.05)
+    tracemalloc.start()
+    blocked = log_mel_spectrogram(clip, 80)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    monkeypatch.setattr(audio, "MEL_BLOCK", 10**9)          # one block: the whole clip's STFT at once
+    tracemalloc.start()
+    whole = log_mel_spectrogram(clip, 80)
+    whole_peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert blocked.shape == (80, 12000) and blocked.std() > 0.05
+    assert np.array_equal(blocked, whole)
+    # besides the float32 result (3.8 MB): the padded samples and the float64 mel (2x and 2x that), one block's
+    assert peak < 6 * blocked.nbytes and whole_peak > 4 * peak, (peak, whole_peak)
+
+
 def test_batch_features_stack_each_clip(extractors):
     clips = [tone(2.0, SR, freqs=(440.0, 3100.0)), chirp_and_noise(), tone(7.0, SR, freqs=(250.0,), seed=3)]
     batch = batch_features(clips, 128)

@@ -100,6 +100,11 @@ def test_optimize_fuses_every_attention(bundles):
                                                    load_external_data=False).graph.node)
            for g in ("encoder", "decoder")}
     assert ops["encoder"]["MultiHeadAttention"] == layers[0] and "Softmax" not in ops["encoder"]
+    # query, key, value and nothing else: no mask, no bias, no past, so ORT's CPU kernel takes its flash path (no
+    # [B, H, 1500, 1500] score matrix: 72 MiB a layer at base)
+    encoder = onnx.load(str(paths["fused"] / "encoder.onnx"), load_external_data=False).graph.node
+    assert [[i for i in n.input if i] for n in encoder if n.op_type == "MultiHeadAttention"] == \
+        [list(n.input[:3]) for n in encoder if n.op_type == "MultiHeadAttention"]
     assert "Softmax" not in ops["decoder"]
     assert ops["decoder"]["MultiHeadAttention"] + ops["decoder"]["GroupQueryAttention"] == 2 * layers[1]
 
@@ -110,6 +115,14 @@ def test_onnxformer_parity_of_the_bundle_against_the_original(bundles):
                                        "--samples", "16"])
     assert result.exit_code == 0, result.output
     assert "greedy 100.00% tokens identical" in result.output and "beam 4 100.00% tokens identical" in result.output
+
+
+def test_the_audio_encoder_s_session_keeps_the_arena_the_decoder_s_none(bundles):
+    """The encoder's input has one shape (30 s of features): ORT's arena holds one run's buffers and reuses them
+    (runtime.session.SessionConfig.for_graph); the decoder's session allocates without it."""
+    engine = load_bundle(bundles[2]["fused"], provider="cpu").engine
+    assert engine.encoder.get_session_options().enable_cpu_mem_arena
+    assert not engine.decoder.get_session_options().enable_cpu_mem_arena
 
 
 @pytest.mark.parametrize("field, change, named", [

@@ -262,6 +262,19 @@ def test_encoder_threads_do_not_spin(bundle):
     assert engine.decoder.get_session_options().get_session_config_entry(entry) == "1"
 
 
+def test_only_an_encoder_of_one_input_shape_keeps_the_arena(bundle):
+    """An audio encoder's input has one shape (30 s of features): its session keeps ORT's arena, which then holds
+    one run's buffers; a token encoder's shapes vary by request and its session, like every decoder's, has none."""
+    config = SessionConfig()
+    assert config.for_graph("encoder", fixed_input=True).to_ort().enable_cpu_mem_arena
+    assert not config.for_graph("encoder").to_ort().enable_cpu_mem_arena
+    assert not config.for_graph("decoder", fixed_input=True).to_ort().enable_cpu_mem_arena
+    assert not config.with_(fixed_encoder_arena=False).for_graph("encoder", fixed_input=True).cpu_memory_arena
+    engine = load_bundle(bundle, "cpu").engine                              # a text bundle: no arena anywhere
+    assert not engine.encoder.get_session_options().enable_cpu_mem_arena
+    assert not engine.decoder.get_session_options().enable_cpu_mem_arena
+
+
 def test_default_data_path_per_provider():
     assert default_io_binding("cuda") is True and default_io_binding("cpu") is False
 

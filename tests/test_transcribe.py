@@ -17,6 +17,7 @@ synthesized clips one output: tests/test_whisper_speech.py has a model trained o
 from __future__ import annotations
 
 import json
+import weakref
 from dataclasses import replace
 
 import numpy as np
@@ -237,6 +238,32 @@ def test_each_window_runs_the_encoder_once(whisper):
         runs[shared] = engine.runs, [(s.tokens, s.temperature) for s in got.segments]
     assert runs[False][0] == 2 * (1 + 3) and runs[True][0] == 2                 # two windows
     assert runs[True][1] == runs[False][1] and [t for _, t in runs[True][1]] == [1.0, 1.0]
+
+
+class HeldOutputs(EncoderRuns):
+    """An engine noting, at each encoder run, how many of the earlier runs' outputs (the cross K/V) are still alive."""
+
+    def __init__(self, engine):
+        super().__init__(engine, shared=True)
+        self.refs, self.alive = [], []
+
+    def counted_encode(self, *args):
+        self.alive.append(sum(ref() is not None for ref in self.refs))
+        outputs = super().counted_encode(*args)
+        self.refs += [weakref.ref(t) for pair in outputs for t in (pair if isinstance(pair, tuple) else (pair,))]
+        return outputs
+
+
+def test_a_window_s_encoder_outputs_are_freed_before_the_next_window_s_run(whisper):
+    """A 75 s clip, three windows: each encoder run starts with no earlier window's cross K/V alive (base's are 37
+    MB a window, small's 111: the memory of two windows at once, benchmarks/RESULTS.md)."""
+    _, _, _, tr, _, _ = whisper
+    audio = (np.random.default_rng(7).normal(0, 0.1, 16000 * 75)).astype(np.float32)
+    engine = HeldOutputs(tr.engine)
+    Transcriber.from_engine(engine, tr.tokenizer).transcribe(audio, language="en", max_new_tokens=MAX_NEW,
+                                                             temperatures=(0.0,), no_speech_threshold=None)
+    assert engine.runs == 3 and engine.refs
+    assert engine.alive == [0, 0, 0]
 
 
 def cli_records(ckpt, paths, *flags):

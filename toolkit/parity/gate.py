@@ -23,7 +23,7 @@ from runtime.bundle import one_at_a_time
 from runtime.manifest import GRAPHS, decoder_layout
 from runtime.ort_engine import OrtEngine
 from runtime.session import SessionConfig, choose_provider, make_session
-from runtime.spec import graph_specs
+from runtime.spec import feature_shape, graph_specs
 from runtime.tokenizer import load_tokenizer
 from toolkit.reference.config import ModelConfig
 from toolkit.parity.generation import generation_parity
@@ -43,7 +43,8 @@ def engine(paths: dict[str, Path], config: dict, provider: str, layout: str) -> 
     batch, and a model's encoder weights are gone before its decoder's load (NLLB-3.3B shape: 5 GiB less at the
     gate's peak; benchmarks/RESULTS.md)."""
     options = SessionConfig()
-    makers = {g: (lambda g=g: make_session(paths[g], provider, options.for_graph(g))) for g in GRAPHS}
+    fixed = feature_shape(config) is not None                  # an audio encoder: one input shape (for_graph)
+    makers = {g: (lambda g=g: make_session(paths[g], provider, options.for_graph(g, fixed))) for g in GRAPHS}
     if choose_provider(provider) == "cpu":
         sessions = one_at_a_time(makers, graph_specs(config, layout=layout))
         return OrtEngine(sessions["encoder"], sessions["decoder"], config, provider, io_binding=False, layout=layout)

@@ -135,7 +135,7 @@ def test_static_bundle_parity_with_pytorch(t5_static):
     assert record.ok, record.summary()
 
 
-def drive(batch: InflightBatch, seqs, limits, poison: bool = True) -> dict:
+def drive(batch: InflightBatch, seqs, limits, poison: bool = True) -> tuple[dict, int]:
     """Join one waiting row every other step while slots are free (rows then sit at different positions), NaN in
     every slot no live row has filled before each step; {row index: hypothesis}, and the largest position spread."""
     waiting, done, step, spread = list(range(len(seqs))), {}, 0, 0

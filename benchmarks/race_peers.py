@@ -106,11 +106,10 @@ def build(model: str, new_tokens: int, optimum: bool = True) -> tuple[Path, Path
             log(f"CTranslate2: convert ({name})")
             sh(ct2, "-m", "ctranslate2.converters.transformers", "--model", marian, "--output_dir", out / name,
                "--force", *extra)
-    opt = env_python("optimum")
     if optimum and not (out / "optimum" / "encoder_model.onnx").exists():
         log("Optimum: optimum-cli export onnx (text2text-generation-with-past)")
-        sh(opt, "-m", "optimum.commands.optimum_cli", "export", "onnx", "--model", marian, "--task",
-           "text2text-generation-with-past", out / "optimum")
+        sh(env_python("optimum"), "-m", "optimum.commands.optimum_cli", "export", "onnx", "--model", marian,
+           "--task", "text2text-generation-with-past", out / "optimum")
     return marian, out
 
 
@@ -214,7 +213,8 @@ def parse_args() -> argparse.Namespace:
 
 def engine_list(args: argparse.Namespace, marian: Path, out: Path) -> list[tuple]:
     """(label, python, engine, model folder, spec extras) for every engine this run races."""
-    ct2, opt = env_python("ct2"), env_python("optimum")
+    ct2 = env_python("ct2")
+    opt = None if args.no_optimum else env_python("optimum")    # its environment only when it races
     engines = [(REFERENCE, ct2, "transformers", marian, {}),
                ("onnxformer fp32", PY, "onnxformer", out / "onnxformer-fp32", {}),
                ("onnxformer int8", PY, "onnxformer", out / "onnxformer-int8", {}),

@@ -28,7 +28,7 @@ from exporters.int8_recipes import (AUTO, Recipe, account, figures, pick, prepar
                                     resolve_weight_bits)
 from exporters.logs import quiet_loggers
 from exporters.optimize_gate import optimize_parity
-from exporters.optimize_options import (ATTENTION_OPS, CPU_TARGETS, RELATIVE_BIAS_CACHE, STATIC_ATTENTION_OPS, TARGETS,
+from exporters.optimize_options import (ATTENTION_OPS, CPU_TARGETS, STATIC_ATTENTION_OPS, TARGETS,
                                         OptimizeError, check_options, given_gate_inputs, resolve_kv_cache,
                                         source_manifest)
 from exporters.ort_format import add_ort_format, check_convertible
@@ -207,8 +207,6 @@ def optimize_bundle(bundle_dir: str | Path, out_dir: str | Path, target: str = "
     manifest = source_manifest(bundle_dir, out_dir, precision, fuse, attention)
     kv_cache = resolve_kv_cache(kv_cache, target, fuse, attention, manifest, precision)
     report = OptimizeReport(str(bundle_dir), str(out_dir), target, precision, attention if fuse else None, kv_cache)
-    if manifest["model"].get("relative_buckets") and target in CPU_TARGETS and fuse and attention == "ort":
-        report.notes.append(f"KV cache dynamic: {RELATIVE_BIAS_CACHE}")
     inputs = given_gate_inputs(manifest, bundle_dir, texts, gate_audio, samples)
     recipes = _int8_recipes(target, recipe, per_channel, activation_scales, weight_bits, report) \
         if precision == "int8" else []

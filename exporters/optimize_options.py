@@ -55,24 +55,13 @@ def check_options(target: str, precision: str, attention: str, fuse: bool,
                             "drop --no-fuse or choose --precision int8/fp16")
 
 
-RELATIVE_BIAS_CACHE = ("a relative position bias (T5) is added to the attention scores per head, and the static "
-                       "cache pass does not carry it yet (onnxruntime's CPU GroupQueryAttention takes an "
-                       "attention_bias [B, H, S, total length], DecoderMaskedMultiHeadAttention none), so the "
-                       "decoder keeps the dynamic cache, its attention fused into MultiHeadAttention")
-
-
 def resolve_kv_cache(kv_cache: str, target: str, fuse: bool, attention: str, manifest: dict,
                      precision: str = "fp32") -> str:
     """'auto' -> static on CPU when the attention is (or will be) fused for onnxruntime, else the source's cache."""
     source = manifest.get("kv_cache", "dynamic")
     fused_ort = (fuse and attention == "ort") or attention_state(manifest) == "ort"
     if kv_cache == "auto":
-        if (manifest.get("model") or {}).get("relative_buckets"):       # T5: see RELATIVE_BIAS_CACHE
-            return "dynamic"
         return "static" if source == "static" or (target in CPU_TARGETS and fused_ort) else "dynamic"
-    if kv_cache == "static" and (manifest.get("model") or {}).get("relative_buckets"):
-        raise OptimizeError(f"--kv-cache static is not available for this model: {RELATIVE_BIAS_CACHE}; leave "
-                            f"--kv-cache out (auto) or pass --kv-cache dynamic")
     if kv_cache not in KV_CACHES:
         raise OptimizeError(f"unknown KV cache {kv_cache!r}; choose auto, static or dynamic")
     if kv_cache == "dynamic" and source == "static":
@@ -124,8 +113,8 @@ def source_manifest(bundle_dir: Path, out_dir: Path, precision: str, fuse: bool,
     return manifest
 
 
-__all__ = ["source_manifest", "TARGETS", "CPU_TARGETS", "ATTENTION_OPS", "STATIC_ATTENTION_OPS", "OptimizeError", "check_options", "resolve_kv_cache",
-           "attention_state", "check_source", "given_gate_inputs"]
+__all__ = ["source_manifest", "TARGETS", "CPU_TARGETS", "ATTENTION_OPS", "STATIC_ATTENTION_OPS", "OptimizeError",
+           "check_options", "resolve_kv_cache", "attention_state", "check_source", "given_gate_inputs"]
 
 
 def given_gate_inputs(manifest: dict, bundle_dir: Path, texts: list[str] | None, audio: list | None,

@@ -24,13 +24,16 @@ raise the teacher-forced logits error on every variant measured (benchmarks/stud
 with 8-bit weights (runtime.session.int8_saturates; RESULTS.md "int8 on CPUs without VNNI": an earlier study under
 qemu's Haswell emulation did not show it, real AVX2 hardware does); there optimize's --weight-bits auto chooses 7 bits
 (exporters/int8_recipes.resolve_weight_bits), whose results are exact on every CPU.
+
+The weights are symmetric, so their zero points are all 0: they are left out of the graph (the input is optional,
+0 by default: the same bits; exporters/int8_weights.drop_zero_points).
 """
 
 from __future__ import annotations
 
 import onnx_ir as ir
 
-from exporters.int8_weights import quantize_matmul_weights
+from exporters.int8_weights import drop_zero_points, quantize_matmul_weights
 from exporters.passes import ConvertInPlacePass, ConvertPass
 from exporters.row_activations import per_row_activations
 
@@ -113,6 +116,11 @@ def to_blocks(model: ir.Model, bits: int, block_size: int) -> ir.Model:
     return ir.from_proto(quantizer.model.model)
 
 
+def _without_zero_points(model: ir.Model) -> ir.Model:
+    drop_zero_points(model)
+    return model
+
+
 def precision_pass(precision: str, per_channel: bool = True, activation_scales: str = "per-tensor",
                    keep_float: tuple[str, ...] = (),
                    reduce_range: bool = False) -> ConvertPass | ConvertInPlacePass | None:
@@ -121,12 +129,10 @@ def precision_pass(precision: str, per_channel: bool = True, activation_scales: 
     keep_float: MatMuls (by name) left in float32 (fp16: exporters.precision.fp16_keep_float)."""
     if precision == "fp16":
         return ConvertPass("float16", lambda model: to_fp16(model, keep_float))
-    if precision == "int8" and activation_scales == "per-row":
-        return ConvertInPlacePass("quantize_int8", lambda model: per_row_activations(
-            to_int8(model, per_channel, reduce_range, keep_float=keep_float)))
     if precision == "int8":
-        return ConvertInPlacePass("quantize_int8",
-                                  lambda model: to_int8(model, per_channel, reduce_range, keep_float=keep_float))
+        rows = per_row_activations if activation_scales == "per-row" else (lambda model: model)
+        return ConvertInPlacePass("quantize_int8", lambda model: _without_zero_points(rows(
+            to_int8(model, per_channel, reduce_range, keep_float=keep_float))))
     if precision == "int4":
         return ConvertPass("quantize_int4", to_int4)
     if precision == "fp32":

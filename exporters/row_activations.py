@@ -13,6 +13,8 @@ first mapped onto [0, 1] by its own min and max:
                                                          scale 1/255, zero point 0, the same for every row
               --> y = r * that + lo * colsum(B)          x = lo + r u row by row; colsum over K of the
                                                          dequantized weight (Bq - Bzp) * Bs, a constant [N]
+                                                         that the graph computes from Bq and Bs and
+                                                         onnxruntime folds at load (not stored)
 
 That is asymmetric 8-bit quantization per row (each row uses all 256 levels of its own range, tighter than the
 tensor's), done by the fused kernel onnxruntime already has. A constant row (r == 0) becomes u == 0, quantized
@@ -49,7 +51,7 @@ class RowActivationsPass(Reporting, ir.passes.InPlacePass):
     name = "per_row_activations"
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        graph, self._rows, found = model.graph, {}, 0
+        graph, self._rows, self._colsums, found = model.graph, {}, {}, 0
         for node in list(graph):
             match = self._match(node)
             if match is None:
@@ -99,17 +101,44 @@ class RowActivationsPass(Reporting, ir.passes.InPlacePass):
     def _rewrite(self, graph: ir.Graph, before: ir.Node, x: ir.Value, bq: ir.Value, bs: ir.Value,
                  bzp: ir.Value | None) -> ir.Value:
         u, lo, r = self._row_range(graph, before, x)
-        q = _const(bq).astype(np.float32)
-        zp = np.zeros(1, np.float32) if bzp is None else _const(bzp).astype(np.float32)
-        colsum = ((q - zp) * _const(bs).astype(np.float32)).sum(axis=0, dtype=np.float64).astype(np.float32)
-        colsum_v = self._initializer(graph, f"{bq.name}.colsum", colsum)
         inputs = [u, bq, bs] + ([bzp] if bzp is not None else [])
-        nodes = [ir.node("DynamicQuantizeMatMul", inputs, domain=ORT_DOMAIN)]
-        nodes.append(ir.node("Mul", [nodes[0].outputs[0], r]))
-        nodes.append(ir.node("Mul", [lo, colsum_v]))
-        nodes.append(ir.node("Add", [nodes[1].outputs[0], nodes[2].outputs[0]]))
+        nodes, colsum = self._colsum(graph, bq, bs, bzp)
+        product = ir.node("DynamicQuantizeMatMul", inputs, domain=ORT_DOMAIN)
+        scaled, offset = ir.node("Mul", [product.outputs[0], r]), ir.node("Mul", [lo, colsum])
+        nodes += [product, scaled, offset, ir.node("Add", [scaled.outputs[0], offset.outputs[0]])]
         graph.insert_before(before, nodes)
         return nodes[-1].outputs[0]
+
+    def _colsum(self, graph: ir.Graph, bq: ir.Value, bs: ir.Value,
+                bzp: ir.Value | None) -> tuple[list[ir.Node], ir.Value]:
+        """colsum(B) [1, N] as nodes over constants only: the integer column sums of (Bq - Bzp), exact in int32
+        (MatMulInteger of a row of K ones, shared by the MatMuls of that K), times Bs. onnxruntime folds them into
+        one [1, N] initializer when the session loads (constant folding, at every optimization level but
+        "disabled"), so nothing runs per step and the bundle stores no [N] float vector per quantized MatMul (a
+        megabyte at the flan-t5-base shape). The value is Bs * sum(Bq - Bzp) rounded once (exact: |sum| < 2^24)."""
+        if id(bq) in self._colsums:                            # a weight read by several MatMuls: once
+            return [], self._colsums[id(bq)]
+        if any(use.node.op_type == "Gather" for use in bq.uses()):   # the 8-bit tied table: stored (below)
+            self._colsums[id(bq)] = self._stored_colsum(graph, bq, bs, bzp)
+            return [], self._colsums[id(bq)]
+        k = bq.const_value.shape[0]
+        ones = self._initializer(graph, f"row_activations.ones_{k}", np.ones((1, k), np.uint8), shared=True)
+        nodes = [ir.node("MatMulInteger", [ones, bq] + ([None, bzp] if bzp is not None else []))]
+        nodes.append(ir.node("Cast", [nodes[0].outputs[0]], attributes={"to": int(ir.DataType.FLOAT)}))
+        nodes.append(ir.node("Mul", [nodes[1].outputs[0], bs]))
+        for n in nodes:
+            n.outputs[0].name = f"{bq.name}.colsum_{n.op_type.lower()}"
+        self._colsums[id(bq)] = nodes[-1].outputs[0]
+        return nodes, nodes[-1].outputs[0]
+
+    def _stored_colsum(self, graph: ir.Graph, bq: ir.Value, bs: ir.Value, bzp: ir.Value | None) -> ir.Value:
+        """colsum(B) [N] computed here (the same numbers as _colsum's) and stored: for the 8-bit tied table
+        (exporters/fusions/int8_embedding), which exporters/tied_table turns into rows only when its lookups and its
+        projection are all that read it."""
+        q = _const(bq)
+        zp = np.zeros(1, np.int64) if bzp is None else _const(bzp).astype(np.int64)
+        sums = (q.sum(axis=0, dtype=np.int64) - q.shape[0] * zp).astype(np.float32)      # exact: |sum| < 2^24
+        return self._initializer(graph, f"{bq.name}.colsum", (_const(bs).astype(np.float32) * sums).reshape(-1))
 
     def _row_range(self, graph: ir.Graph, before: ir.Node, x: ir.Value) -> tuple[ir.Value, ir.Value, ir.Value]:
         """(u, lo, r) for input x, made once per input and placed right after x is available."""

@@ -41,6 +41,14 @@ Two rewriter rules, like the fusions (pattern, check, replacement, count):
   DecoderMaskedMultiHeadAttention's mask_index instead, cut to the filled slots plus this step's (int32
   [B, past_sequence_length + 1], as onnxruntime wants); per row: the mask is dropped (nothing to mask);
   the per-row `position_ids` [B, 1] stay as exported (the positional table is read at them);
+- T5's relative position bias (the fused attention_bias = the mask's bias + Transpose(Gather(table, k - q)),
+  exporters/fusions/attention.py) is carried, not dropped: the step's bias row for each row's own position,
+  table[slot - position_ids[b] + max_len - 1] over slots 0..total-1, [B, H, 1, total], gathered once per step
+  from the [2 * max_len - 1, H] table the bundle carries and given to every layer's attention_bias (total: the
+  longest row + 1 per row, past_sequence_length + 1 in the shared slot; slots past a row's own length are never
+  attended, so nothing else is masked). Every slot holds its own row's token at its own position, so a key's
+  position is its slot (the dynamic graph counted real keys in the mask for that). Counted as
+  "static_relative_bias"; a relative bias not carried is refused;
 - the caches' length axis becomes `cache_len`: the runtime sizes the buffer per request (the tokens it may
   generate, at most the model's max_len).
 Parity with the dynamic graph is proved by optimize, as for every pass.
@@ -55,8 +63,8 @@ from onnxscript.rewriter import pattern
 
 from exporters.passes import Reporting, RewritePass
 from runtime.errors import OnnxformerError
-from runtime.spec import (BATCH, CACHE_LEN, DECODER_ATTENTION_MASK, INPUT_IDS, PAST, PAST_SEQUENCE_LENGTH, POSITION_IDS, PRESENT,
-                          SELF, STATIC_PER_ROW, STATIC_SHARED, is_cache)
+from runtime.spec import (BATCH, CACHE_LEN, DECODER_ATTENTION_MASK, INPUT_IDS, PAST, PAST_SEQUENCE_LENGTH, POSITION_IDS,
+                          PRESENT, SELF, STATIC_PER_ROW, STATIC_SHARED, is_cache)
 
 MS = "com.microsoft"
 RANK = 4                                              # caches are [B, H, len, Dh]; dim 2 is the length
@@ -98,14 +106,16 @@ class StaticAttention(pattern.RewriteRuleClassBase):
     def check(self, context, past_key, past_value, **_) -> pattern.MatchResult:
         return _needs_static_input(pattern.MatchResult(), past_key, past_value)
 
-    def rewrite(self, op, query, key, value, past_key, past_value, attention, **_):
+    def rewrite(self, op, query, key, value, causal_bias, past_key, past_value, attention, **_):
         fused = attention.producer()
         attributes = {"num_heads": fused.attributes.get_int("num_heads"), "past_present_share_buffer": 1}
         scale = fused.attributes.get_float("scale", None)
         if scale is not None:
             attributes["scale"] = scale
         filled = _past_sequence_length(past_key)
-        return op.DecoderMaskedMultiHeadAttention(query, key, value, _key_mask(op, past_key.graph, filled), None,
+        one = op.Constant(value=ir.tensor(np.array([1], dtype=np.int32)))
+        bias = step_bias(op, causal_bias, op.Add(filled, one))         # T5's; None for other models
+        return op.DecoderMaskedMultiHeadAttention(query, key, value, _key_mask(op, past_key.graph, filled), bias,
                                                   past_key, past_value, filled, **attributes, _domain=MS, _outputs=3)
 
 
@@ -113,7 +123,7 @@ class PerRowStaticAttention(StaticAttention):
     """Fused decoder self-attention with past/present -> GroupQueryAttention: each row writes and attends at its own
     length (past_sequence_length [B]; GroupQueryAttention's seqlens_k is that length, the new token's slot)."""
 
-    def rewrite(self, op, query, key, value, past_key, past_value, attention, **_):
+    def rewrite(self, op, query, key, value, causal_bias, past_key, past_value, attention, **_):
         fused = attention.producer()
         heads = fused.attributes.get_int("num_heads")
         attributes = {"num_heads": heads, "kv_num_heads": heads}
@@ -123,8 +133,51 @@ class PerRowStaticAttention(StaticAttention):
         lengths = _past_sequence_length(past_key)                                   # int32 [B]
         one = op.Constant(value=ir.tensor(np.array([1], dtype=np.int32)))
         total = op.Add(op.ReduceMax(lengths, keepdims=1), one)                     # the longest row + this step
-        return op.GroupQueryAttention(query, key, value, past_key, past_value, lengths, total, **attributes,
-                                      _domain=MS, _outputs=3)
+        bias = step_bias(op, causal_bias, total)                         # T5's; None for other models
+        return op.GroupQueryAttention(query, key, value, past_key, past_value, lengths, total, None, None, None, bias,
+                                      **attributes, _domain=MS, _outputs=3)
+
+
+def relative_table(bias: ir.Value | None) -> ir.Value | None:
+    """T5's offset table [2 * max_len - 1, H] (an initializer) when a fused self-attention's attention_bias is the
+    mask's bias plus the relative position bias, Add(mask bias, Transpose(Gather(table, offsets), 0 3 1 2)), as
+    exporters/fusions/attention.py builds it; else None."""
+    node = None if bias is None else bias.producer()
+    if node is None or node.op_type != "Add":
+        return None
+    for side in node.inputs:
+        permute = None if side is None else side.producer()
+        if permute is None or permute.op_type != "Transpose" or \
+                tuple(permute.attributes.get_ints("perm", ())) != (0, 3, 1, 2):
+            continue
+        gather = permute.inputs[0].producer()
+        table = None if gather is None or gather.op_type not in ("Gather", "GatherND") else gather.inputs[0]
+        if table is not None and table.const_value is not None and len(table.const_value.shape) == 2 \
+                and table.const_value.shape[0] % 2 == 1:
+            return table
+    return None
+
+
+def step_bias(op, causal_bias: ir.Value, total: ir.Value) -> ir.Value | None:
+    """The static attention's attention_bias: None where the fused one was the causal/key mask alone (dropped, see
+    the module doc); T5's relative position bias [B, H, 1, total] for one new token a row, row b's query at
+    position_ids[b] over key slots 0..total-1 (total int32 [1]). In a static cache slot j holds the row's token at
+    position j, so the offset k - q is j - position_ids[b]: row j - q + max_len - 1 of the table (clipped; the slots
+    past a row's own length lie beyond its seqlens_k, never attended). Built once per step: every layer's rewrite
+    builds the same nodes, and StaticCachePass's common-subexpression elimination keeps one copy."""
+    table = relative_table(causal_bias)
+    if table is None:
+        return None
+    positions = next(v for v in causal_bias.graph.inputs if v.name == POSITION_IDS)          # int64 [B, 1]
+    reach = (table.const_value.shape[0] - 1) // 2                                             # max_len - 1
+
+    def int64(x):
+        return op.Constant(value=ir.tensor(np.array(x, dtype=np.int64)))
+    keys = op.Range(int64(0), op.Squeeze(op.Cast(total, to=ir.DataType.INT64), int64([0])), int64(1))  # [total]
+    offsets = op.Sub(op.Unsqueeze(keys, int64([0])), positions)                              # [B, total]: k - q
+    rows = op.Clip(op.Add(offsets, int64(reach)), int64(0), int64(2 * reach))
+    bias = op.Gather(table, rows, axis=0)                                                     # [B, total, H]
+    return op.Unsqueeze(op.Transpose(bias, perm=[0, 2, 1]), int64([2]))                      # [B, H, 1, total]
 
 
 def _key_mask(op, graph: ir.Graph, filled: ir.Value) -> ir.Value:
@@ -173,6 +226,7 @@ def static_cache_rules(per_row: bool = True) -> list[pattern.RewriteRule]:
 
 
 STATIC_ATTENTION_OPS = {True: "GroupQueryAttention", False: "DecoderMaskedMultiHeadAttention"}   # by per_row
+RELATIVE_BIAS = "static_relative_bias"     # the count of static attentions carrying T5's relative position bias
 GQA_HEAD_MULTIPLE = 8                                 # onnxruntime's GroupQueryAttention takes head sizes of 8k only
 
 
@@ -218,23 +272,14 @@ class StaticCachePass(Reporting, ir.passes.InPlacePass):
         batch = pasts[0].shape[0] if pasts[0].shape is not None else BATCH
         graph.inputs.insert(2, ir.Value(name=PAST_SEQUENCE_LENGTH, type=ir.TensorType(ir.DataType.INT32),
                                         shape=ir.Shape([batch if self.per_row else 1])))  # after input_ids, the mask
+        relative = _relative_biases(pasts)                             # T5: each layer's, to be carried
         rules = RewritePass(self.name, static_cache_rules(self.per_row))
         rules(model)
         self.counts[self.name] += rules.counts["static_kv_cache"]
         _refuse_leftovers(pasts)
-        for v in pasts:
-            v.shape = _with_len(v.shape, CACHE_LEN)
-        for v in graph.inputs:                                         # the key mask covers the whole buffer
-            if v.name == DECODER_ATTENTION_MASK and v.shape is not None:
-                v.shape = ir.Shape([v.shape[0], CACHE_LEN])
-        for v in graph.outputs:
-            if is_cache(v.name, PRESENT, SELF):
-                v.shape = _with_len(v.shape, CACHE_LEN)
-            elif v.name == "logits" and v.shape is not None:
-                v.shape = ir.Shape([v.shape[0], 1, *list(v.shape)[2:]])
-        for ids in (v for v in graph.inputs if v.name in (INPUT_IDS, POSITION_IDS)):   # one token a step
-            if ids.shape is not None:
-                ids.shape = ir.Shape([ids.shape[0], 1])
+        if relative:                                                   # counted where there is one (T5)
+            self.counts[RELATIVE_BIAS] += _carried_biases(graph, relative)
+        _static_shapes(graph, pasts)
         CommonSubexpressionEliminationPass()(model)                    # one Cast of past_sequence_length
         RemoveUnusedNodesPass()(model)                                 # the causal-bias subgraph is dead now
         if self.per_row:                                               # nothing reads the key mask any more
@@ -266,8 +311,43 @@ def _refuse_leftovers(pasts: list[ir.Value]) -> None:
         for use in v.uses():
             if use.node.op_type not in STATIC_ATTENTION_OPS.values():
                 raise StaticCacheError(f"self-attention {use.node.name} ({use.node.op_type}) uses a projection bias, "
-                                       f"a key padding mask or extra inputs/outputs that the static cache does not carry; pass "
-                                       f"--kv-cache dynamic")
+                                       f"a key padding mask or extra inputs/outputs that the static cache does not "
+                                       f"carry; pass --kv-cache dynamic")
+
+
+def _relative_biases(pasts: list[ir.Value]) -> int:
+    """How many fused self-attentions add a relative position bias (T5's) to their scores."""
+    nodes = {use.node for v in pasts for use in v.uses() if use.node.op_type == "MultiHeadAttention"}
+    return sum(relative_table(n.inputs[5] if len(n.inputs) > 5 else None) is not None for n in nodes)
+
+
+def _carried_biases(graph: ir.Graph, expected: int) -> int:
+    """After the rules: the static attentions given an attention_bias; every relative bias must be carried."""
+    slot = {"GroupQueryAttention": 10, "DecoderMaskedMultiHeadAttention": 4}
+    carried = sum(1 for n in graph if n.op_type in slot and len(n.inputs) > slot[n.op_type]
+                  and n.inputs[slot[n.op_type]] is not None)
+    if carried != expected:
+        raise StaticCacheError(f"{expected} self-attentions add a relative position bias but the static cache "
+                               f"carried {carried}: the bias is not built as exporters/fusions/attention.py builds "
+                               f"it; re-export the model, or pass --kv-cache dynamic")
+    return carried
+
+
+def _static_shapes(graph: ir.Graph, pasts: list[ir.Value]) -> None:
+    """The interface's new shapes: cache_len on the buffers (and the key mask), one token a step."""
+    for v in pasts:
+        v.shape = _with_len(v.shape, CACHE_LEN)
+    for v in graph.inputs:                                         # the key mask covers the whole buffer
+        if v.name == DECODER_ATTENTION_MASK and v.shape is not None:
+            v.shape = ir.Shape([v.shape[0], CACHE_LEN])
+    for v in graph.outputs:
+        if is_cache(v.name, PRESENT, SELF):
+            v.shape = _with_len(v.shape, CACHE_LEN)
+        elif v.name == "logits" and v.shape is not None:
+            v.shape = ir.Shape([v.shape[0], 1, *list(v.shape)[2:]])
+    for ids in (v for v in graph.inputs if v.name in (INPUT_IDS, POSITION_IDS)):   # one token a step
+        if ids.shape is not None:
+            ids.shape = ir.Shape([ids.shape[0], 1])
 
 
 def _with_len(shape: ir.Shape | None, length: str) -> ir.Shape | None:

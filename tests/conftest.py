@@ -185,3 +185,24 @@ def nllb_bundle(multilingual, tmp_path_factory):
     from exporters.export import export_checkpoint
 
     return export_checkpoint(multilingual("nllb")[3], tmp_path_factory.mktemp("nllb_bundle") / "nllb")
+
+
+@pytest.fixture(scope="session")
+def t5_exported(tmp_path_factory):
+    """(checkpoint dir, fp32 bundle dir) of a random tiny T5 v1.1 (toolkit.testing.tiny_t5.random_t5), imported and
+    exported by the command line once per session; read-only. Its untied head gives greedy outputs that vary with
+    the input (tests that compare tokens assert it)."""
+    from click.testing import CliRunner
+
+    from toolkit.apps.cli import main
+    from toolkit.testing.tiny_t5 import random_t5
+
+    pytest.importorskip("transformers")
+    pytest.importorskip("sentencepiece")
+    root = tmp_path_factory.mktemp("t5_exported")
+    random_t5("v1.1", root / "src")
+    for args in (["import", str(root / "src"), "--out", str(root / "ckpt")],
+                 ["export", str(root / "ckpt"), "--out", str(root / "bundle")]):
+        result = CliRunner().invoke(main, args)
+        assert result.exit_code == 0, result.output
+    return root / "ckpt", root / "bundle"

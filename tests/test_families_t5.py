@@ -170,38 +170,31 @@ def test_rows_past_the_tokenizer_decode_to_nothing_as_transformers_does(tmp_path
 
 
 @pytest.fixture(scope="module")
-def t5_bundle(tmp_path_factory):
-    """The fp32 bundle of a random tiny v1.1 (imported and exported by the command line)."""
-    from toolkit.testing.tiny_t5 import random_t5
-
-    tmp_path = tmp_path_factory.mktemp("t5-bundle")
-    random_t5("v1.1", tmp_path / "src")
-    for args in (["import", str(tmp_path / "src"), "--out", str(tmp_path / "ckpt")],
-                 ["export", str(tmp_path / "ckpt"), "--out", str(tmp_path / "bundle")]):
-        result = CliRunner().invoke(main, args)
-        assert result.exit_code == 0, result.output
-    return tmp_path / "bundle"
+def t5_bundle(t5_exported):
+    """The fp32 bundle of a random tiny v1.1 (conftest's t5_exported: imported and exported by the command line)."""
+    return t5_exported[1]
 
 
-def test_optimize_fuses_t5_attention_and_rms_norm_and_keeps_the_dynamic_cache(t5_bundle, tmp_path):
-    """The default `onnxformer optimize` of a T5 bundle: every attention block into MultiHeadAttention (scale 1,
-    the relative bias and mask as attention_bias), RMSNorm into (Skip)SimplifiedLayerNormalization, the dynamic
-    cache (the static cache pass does not carry a per-head bias), the fp32 gate passed."""
+def test_optimize_fuses_t5_attention_and_rms_norm(t5_bundle, tmp_path):
+    """The default `onnxformer optimize` of a T5 bundle: every attention block fused, scale 1 (the encoder's and
+    the cross-attention into MultiHeadAttention, the relative bias and mask as attention_bias; the decoder's
+    self-attention into GroupQueryAttention, the per-row static cache, its relative bias as attention_bias:
+    tests/test_static_cache_t5.py), RMSNorm into (Skip)SimplifiedLayerNormalization, the fp32 gate passed."""
     import onnx
 
     result = CliRunner().invoke(main, ["optimize", str(t5_bundle), "--out", str(tmp_path / "fused")])
     assert result.exit_code == 0, result.output
     manifest = json.loads((tmp_path / "fused" / "manifest.json").read_text())
     layers = manifest["model"]["n_encoder_layers"], manifest["model"]["n_decoder_layers"]
-    assert manifest["parity"]["verified"] and manifest["decoder_layout"] == "dynamic"
-    assert "relative position bias" in result.output
+    assert manifest["parity"]["verified"] and manifest["decoder_layout"] == "static-per-row"
     for graph, attention, norms in (("encoder", layers[0], 2 * layers[0] + 1), ("decoder", 2 * layers[1],
                                                                                   3 * layers[1] + 1)):
         nodes = onnx.load(str(tmp_path / "fused" / f"{graph}.onnx"), load_external_data=False).graph.node
         ops = [n.op_type for n in nodes]
-        mha = [n for n in nodes if n.op_type == "MultiHeadAttention"]
-        assert len(mha) == attention and "Softmax" not in ops and "Pow" not in ops, (graph, ops)
-        assert all(n.input[5] and [a.f for a in n.attribute if a.name == "scale"] == [1.0] for n in mha)
+        fused = [n for n in nodes if n.op_type in ("MultiHeadAttention", "GroupQueryAttention")]
+        assert len(fused) == attention and "Softmax" not in ops and "Pow" not in ops, (graph, ops)
+        assert all(n.input[5 if n.op_type == "MultiHeadAttention" else 10] and
+                   [a.f for a in n.attribute if a.name == "scale"] == [1.0] for n in fused)
         skip = ops.count("SkipSimplifiedLayerNormalization")
         assert skip == norms - 1 and ops.count("SimplifiedLayerNormalization") == 1, (graph, ops)
 

@@ -74,7 +74,9 @@ def graphs():
 def test_per_row_rewrites_every_quantized_matmul_and_its_rows_ignore_their_neighbours(graphs):
     per_tensor, per_row, model, ref = graphs
     ops = [n.op_type for n in model.graph]
-    assert "DynamicQuantizeLinear" not in ops and "MatMulInteger" not in ops
+    assert "DynamicQuantizeLinear" not in ops and ops.count("MatMulInteger") == 3    # these: the colsums only
+    assert all(all(v is None or v.is_initializer() for v in n.inputs) for n in model.graph
+               if n.op_type == "MatMulInteger")
     assert ops.count("DynamicQuantizeMatMul") == 3 and ops.count("ReduceMax") == 2   # x's range is made once
     rng = np.random.default_rng(1)
     row = rng.standard_normal((1, 3, K)).astype(np.float32)
@@ -95,6 +97,26 @@ def test_per_row_rewrites_every_quantized_matmul_and_its_rows_ignore_their_neigh
         err_row = float((np.abs(r - w) / scale).max())
         assert err_row < 0.05, err_row
         assert np.abs(r[0] - w[0]).max() < np.abs(t[0] - w[0]).max() / 4
+
+
+def test_colsums_are_exact_and_folded_at_load(graphs, tmp_path):
+    """No colsum is stored: each is MatMulInteger(a row of ones, Bq) * Bs over constants, which onnxruntime folds
+    into one initializer when the session loads; its value is Bs * the integer column sums, rounded once."""
+    _, _, model, _ = graphs
+    floats = [n for n, v in model.graph.initializers.items() if v.const_value.dtype == ir.DataType.FLOAT]
+    assert sorted(floats) == sorted(["b1", "s", "row_activations.tiny", "w1_scale", "w2_scale"]), floats
+    options = ort.SessionOptions()
+    options.optimized_model_filepath = str(tmp_path / "loaded.onnx")
+    ort.InferenceSession(ir.to_proto(model).SerializeToString(), options, providers=["CPUExecutionProvider"])
+    loaded = ir.load(tmp_path / "loaded.onnx")
+    assert "MatMulInteger" not in [n.op_type for n in loaded.graph]             # folded
+    for node in (n for n in model.graph if n.op_type == "MatMulInteger"):
+        bq = node.inputs[1].const_value.numpy()
+        scale = next(u.node for u in next(iter(node.outputs[0].uses())).node.outputs[0].uses()).inputs[1]
+        want = scale.const_value.numpy().astype(np.float32) * bq.sum(axis=0, dtype=np.int64).astype(np.float32)
+        folded = next(v for name, v in loaded.graph.initializers.items() if name.startswith(node.inputs[1].name)
+                      and name.endswith("colsum_mul"))
+        assert np.array_equal(folded.const_value.numpy().reshape(-1), want.reshape(-1))
 
 
 def test_constant_and_zero_rows_are_exact(graphs):

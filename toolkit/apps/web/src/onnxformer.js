@@ -303,4 +303,4 @@ async function main() {
 
 if (typeof document !== "undefined") main();
 
-export { Model, translate, translateIds, translateIds as generate, ort };
+export { Model, LAYOUTS, translate, translateIds, translateIds as generate, ort };

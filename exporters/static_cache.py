@@ -17,7 +17,8 @@ decoder by it, runtime/feed.py):
   past_sequence_length[b] of its buffer row and attends over slots 0..past_sequence_length[b]. Every slot a row
   attends holds its own token, so there is no key mask (`decoder_attention_mask` leaves the interface), rows of
   one batch may sit at different positions (in-flight batching, runtime/inflight.py), and each row pays only for
-  its own length.
+  its own length. It reads the packed Q/K/V projection (fusions/pack_matmul.py) whole, key and value left out, so
+  the packing's Split goes (a node less a layer: a step's per-node cost counts on onnxruntime-web, RESULTS.md).
   onnxruntime's GroupQueryAttention takes head sizes that are multiples of 8 only: other models get the shared
   slot on CPU too (optimize says so in its notes).
 - shared slot ("static-shared"; CUDA): com.microsoft.DecoderMaskedMultiHeadAttention with
@@ -123,8 +124,25 @@ class PerRowStaticAttention(StaticAttention):
         lengths = _past_sequence_length(past_key)                                   # int32 [B]
         one = op.Constant(value=ir.tensor(np.array([1], dtype=np.int32)))
         total = op.Add(op.ReduceMax(lengths, keepdims=1), one)                     # the longest row + this step
+        packed = _packed_qkv(query, key, value)
+        if packed is not None:             # the joined projection itself: its Split goes (one node less a layer)
+            query, key, value = packed, None, None
         return op.GroupQueryAttention(query, key, value, past_key, past_value, lengths, total, **attributes,
                                       _domain=MS, _outputs=3)
+
+
+def _packed_qkv(query: ir.Value, key: ir.Value, value: ir.Value) -> ir.Value | None:
+    """The packed Q/K/V projection (fusions/pack_matmul.py) that query, key and value are the three equal parts of,
+    split on the last axis in that order and used by nothing else; GroupQueryAttention takes it whole as its query
+    (packed QKV: key and value left out). None when they are anything else."""
+    split = query.producer()
+    if split is None or split.op_type != "Split" or split.domain != "" or len(split.outputs) != 3 \
+            or list(split.outputs) != [query, key, value] or split.attributes.get_int("axis", 0) not in (-1, 2):
+        return None
+    sizes = split.inputs[1].const_value if len(split.inputs) > 1 and split.inputs[1] is not None else None
+    if sizes is None or len(set(sizes.numpy().tolist())) != 1 or any(len(v.uses()) != 1 for v in split.outputs):
+        return None
+    return split.inputs[0]
 
 
 def _key_mask(op, graph: ir.Graph, filled: ir.Value) -> ir.Value:

@@ -90,6 +90,23 @@ def test_cpu_bundles_get_the_per_row_layout(bundles):
     assert load_bundle(static, provider="cpu").engine.layout == STATIC_PER_ROW
 
 
+def test_per_row_attention_takes_the_packed_projection(bundles):
+    """GroupQueryAttention reads the packed Q/K/V projection whole (key and value left out), so the packing's Split
+    is gone; the shared-slot op still takes three inputs. The packed parts must be Q, K, V in that order."""
+    model, _, dynamic, _ = bundles
+    before = ir.load(dynamic / "decoder.onnx")
+    assert sum(n.op_type == "Split" for n in before.graph) == model.config.n_decoder_layers   # one per self-attention
+    for per_row in (True, False):
+        graph, _ = _static_graph(dynamic, per_row)
+        attention = [n for n in graph.graph if n.op_type == ATTENTION[per_row]]
+        splits = sum(n.op_type == "Split" for n in graph.graph)
+        if per_row:
+            assert splits == 0 and all(n.inputs[1] is None and n.inputs[2] is None for n in attention)
+            assert all(n.inputs[0].producer().op_type in ("Add", "MatMul") for n in attention)
+        else:
+            assert splits == model.config.n_decoder_layers and all(n.inputs[1] is not None for n in attention)
+
+
 def test_rewrite_refuses_unfused_self_attention(bundles):
     _, exported, _, _ = bundles
     graph = ir.load(exported / "decoder.onnx")

@@ -40,7 +40,8 @@ Two rewriter rules, like the fusions (pattern, check, replacement, count):
   the bias said (the static graph takes exactly one token a step); shared slot: the per-row key mask
   (`decoder_attention_mask` [B, cache_len], 1 where a slot holds a real token of the row) goes to
   DecoderMaskedMultiHeadAttention's mask_index instead, cut to the filled slots plus this step's (int32
-  [B, past_sequence_length + 1], as onnxruntime wants); per row: the mask is dropped (nothing to mask);
+  [B, past_sequence_length + 1], as onnxruntime wants); per row: the mask is dropped (nothing to mask); the
+  cross-attention bias [B, 1, 1, S] is no longer expanded to new_len rows (OneTokenExpand: new_len is 1 now);
   the per-row `position_ids` [B, 1] stay as exported (the positional table is read at them);
 - the caches' length axis becomes `cache_len`: the runtime sizes the buffer per request (the tokens it may
   generate, at most the model's max_len).
@@ -51,7 +52,8 @@ from __future__ import annotations
 
 import numpy as np
 import onnx_ir as ir
-from onnx_ir.passes.common import CommonSubexpressionEliminationPass, RemoveUnusedNodesPass, TopologicalSortPass
+from onnx_ir.passes.common import (CommonSubexpressionEliminationPass, IdentityEliminationPass, RemoveUnusedNodesPass,
+                                   TopologicalSortPass)
 from onnxscript.rewriter import pattern
 
 from exporters.passes import Reporting, RewritePass
@@ -185,6 +187,75 @@ class PastLengthFromInput(pattern.RewriteRuleClassBase):
         return parts[0] if len(parts) == 1 else op.Concat(*parts, axis=0)
 
 
+def _static_ints(value: ir.Value | None) -> list[int] | None:
+    """The ints a shape-valued tensor holds where the graph fixes them (a constant, a Shape over static dims, a
+    Concat of those), else None."""
+    if value is None:
+        return None
+    const = ir.convenience.get_const_tensor(value)
+    if const is not None:
+        return [int(x) for x in const.numpy().reshape(-1)]
+    node = value.producer()
+    if node is None or node.domain != "":
+        return None
+    if node.op_type == "Shape" and node.inputs[0].shape is not None:
+        dims = list(node.inputs[0].shape)
+        start, end = (node.attributes.get_int(k, default) for k, default in (("start", 0), ("end", len(dims))))
+        part = dims[slice(start, end)]
+        return part if all(isinstance(d, int) for d in part) else None
+    if node.op_type == "Concat":
+        parts = [_static_ints(v) for v in node.inputs]
+        return None if any(p is None for p in parts) else [d for p in parts for d in p]
+    return None
+
+
+_SAME_RANK = {"Cast", "Not", "Neg", "Relu", "Sigmoid", "Identity"}
+_BROADCAST = {"Where", "Add", "Sub", "Mul", "Div", "And", "Or", "Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual"}
+
+
+def _rank(value: ir.Value, depth: int = 8) -> int | None:
+    """A value's rank: its shape's, else walked back through elementwise ops and Unsqueeze (the exporter leaves
+    the mask's chain without shapes); None where unknown."""
+    if value.shape is not None:
+        return len(value.shape)
+    const, node = ir.convenience.get_const_tensor(value), value.producer()
+    if const is not None:
+        return len(const.shape)
+    if node is None or node.domain != "" or depth == 0:
+        return None
+    ranks = [_rank(v, depth - 1) if v is not None else None for v in node.inputs]
+    if node.op_type in _SAME_RANK:
+        return ranks[0]
+    if node.op_type in _BROADCAST:
+        return None if None in ranks else max(ranks)
+    axes = _static_ints(node.inputs[1]) if node.op_type == "Unsqueeze" and len(node.inputs) > 1 else None
+    return ranks[0] + len(axes) if axes is not None and ranks[0] is not None else None
+
+
+class OneTokenExpand(pattern.RewriteRuleClassBase):
+    """Expand(x, shape) by a shape of ones, no longer than x's rank -> x. The cross-attention bias [B, 1, 1, S] was
+    expanded to [B, 1, new_len, S] with new_len read from input_ids; a static graph takes one token, so the shape
+    is [1, 1, 1, 1] and the Expand (with its Shape and Concat) does nothing but cost a step three nodes."""
+
+    def __init__(self):
+        super().__init__("one_token_expand")
+
+    def pattern(self, op, x, shape):
+        return op.Expand(x, shape)
+
+    def check(self, context, x, shape, **_) -> pattern.MatchResult:
+        result, ones = pattern.MatchResult(), _static_ints(shape)
+        if ones is None or any(d != 1 for d in ones):
+            return result.fail("the Expand's shape is not all ones where the graph fixes it", shape)
+        rank = _rank(x)
+        if rank is None or rank < len(ones):
+            return result.fail("the expanded value's rank is unknown or below the shape's length", x)
+        return result
+
+    def rewrite(self, op, x, **_):
+        return op.Identity(x)
+
+
 def static_cache_rules(per_row: bool = True) -> list[pattern.RewriteRule]:
     attention = PerRowStaticAttention() if per_row else StaticAttention()
     return [attention.rule(), PastLengthFromInput().rule()]
@@ -253,6 +324,11 @@ class StaticCachePass(Reporting, ir.passes.InPlacePass):
         for ids in (v for v in graph.inputs if v.name in (INPUT_IDS, POSITION_IDS)):   # one token a step
             if ids.shape is not None:
                 ids.shape = ir.Shape([ids.shape[0], 1])
+        expand = RewritePass(self.name, [OneTokenExpand().rule()])     # input_ids is [B, 1] now
+        expand(model)
+        self.counts["one_token_expand"] += expand.counts["one_token_expand"]
+        if expand.counts["one_token_expand"]:
+            IdentityEliminationPass()(model)                           # the Identity that rule left
         CommonSubexpressionEliminationPass()(model)                    # one Cast of past_sequence_length
         RemoveUnusedNodesPass()(model)                                 # the causal-bias subgraph is dead now
         if self.per_row:                                               # nothing reads the key mask any more

@@ -210,7 +210,8 @@ def _static_ints(value: ir.Value | None) -> list[int] | None:
 
 
 _SAME_RANK = {"Cast", "Not", "Neg", "Relu", "Sigmoid", "Identity"}
-_BROADCAST = {"Where", "Add", "Sub", "Mul", "Div", "And", "Or", "Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual"}
+_BROADCAST = {"Where", "Add", "Sub", "Mul", "Div", "And", "Or", "Equal", "Less", "Greater", "LessOrEqual",
+              "GreaterOrEqual"}
 
 
 def _rank(value: ir.Value, depth: int = 8) -> int | None:

@@ -25,7 +25,8 @@ decoder by it, runtime/feed.py):
   past_present_share_buffer=1 (CUDA's GroupQueryAttention takes float16/bfloat16 only, and static caches are
   float32). past_sequence_length is one int32 [1] for all rows; the per-row key mask reaches its mask_index.
 
-Two rewriter rules, like the fusions (pattern, check, replacement, count):
+Two rewriter rules, like the fusions (pattern, check, replacement, count), and a third once input_ids is [B, 1]
+(OneTokenExpand, below):
 
     query key value causal_bias past_key past_value                 query key value past_key past_value
            \\          |         |         |        |                  \\      |       |      |       /

@@ -56,6 +56,7 @@ def native_logits(bundle: Path, jobs: list[dict]) -> list[dict]:
     enc, dec = (ort.InferenceSession(str(bundle / manifest["graphs"][g]["file"]), opts,
                                      providers=["CPUExecutionProvider"]) for g in ("encoder", "decoder"))
     dynamic, heads = manifest.get("decoder_layout", "dynamic") == "dynamic", c["n_heads"]
+    shared = manifest.get("decoder_layout") == "static-shared"
     head_dim = c.get("d_kv") or c["d_model"] // heads
     names = lambda kind, side: [f"{kind}.{i}.{side}.{kv}" for i in range(c["n_decoder_layers"])  # noqa: E731
                                 for kv in ("key", "value")]
@@ -71,8 +72,10 @@ def native_logits(bundle: Path, jobs: list[dict]) -> list[dict]:
                      "encoder_attention_mask": np.ones_like(src)}
             if dynamic:
                 feeds["decoder_attention_mask"] = np.ones((1, p), np.int64)
-            else:
+            else:                                   # static-shared also takes the key mask over its buffer
                 feeds["past_sequence_length"] = np.array([p], np.int32)
+                if shared:
+                    feeds["decoder_attention_mask"] = np.ones((1, job["capacity"]), np.int64)
             feeds |= dict(zip(names("past_key_values", "decoder"), cache))
             feeds |= dict(zip(names("past_key_values", "encoder"), cross))
             out = dict(zip(dec_out, dec.run(None, feeds)))

@@ -17,14 +17,16 @@ decoder by it, runtime/feed.py):
   past_sequence_length[b] of its buffer row and attends over slots 0..past_sequence_length[b]. Every slot a row
   attends holds its own token, so there is no key mask (`decoder_attention_mask` leaves the interface), rows of
   one batch may sit at different positions (in-flight batching, runtime/inflight.py), and each row pays only for
-  its own length.
+  its own length. It reads the packed Q/K/V projection (fusions/pack_matmul.py) whole, key and value left out, so
+  the packing's Split goes (a node less a layer: a step's per-node cost counts on onnxruntime-web, RESULTS.md).
   onnxruntime's GroupQueryAttention takes head sizes that are multiples of 8 only: other models get the shared
   slot on CPU too (optimize says so in its notes).
 - shared slot ("static-shared"; CUDA): com.microsoft.DecoderMaskedMultiHeadAttention with
   past_present_share_buffer=1 (CUDA's GroupQueryAttention takes float16/bfloat16 only, and static caches are
   float32). past_sequence_length is one int32 [1] for all rows; the per-row key mask reaches its mask_index.
 
-Two rewriter rules, like the fusions (pattern, check, replacement, count):
+Two rewriter rules, like the fusions (pattern, check, replacement, count), and a third once input_ids is [B, 1]
+(OneTokenExpand, below):
 
     query key value causal_bias past_key past_value                 query key value past_key past_value
            \\          |         |         |        |                  \\      |       |      |       /
@@ -39,7 +41,8 @@ Two rewriter rules, like the fusions (pattern, check, replacement, count):
   the bias said (the static graph takes exactly one token a step); shared slot: the per-row key mask
   (`decoder_attention_mask` [B, cache_len], 1 where a slot holds a real token of the row) goes to
   DecoderMaskedMultiHeadAttention's mask_index instead, cut to the filled slots plus this step's (int32
-  [B, past_sequence_length + 1], as onnxruntime wants); per row: the mask is dropped (nothing to mask);
+  [B, past_sequence_length + 1], as onnxruntime wants); per row: the mask is dropped (nothing to mask); the
+  cross-attention bias [B, 1, 1, S] is no longer expanded to new_len rows (OneTokenExpand: new_len is 1 now);
   the per-row `position_ids` [B, 1] stay as exported (the positional table is read at them);
 - T5's relative position bias (the fused attention_bias = the mask's bias + Transpose(Gather(table, k - q)),
   exporters/fusions/attention.py) is carried, not dropped: the step's bias row for each row's own position,
@@ -58,10 +61,12 @@ from __future__ import annotations
 
 import numpy as np
 import onnx_ir as ir
-from onnx_ir.passes.common import CommonSubexpressionEliminationPass, RemoveUnusedNodesPass, TopologicalSortPass
+from onnx_ir.passes.common import (CommonSubexpressionEliminationPass, IdentityEliminationPass, RemoveUnusedNodesPass,
+                                   TopologicalSortPass)
 from onnxscript.rewriter import pattern
 
 from exporters.passes import Reporting, RewritePass
+from exporters.static_relative_bias import relative_table, step_bias
 from runtime.errors import OnnxformerError
 from runtime.spec import (BATCH, CACHE_LEN, DECODER_ATTENTION_MASK, INPUT_IDS, PAST, PAST_SEQUENCE_LENGTH, POSITION_IDS,
                           PRESENT, SELF, STATIC_PER_ROW, STATIC_SHARED, is_cache)
@@ -134,50 +139,25 @@ class PerRowStaticAttention(StaticAttention):
         one = op.Constant(value=ir.tensor(np.array([1], dtype=np.int32)))
         total = op.Add(op.ReduceMax(lengths, keepdims=1), one)                     # the longest row + this step
         bias = step_bias(op, causal_bias, total)                         # T5's; None for other models
+        packed = _packed_qkv(query, key, value)
+        if packed is not None:             # the joined projection itself: its Split goes (one node less a layer)
+            query, key, value = packed, None, None
         return op.GroupQueryAttention(query, key, value, past_key, past_value, lengths, total, None, None, None, bias,
                                       **attributes, _domain=MS, _outputs=3)
 
 
-def relative_table(bias: ir.Value | None) -> ir.Value | None:
-    """T5's offset table [2 * max_len - 1, H] (an initializer) when a fused self-attention's attention_bias is the
-    mask's bias plus the relative position bias, Add(mask bias, Transpose(Gather(table, offsets), 0 3 1 2)), as
-    exporters/fusions/attention.py builds it; else None."""
-    node = None if bias is None else bias.producer()
-    if node is None or node.op_type != "Add":
+def _packed_qkv(query: ir.Value, key: ir.Value, value: ir.Value) -> ir.Value | None:
+    """The packed Q/K/V projection (fusions/pack_matmul.py) that query, key and value are the three equal parts of,
+    split on the last axis in that order and used by nothing else; GroupQueryAttention takes it whole as its query
+    (packed QKV: key and value left out). None when they are anything else."""
+    split = query.producer()
+    if split is None or split.op_type != "Split" or split.domain != "" or len(split.outputs) != 3 \
+            or list(split.outputs) != [query, key, value] or split.attributes.get_int("axis", 0) not in (-1, 2):
         return None
-    for side in node.inputs:
-        permute = None if side is None else side.producer()
-        if permute is None or permute.op_type != "Transpose" or \
-                tuple(permute.attributes.get_ints("perm", ())) != (0, 3, 1, 2):
-            continue
-        gather = permute.inputs[0].producer()
-        table = None if gather is None or gather.op_type not in ("Gather", "GatherND") else gather.inputs[0]
-        if table is not None and table.const_value is not None and len(table.const_value.shape) == 2 \
-                and table.const_value.shape[0] % 2 == 1:
-            return table
-    return None
-
-
-def step_bias(op, causal_bias: ir.Value, total: ir.Value) -> ir.Value | None:
-    """The static attention's attention_bias: None where the fused one was the causal/key mask alone (dropped, see
-    the module doc); T5's relative position bias [B, H, 1, total] for one new token a row, row b's query at
-    position_ids[b] over key slots 0..total-1 (total int32 [1]). In a static cache slot j holds the row's token at
-    position j, so the offset k - q is j - position_ids[b]: row j - q + max_len - 1 of the table (clipped; the slots
-    past a row's own length lie beyond its seqlens_k, never attended). Built once per step: every layer's rewrite
-    builds the same nodes, and StaticCachePass's common-subexpression elimination keeps one copy."""
-    table = relative_table(causal_bias)
-    if table is None:
+    sizes = split.inputs[1].const_value if len(split.inputs) > 1 and split.inputs[1] is not None else None
+    if sizes is None or len(set(sizes.numpy().tolist())) != 1 or any(len(v.uses()) != 1 for v in split.outputs):
         return None
-    positions = next(v for v in causal_bias.graph.inputs if v.name == POSITION_IDS)          # int64 [B, 1]
-    reach = (table.const_value.shape[0] - 1) // 2                                             # max_len - 1
-
-    def int64(x):
-        return op.Constant(value=ir.tensor(np.array(x, dtype=np.int64)))
-    keys = op.Range(int64(0), op.Squeeze(op.Cast(total, to=ir.DataType.INT64), int64([0])), int64(1))  # [total]
-    offsets = op.Sub(op.Unsqueeze(keys, int64([0])), positions)                              # [B, total]: k - q
-    rows = op.Clip(op.Add(offsets, int64(reach)), int64(0), int64(2 * reach))
-    bias = op.Gather(table, rows, axis=0)                                                     # [B, total, H]
-    return op.Unsqueeze(op.Transpose(bias, perm=[0, 2, 1]), int64([2]))                      # [B, H, 1, total]
+    return split.inputs[0]
 
 
 def _key_mask(op, graph: ir.Graph, filled: ir.Value) -> ir.Value:
@@ -218,6 +198,76 @@ class PastLengthFromInput(pattern.RewriteRuleClassBase):
         if max(start, 3) < end:
             parts.append(op.Shape(past, start=max(start, 3), end=end))
         return parts[0] if len(parts) == 1 else op.Concat(*parts, axis=0)
+
+
+def _static_ints(value: ir.Value | None) -> list[int] | None:
+    """The ints a shape-valued tensor holds where the graph fixes them (a constant, a Shape over static dims, a
+    Concat of those), else None."""
+    if value is None:
+        return None
+    const = ir.convenience.get_const_tensor(value)
+    if const is not None:
+        return [int(x) for x in const.numpy().reshape(-1)]
+    node = value.producer()
+    if node is None or node.domain != "":
+        return None
+    if node.op_type == "Shape" and node.inputs[0].shape is not None:
+        dims = list(node.inputs[0].shape)
+        start, end = (node.attributes.get_int(k, default) for k, default in (("start", 0), ("end", len(dims))))
+        part = dims[slice(start, end)]
+        return part if all(isinstance(d, int) for d in part) else None
+    if node.op_type == "Concat":
+        parts = [_static_ints(v) for v in node.inputs]
+        return None if any(p is None for p in parts) else [d for p in parts for d in p]
+    return None
+
+
+_SAME_RANK = {"Cast", "Not", "Neg", "Relu", "Sigmoid", "Identity"}
+_BROADCAST = {"Where", "Add", "Sub", "Mul", "Div", "And", "Or", "Equal", "Less", "Greater", "LessOrEqual",
+              "GreaterOrEqual"}
+
+
+def _rank(value: ir.Value, depth: int = 8) -> int | None:
+    """A value's rank: its shape's, else walked back through elementwise ops and Unsqueeze (the exporter leaves
+    the mask's chain without shapes); None where unknown."""
+    if value.shape is not None:
+        return len(value.shape)
+    const, node = ir.convenience.get_const_tensor(value), value.producer()
+    if const is not None:
+        return len(const.shape)
+    if node is None or node.domain != "" or depth == 0:
+        return None
+    ranks = [_rank(v, depth - 1) if v is not None else None for v in node.inputs]
+    if node.op_type in _SAME_RANK:
+        return ranks[0]
+    if node.op_type in _BROADCAST:
+        return None if None in ranks else max(ranks)
+    axes = _static_ints(node.inputs[1]) if node.op_type == "Unsqueeze" and len(node.inputs) > 1 else None
+    return ranks[0] + len(axes) if axes is not None and ranks[0] is not None else None
+
+
+class OneTokenExpand(pattern.RewriteRuleClassBase):
+    """Expand(x, shape) by a shape of ones, no longer than x's rank -> x. The cross-attention bias [B, 1, 1, S] was
+    expanded to [B, 1, new_len, S] with new_len read from input_ids; a static graph takes one token, so the shape
+    is [1, 1, 1, 1] and the Expand (with its Shape and Concat) does nothing but cost a step three nodes."""
+
+    def __init__(self):
+        super().__init__("one_token_expand")
+
+    def pattern(self, op, x, shape):
+        return op.Expand(x, shape)
+
+    def check(self, context, x, shape, **_) -> pattern.MatchResult:
+        result, ones = pattern.MatchResult(), _static_ints(shape)
+        if ones is None or any(d != 1 for d in ones):
+            return result.fail("the Expand's shape is not all ones where the graph fixes it", shape)
+        rank = _rank(x)
+        if rank is None or rank < len(ones):
+            return result.fail("the expanded value's rank is unknown or below the shape's length", x)
+        return result
+
+    def rewrite(self, op, x, **_):
+        return op.Identity(x)
 
 
 def static_cache_rules(per_row: bool = True) -> list[pattern.RewriteRule]:
@@ -280,6 +330,11 @@ class StaticCachePass(Reporting, ir.passes.InPlacePass):
         if relative:                                                   # counted where there is one (T5)
             self.counts[RELATIVE_BIAS] += _carried_biases(graph, relative)
         _static_shapes(graph, pasts)
+        expand = RewritePass(self.name, [OneTokenExpand().rule()])     # input_ids is [B, 1] now
+        expand(model)
+        self.counts["one_token_expand"] += expand.counts["one_token_expand"]
+        if expand.counts["one_token_expand"]:
+            IdentityEliminationPass()(model)                           # the Identity that rule left
         CommonSubexpressionEliminationPass()(model)                    # one Cast of past_sequence_length
         RemoveUnusedNodesPass()(model)                                 # the causal-bias subgraph is dead now
         if self.per_row:                                               # nothing reads the key mask any more

@@ -13,7 +13,7 @@ from click.testing import CliRunner
 
 from exporters.optimize import OptimizeError, optimize_bundle, resolve_kv_cache
 from exporters.shared_weights import inline_external
-from exporters.static_cache import StaticCacheError, StaticCachePass
+from exporters.static_cache import OneTokenExpand, StaticCacheError, StaticCachePass
 from runtime.bundle import load_bundle
 from runtime.errors import BundleError, InputError
 from runtime.feed import Feed
@@ -63,11 +63,13 @@ def test_rewrite_gives_the_static_interface(bundles, layout):
     model, _, dynamic, _ = bundles
     c, per_row = model.config, LAYOUTS[layout]
     graph, static = _static_graph(dynamic, per_row)
-    assert static.counts == {"static_kv_cache": c.n_decoder_layers} and static.layout == layout
+    # the cross-attention bias' Expand to new_len rows does nothing once a step takes one token: gone, with its Shape
+    assert static.counts == {"static_kv_cache": c.n_decoder_layers, "one_token_expand": 1} and static.layout == layout
     assert not StaticCachePass(per_row)(graph).modified             # already static: a no-op
     ops = [n.op_type for n in graph.graph]
     assert ops.count(ATTENTION[per_row]) == ops.count("MultiHeadAttention") == c.n_decoder_layers
     assert ops.count(ATTENTION[not per_row]) == 0
+    assert "Expand" in [n.op_type for n in ir.load(dynamic / "decoder.onnx").graph] and "Expand" not in ops
     spec = graph_specs(c.to_dict(), layout=layout)["decoder"]
     got = [(v.name, v.dtype.name, [d if isinstance(d, int) else "dyn" for d in v.shape]) for v in graph.graph.inputs]
     want = [(t.name, {"int64": "INT64", "int32": "INT32", "float32": "FLOAT"}[t.dtype],
@@ -88,6 +90,23 @@ def test_cpu_bundles_get_the_per_row_layout(bundles):
     assert inputs[PAST_SEQUENCE_LENGTH]["shape"] == ["batch"] and DECODER_ATTENTION_MASK not in inputs
     assert manifest["decoder_layout"] == STATIC_PER_ROW and manifest["kv_cache"] == "static"
     assert load_bundle(static, provider="cpu").engine.layout == STATIC_PER_ROW
+
+
+def test_per_row_attention_takes_the_packed_projection(bundles):
+    """GroupQueryAttention reads the packed Q/K/V projection whole (key and value left out), so the packing's Split
+    is gone; the shared-slot op still takes three inputs. The packed parts must be Q, K, V in that order."""
+    model, _, dynamic, _ = bundles
+    before = ir.load(dynamic / "decoder.onnx")
+    assert sum(n.op_type == "Split" for n in before.graph) == model.config.n_decoder_layers   # one per self-attention
+    for per_row in (True, False):
+        graph, _ = _static_graph(dynamic, per_row)
+        attention = [n for n in graph.graph if n.op_type == ATTENTION[per_row]]
+        splits = sum(n.op_type == "Split" for n in graph.graph)
+        if per_row:
+            assert splits == 0 and all(n.inputs[1] is None and n.inputs[2] is None for n in attention)
+            assert all(n.inputs[0].producer().op_type in ("Add", "MatMul") for n in attention)
+        else:
+            assert splits == model.config.n_decoder_layers and all(n.inputs[1] is not None for n in attention)
 
 
 def test_rewrite_refuses_unfused_self_attention(bundles):
@@ -286,6 +305,9 @@ def test_static_rules_say_why_they_do_not_fire(bundles):
     assert set(reasons) == {"static_kv_cache", "past_len_from_input"}
     assert f"no {PAST_SEQUENCE_LENGTH} input" in reasons["static_kv_cache"], reasons
     assert reasons["past_len_from_input"].startswith("condition_failed"), reasons
+    # the dynamic graph's bias Expand reads new_len from input_ids [B, new_len]: not ones, so it stays
+    expand = explain_misses(graph, [OneTokenExpand().rule()])
+    assert "not all ones" in expand["one_token_expand"], expand
 
 
 @pytest.mark.parametrize("which,io_binding", [("dynamic", False), ("dynamic", True), ("static", None)])

@@ -415,12 +415,6 @@ def _assert_webgpu_equals_runtime(bundle: Path, texts: list[str], tmp_path: Path
 
 
 @pytest.mark.slow
-def test_page_webgpu_ids_equal_the_runtime(browser, dates_bundle, tmp_path, monkeypatch):
-    """The dates bundle on WebGPU (fp32, dynamic cache): the Python runtime's ids on 32 inputs."""
-    _assert_webgpu_equals_runtime(dates_bundle, _inputs(), tmp_path, monkeypatch)
-
-
-@pytest.mark.slow
 def test_page_webgpu_marian_equals_the_runtime(browser, tiny_marian_bundles, tmp_path, monkeypatch):
     """The tiny Marian fp32 bundle on WebGPU (SentencePiece in the page): the runtime's ids on 32 held-out texts."""
     from toolkit.testing.tiny_marian import held_out

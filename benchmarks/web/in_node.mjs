@@ -39,6 +39,7 @@ async function logits(bundle, jobsFile, outFile) {
         position_ids: i64([p], [1, 1]) };
       if (dynamic) f.decoder_attention_mask = i64(Array(p).fill(1), [1, p]);
       else f.past_sequence_length = new ort.Tensor("int32", Int32Array.from([p]), [1]);
+      if (m.decoder_layout === "static-shared") f.decoder_attention_mask = i64(Array(size).fill(1), [1, size]);
       names("past_key_values", "decoder").forEach((n, i) => { f[n] = cache[i]; });
       names("past_key_values", "encoder").forEach((n, i) => { f[n] = cross[i]; });
       const o = await dec.run(f);

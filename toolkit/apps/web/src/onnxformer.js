@@ -143,7 +143,8 @@ class DecodeState {
     this.cache = m.present.map((n) => out[n]);
     this.filled += 1;
     const logits = out.logits, vocab = logits.dims[logits.dims.length - 1];
-    return [...Array(rows).keys()].map((r) => logits.data.slice(r * vocab, (r + 1) * vocab));
+    // views, not copies: the output tensor is this step's alone (the next step gets a new one)
+    return [...Array(rows).keys()].map((r) => logits.data.subarray(r * vocab, (r + 1) * vocab));
   }
 }
 
@@ -169,11 +170,9 @@ function banned(model, step, minNew) {   // the ids not to choose at this step: 
   return step < minNew ? model.suppressWithEos : model.suppress;
 }
 
-function suppressed(row, ids) {
-  if (!ids.length) return row;
-  const out = Float32Array.from(row);
-  for (const i of ids) out[i] = -Infinity;
-  return out;
+function suppressed(row, ids) {      // in place: every row here is this step's own (a view of its logits output,
+  for (const i of ids) row[i] = -Infinity;   // or logSoftmax's new array), read once
+  return row;
 }
 
 // `lead`: target ids forced after the decoder start (NLLB's target language), never scored; maxNew and minNew count
@@ -303,4 +302,4 @@ async function main() {
 
 if (typeof document !== "undefined") main();
 
-export { Model, translate, translateIds, translateIds as generate, ort };
+export { Model, LAYOUTS, translate, translateIds, translateIds as generate, ort };

@@ -181,10 +181,13 @@ def optimum_quantize(src: str, dst: str) -> None:
     shutil.rmtree(dst, ignore_errors=True)
     tmp.rename(dst)
 def timed(fn, repeat: int) -> tuple[float, list[float], object]:
-    """(p50 seconds, every round, the last result) of fn() over `repeat` rounds after one warm-up."""
+    """(p50 seconds, every round, the last result) of fn() over `repeat` rounds after one warm-up. Each round's
+    result is dropped before the next round runs, as a caller that uses it once would (an engine whose encoder
+    returns the cross keys and values would otherwise hold two windows' worth at the peak)."""
     fn()
     rounds, result = [], None
     for _ in range(repeat):
+        result = None
         start = time.perf_counter()
         result = fn()
         rounds.append(time.perf_counter() - start)
@@ -220,6 +223,7 @@ def onnxformer_worker(model: str, spec: dict) -> dict:
     def decode():
         return generate(tr.engine, request, encoded=encoded)[0][0].tokens[len(prompt):]
     dec_s, dec_r, tokens = timed(decode, spec["repeat"])
+    del encoded, request                                     # the decode part's input; transcribe encodes its own
     window_options = tr.options
     tr.options = lambda *a, **k: dataclasses.replace(window_options(*a, **k), ignore_eos=True, suppress=stamps)
 
@@ -269,6 +273,7 @@ def faster_whisper_worker(model: str, spec: dict) -> dict:
                                  suppress_tokens=[tok.eot, *stamps], suppress_blank=False,
                                  return_no_speech_prob=False)[0].sequences_ids[0]
     dec_s, dec_r, tokens = timed(decode, spec["repeat"])
+    del encoded                                              # the decode part's input; transcribe encodes its own
 
     def transcribe():
         segments, _ = wm.transcribe(samples, language="en", beam_size=1, temperature=0.0,

@@ -136,7 +136,9 @@ def _sessions(path: Path, manifest: dict, provider: str, config: SessionConfig,
         files[name] = file
     if on_demand:
         return one_at_a_time(sessions, recorded), files
-    return {name: make() for name, make in sessions.items()}, files
+    made = {name: sessions[name]() for name in reversed(GRAPHS)}       # the decoder first: its load transient (the
+    return {name: made[name] for name in GRAPHS}, files              # head's source mapped while packed) then
+                                                                     # comes before the encoder's weights
 
 
 def one_at_a_time(makers: dict[str, Callable[[], ort.InferenceSession]],

@@ -5,6 +5,7 @@ that cannot run in-flight are refused or fall back as --batching says."""
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 import time
@@ -143,9 +144,22 @@ def test_batching_setting_chooses_and_refuses(bundles):
     assert result.exit_code == 2 and "--kv-cache static" in result.stderr and "Traceback" not in result.output
 
 
-def test_sigterm_answers_every_in_flight_request_and_exits_0(bundles):
+SLOW_RUNS = """import time, onnxruntime
+_run = onnxruntime.InferenceSession.run
+def run(self, *args, **kwargs):
+    time.sleep(0.003)
+    return _run(self, *args, **kwargs)
+onnxruntime.InferenceSession.run = run
+"""
+
+
+def test_sigterm_answers_every_in_flight_request_and_exits_0(bundles, tmp_path, monkeypatch):
     """SIGTERM while one request decodes and others wait for its slot: every accepted request gets its full answer
-    (a client still connecting when the listener closes is refused, never accepted and dropped)."""
+    (a client still connecting when the listener closes is refused, never accepted and dropped). The precondition
+    is built, not hoped for: the server's every graph run takes 3 ms longer (a sitecustomize on its PYTHONPATH), so
+    a 60-token request decodes for at least 0.18 s and 32 of them queue for seconds, however fast this CPU is."""
+    (tmp_path / "sitecustomize.py").write_text(SLOW_RUNS)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
     n = 32
     proc, url = start_server(bundles["static"], "--max-batch", "1", "--batching", "inflight")
     try:

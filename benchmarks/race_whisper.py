@@ -1,26 +1,25 @@
-"""Race onnxformer's Whisper bundles against faster-whisper (CTranslate2) and Optimum (onnxruntime) on identical
-random weights: one WhisperForConditionalGeneration directory of a real shape feeds our importer, CTranslate2's
-converter and optimum-cli's export; each engine then runs in its own process, under the bench lock, with the same
-threads:
+"""Race onnxformer's Whisper bundles against faster-whisper (CTranslate2) and Optimum (onnxruntime) on identical random
+weights: one WhisperForConditionalGeneration directory of a real shape feeds our importer, CTranslate2's converter
+and optimum-cli's export; each engine then runs in its own process, under the bench lock, with the same threads:
 
     .venv/bin/python benchmarks/race_whisper.py [--shape tiny|base|small] [--threads 2] [--build-only]
 
 Three timings an engine (p50 of --repeat after one warm-up): the encoder on one 30 s window; a decode of exactly 64
-tokens after the same prompt (<|startoftranscript|><|en|><|transcribe|><|notimestamps|>) over that encoder output,
-the end token suppressed / ignored; a whole transcribe of a 60 s clip (seeded noise: greedy, temperature 0 only, no
-fallback, no no-speech skip, no timestamps, no VAD, every window's end token suppressed / ignored, so that each
-window decodes exactly --max-new-tokens); every engine suppresses the timestamp ids too (random small weights choose
-them after <|notimestamps|>, where faster-whisper cuts its windows and transformers its output). Optimum has no
-transcribe here: transformers' long-form path needs timestamp tokens. Random weights decode garbage, but the same
-count: the race checks the prompts, the decode's count and the transcribe's windows and counts, and prints no ratio
-when they differ. Also model MB, RSS once loaded, peak RSS.
+tokens after the same prompt (<|startoftranscript|><|en|><|transcribe|><|notimestamps|>) over that encoder output, the
+end token suppressed / ignored; a whole transcribe of a 60 s clip (seeded noise: greedy, temperature 0 only, no
+fallback, no no-speech skip, no timestamps, no VAD, every window's end token suppressed / ignored, so that each window
+decodes exactly --max-new-tokens); every engine suppresses the timestamp ids too (random small weights choose them
+after <|notimestamps|>, where faster-whisper cuts its windows and transformers its output). Optimum has no transcribe
+here: transformers' long-form path needs timestamp tokens. Random weights decode garbage of equal counts: the race
+checks the prompts, the decode's count and the transcribe's windows and counts, and prints no ratio when they differ.
+Also model MB, RSS loaded, peak RSS.
 
-The directory's vocabulary is Whisper's 51,865 rows: tiny_whisper's byte-level BPE text tokens padded with
-placeholder tokens and the empty piece to 50,353 text ids, then the 11 special tokens (three languages) and the 1501
-timestamp tokens, so every shape (embedding, head, softmax) is the real model's. faster-whisper runs from a venv of
-its own (out/peers-whisper, or $ONNXFORMER_WHISPER_PEERS: faster-whisper, ctranslate2, transformers 5, torch),
-Optimum from race_peers.py's (out/peers/optimum, or $ONNXFORMER_OPTIMUM_ENV: optimum-onnx 0.1, transformers 4.57);
-each is built there on first use (race_peers.env_python: FW_PACKAGES' pins, ENVS['optimum']'s).
+The directory's vocabulary is Whisper's 51,865 rows: tiny_whisper's byte-level BPE text tokens padded with placeholder
+tokens and the empty piece to 50,353 text ids, then the 11 special tokens (three languages) and the 1501 timestamp
+tokens, so every shape (embedding, head, softmax) is the real model's. faster-whisper runs from a venv of its own
+(out/peers-whisper, or $ONNXFORMER_WHISPER_PEERS: faster-whisper, ctranslate2, transformers 5, torch), Optimum from
+race_peers.py's (out/peers/optimum, or $ONNXFORMER_OPTIMUM_ENV: optimum-onnx 0.1, transformers 4.57); each is built
+there on first use (race_peers.env_python: FW_PACKAGES' pins, ENVS['optimum']'s).
 """
 
 from __future__ import annotations
@@ -93,12 +92,12 @@ def build_directory(shape: str, directory: Path) -> None:
     ids = padded_tokenizer(directory)
     gen = generation_config(ids) | {"max_length": 448}
     config = transformers.WhisperConfig(
-        vocab_size=VOCAB, d_model=s["d_model"], encoder_layers=s["encoder_layers"],
-        decoder_layers=s["decoder_layers"], encoder_attention_heads=s["heads"], decoder_attention_heads=s["heads"],
-        encoder_ffn_dim=s["ffn"], decoder_ffn_dim=s["ffn"], num_mel_bins=80, max_source_positions=1500,
-        max_target_positions=448, dropout=0.0, pad_token_id=gen["pad_token_id"], bos_token_id=gen["bos_token_id"],
-        eos_token_id=gen["eos_token_id"], decoder_start_token_id=gen["decoder_start_token_id"],
-        suppress_tokens=gen["suppress_tokens"], begin_suppress_tokens=gen["begin_suppress_tokens"])
+        vocab_size=VOCAB, d_model=s["d_model"], encoder_layers=s["encoder_layers"], decoder_layers=s["decoder_layers"],
+        encoder_attention_heads=s["heads"], decoder_attention_heads=s["heads"], encoder_ffn_dim=s["ffn"],
+        decoder_ffn_dim=s["ffn"], num_mel_bins=80, max_source_positions=1500, max_target_positions=448, dropout=0.0,
+        pad_token_id=gen["pad_token_id"], bos_token_id=gen["bos_token_id"], eos_token_id=gen["eos_token_id"],
+        decoder_start_token_id=gen["decoder_start_token_id"], suppress_tokens=gen["suppress_tokens"],
+        begin_suppress_tokens=gen["begin_suppress_tokens"])
     torch.manual_seed(0)
     model = transformers.WhisperForConditionalGeneration(config).eval()
     model.generation_config = transformers.GenerationConfig(**gen)
@@ -181,11 +180,8 @@ def optimum_quantize(src: str, dst: str) -> None:
     shutil.rmtree(dst, ignore_errors=True)
     tmp.rename(dst)
 def timed(fn, repeat: int) -> tuple[float, list[float], object]:
-    """(p50 seconds, every round, the last result) of fn() over `repeat` rounds after one warm-up. Each round's
-    result is dropped before the next round runs, as a caller that uses it once would (an engine whose encoder
-    returns the cross keys and values would otherwise hold two windows' worth at the peak)."""
-    fn()
-    rounds, result = [], None
+    """(p50 s, every round, the last result) of fn() over `repeat` rounds after a warm-up; each result freed first."""
+    result, rounds = fn(), []                                # the warm-up
     for _ in range(repeat):
         result = None
         start = time.perf_counter()
@@ -322,8 +318,7 @@ def optimum_worker(model: str, spec: dict) -> dict:
 
 def worker(engine: str, model: str, spec_file: str, out_file: str) -> None:
     spec = json.loads(Path(spec_file).read_text())
-    fn = {"onnxformer": onnxformer_worker, "faster-whisper": faster_whisper_worker,
-          "optimum": optimum_worker}[engine]
+    fn = {"onnxformer": onnxformer_worker, "faster-whisper": faster_whisper_worker, "optimum": optimum_worker}[engine]
     result = fn(model, spec)
     result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     Path(out_file).write_text(json.dumps(result))

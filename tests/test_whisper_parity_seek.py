@@ -13,8 +13,6 @@ tests/test_families_whisper.py.
 
 from __future__ import annotations
 
-import signal
-from contextlib import contextmanager
 
 import pytest
 import torch
@@ -32,24 +30,11 @@ from toolkit.reference.checkpoint import load_checkpoint  # noqa: E402
 from toolkit.reference.torch_engine import TorchEngine  # noqa: E402
 from toolkit.testing.tiny_whisper import zero_pair_whisper  # noqa: E402
 
+from test_fuzz import no_hang as deadline  # noqa: E402 (TimeoutError after its seconds: a loop fails, never waits)
+
 INPUTS = 8
 MAX_NEW = 10
 DEADLINE_S = 300            # far above a run's seconds on a loaded machine; a loop that never ends reaches it
-
-
-@contextmanager
-def deadline(seconds: int):
-    """TimeoutError in the main thread after `seconds` (SIGALRM): a call that never returns fails the test."""
-    def stop(signum, frame):
-        raise TimeoutError(f"still running after {seconds} s: the Whisper reference loops")
-
-    previous = signal.signal(signal.SIGALRM, stop)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 @pytest.fixture(scope="module")

@@ -130,8 +130,26 @@ def write_manifest(bundle_dir: str | Path, manifest: dict) -> Path:
         manifest["languages"] = languages
     validate_manifest(manifest, "the new manifest")
     path = bundle_dir / MANIFEST
-    path.write_text(json.dumps(manifest, indent=2, allow_nan=True) + "\n")
+    path.write_text(readable_json(manifest) + "\n")
     return path
+
+
+def readable_json(value, width: int = 120, indent: int = 0, lead: int = 0) -> str:
+    """JSON indented by two spaces a level, where every list or object whose whole line fits in `width` columns
+    stays on that line (a graph input's name, dtype and shape, a shape's dims): as readable as json's indent=2, at
+    three quarters of its bytes (flan-t5-base int8: 57.6 KB -> 44.5 KB). lead: the columns the line
+    already holds before the value (its key)."""
+    flat = json.dumps(value, allow_nan=True)
+    if not isinstance(value, (dict, list)) or not value or indent + lead + len(flat) <= width:
+        return flat
+    if isinstance(value, dict):
+        items = [f"{json.dumps(k)}: " + readable_json(v, width, indent + 2, len(json.dumps(k)) + 2)
+                 for k, v in value.items()]
+    else:
+        items = [readable_json(v, width, indent + 2) for v in value]
+    opened, closed = "[]" if isinstance(value, list) else "{}"
+    pad = " " * (indent + 2)
+    return opened + "\n" + ",\n".join(pad + item for item in items) + "\n" + " " * indent + closed
 
 
 def tokenizer_languages(bundle_dir: Path, manifest: dict) -> dict | None:

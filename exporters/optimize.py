@@ -23,6 +23,7 @@ import onnx
 import onnx_ir as ir
 
 from exporters.bundle import build_manifest, copy_tokenizer, graph_entry, op_counts, stage_bundle, write_manifest
+from exporters.debug_records import drop_export_debug
 from exporters.fusions import attention_rules, fusion_passes, quantization_prepasses
 from exporters.int8_recipes import (AUTO, Recipe, account, figures, pick, prepare, recipes_for,
                                     resolve_weight_bits)
@@ -233,17 +234,6 @@ def _int8_recipes(target: str, recipe: str, per_channel: bool | None, activation
     return recipes_for(recipe, per_channel, activation_scales, bits)
 
 
-STACK_TRACE = "pkg.torch.onnx.stack_trace"
-
-
-def drop_stack_traces(model: ir.Model) -> None:
-    """Optimized graphs ship without the exporter's per-node Python stack traces: they name files on the machine
-    that exported the model and were the largest part of the small graphs' bytes (the exported bundle keeps them
-    for debugging; the module names, 'namespace', stay)."""
-    for node in model.graph.all_nodes():
-        node.metadata_props.pop(STACK_TRACE, None)
-
-
 def transform(job: _Job) -> dict[str, ir.Model]:
     """Load each graph and run its rewrite passes (fusions until nothing changes, the static cache, int8 pre-passes);
     the report gets the decoder layout the new manifest declares."""
@@ -325,7 +315,7 @@ def _convert_graphs(job: _Job, models: dict[str, ir.Model], recipe: Recipe | Non
             table(converted)
             if table.changed and table.name not in applied:
                 applied.append(table.name)
-        drop_stack_traces(converted)
+        drop_export_debug(converted)
         check_finite(ir_weights(converted), f"the {job.precision} {files[g]}")
         save_graph(converted, folder / files[g])
         if step is not None and step.name not in applied:

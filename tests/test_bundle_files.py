@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from exporters.bundle import stage_bundle, write_manifest
+from exporters.bundle import readable_json, stage_bundle, write_manifest
 from runtime.bundle import load_bundle
 from runtime.errors import BundleError
 from runtime.manifest import read_manifest, sha256_file, verify_hashes
@@ -101,3 +101,19 @@ def test_parity_and_optimize_refuse_a_tampered_source(bundles, toy_exported, tmp
         result = CliRunner().invoke(main, args)
         assert result.exit_code == 2 and "tokenizer.json" in result.stderr, result.output
     assert not (tmp_path / "o").exists()
+
+
+def test_the_manifest_is_written_readable_and_compact(bundles):
+    """write_manifest's JSON reads back equal, keeps what fits in 120 columns on one line (a graph input, a shape)
+    and breaks the rest one item a line, two spaces a level."""
+    text = (bundles["fp32"] / "manifest.json").read_text()
+    manifest = json.loads(text)
+    assert readable_json(manifest) + "\n" == text and len(text) < len(json.dumps(manifest, indent=2))
+    lines = text.splitlines()
+    spec = manifest["graphs"]["encoder"]["inputs"][0]
+    assert any(line.strip().rstrip(",") == json.dumps(spec) for line in lines)
+    assert all(len(line) <= 120 or not line.rstrip(",").endswith(("]", "}")) for line in lines)   # only a long scalar
+    value = {"short": [1, 2, 3], "long": [f"item {i}" for i in range(40)], "nested": {"a": {"b": [None, True, 1.5]}}}
+    out = readable_json(value, width=40)
+    assert json.loads(out) == value and '  "short": [1, 2, 3],' in out and '    "item 0",' in out
+    assert '  "nested": {\n    "a": {"b": [null, true, 1.5]}\n  }' in out      # 44 columns broken, 37 kept

@@ -18,6 +18,7 @@ import pytest
 from click.testing import CliRunner
 
 import exporters.optimize as O
+from exporters.debug_records import GRAPH_DEBUG, NODE_DEBUG
 from exporters.export import export_model
 from exporters.optimize import OptimizeError, optimize_bundle
 from runtime.bundle import load_bundle
@@ -123,6 +124,20 @@ def test_toy_manifest_records_what_was_done(toy):
     assert parity["generation"]["tokens_equal"] == 1.0
     assert manifest["tokenizer"] == "tokenizer.json" and (fused / "tokenizer.json").is_file()
     assert not leftovers(fused.parent)
+
+
+def test_optimized_graphs_carry_no_exporter_debug_records(toy):
+    """The exported graphs' stack traces, FX node texts, class paths and ExportedProgram signature stay in the
+    exported bundle; the optimized graphs keep only the module names ('namespace', the name scopes)."""
+    _, source, out, _ = toy
+    exported = onnx.load(str(source / "decoder.onnx"), load_external_data=False)
+    keys = {p.key for n in exported.graph.node for p in n.metadata_props} | {p.key for p in exported.graph.metadata_props}
+    assert set(NODE_DEBUG) | {GRAPH_DEBUG[0], "namespace"} <= keys      # what there is to drop, and to keep
+    for g in ("encoder", "decoder"):
+        model = onnx.load(str(out / f"{g}.onnx"), load_external_data=False)
+        kept = {p.key for n in model.graph.node for p in n.metadata_props}
+        assert not kept & set(NODE_DEBUG) and "namespace" in kept and "pkg.torch.onnx.name_scopes" in kept
+        assert not {p.key for p in model.graph.metadata_props} & set(GRAPH_DEBUG)
 
 
 def test_fused_bundle_generates_the_same_tokens(toy):
@@ -281,7 +296,7 @@ def test_non_finite_weights_in_the_output_write_nothing(toy, tmp_path, monkeypat
     from exporters.validate import NonFiniteWeightsError
 
     _, source, _, _ = toy
-    real = O.drop_stack_traces
+    real = O.drop_export_debug
 
     def poisoned(model):
         real(model)
@@ -293,7 +308,7 @@ def test_non_finite_weights_in_the_output_write_nothing(toy, tmp_path, monkeypat
             value.const_value = ir.tensor(array, name=name)
             poisoned.name = name
 
-    monkeypatch.setattr(O, "drop_stack_traces", poisoned)
+    monkeypatch.setattr(O, "drop_export_debug", poisoned)
     with pytest.raises(NonFiniteWeightsError, match=r"decoder\.onnx: weight (\S+) holds 1 NaN/Inf value") as err:
         optimize_bundle(source, tmp_path / "bad", kv_cache="dynamic")
     assert poisoned.name in str(err.value) and err.value.exit_code == 2 and "\n" not in str(err.value)
